@@ -1,0 +1,200 @@
+"""What every backend is: facts that explain when it cannot run, and a prepare/run life cycle.
+
+A backend never reads env vars and never ranks itself: the policy ranks, the settings force or
+disable, the resolver decides. A backend only answers "can you run this request on this
+device, and if not, why" (``explain_unsupported``), and then runs it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
+
+from quantdispatch.capability import fmt_sm
+from quantdispatch.errors import BackendUnavailableError, format_error
+from quantdispatch.request import Op, Request, Scheme
+
+if TYPE_CHECKING:
+    import torch
+
+    from quantdispatch.device import DeviceProfile
+
+__all__ = ["Backend", "PreparedWeight"]
+
+
+@dataclass(frozen=True)
+class PreparedWeight:
+    """The tensors a backend's kernel reads, in its own order, plus small integer metadata.
+
+    ``names`` label the tensors (they become the layer's buffer names); ``meta`` carries what
+    the kernel needs besides tensors (e.g. an FP8 block size). Nothing here may be a dequantized
+    copy of the weight.
+    """
+
+    names: tuple[str, ...]
+    tensors: tuple[torch.Tensor, ...]
+    meta: tuple[int, ...] = ()
+    out_features: int = 0
+    in_features: int = 0
+    extra: dict[str, object] = field(default_factory=dict)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+
+class Backend(ABC):
+    """Base class: subclasses state facts in ``unsupported_reasons`` and implement the ops."""
+
+    name: ClassVar[str]
+    title: ClassVar[str]
+    """One line: what this backend is."""
+    supports: ClassVar[dict[str, frozenset[Op]]]
+    """The (format -> ops) this backend computes, implemented or not."""
+    implemented: ClassVar[dict[str, frozenset[Op]]] = {}
+    """The subset that quantdispatch has kernels for today."""
+    provider: ClassVar[str | None] = None
+    """Optional kernel library it needs (a name from ``quantdispatch.device.PROVIDERS``)."""
+    weight_only: ClassVar[bool] = True
+    """True if activations stay 16-bit (serves W4A16 and, saying so, W4A4 checkpoints)."""
+
+    # -- facts ------------------------------------------------------------------------------
+
+    def explain_unsupported(self, request: Request, profile: DeviceProfile) -> str | None:
+        """None if this backend can run ``request`` on ``profile``, else every reason why not."""
+        reasons = self.unsupported_reasons(request, profile)
+        return "; ".join(reasons) if reasons else None
+
+    def unsupported_reasons(self, request: Request, profile: DeviceProfile) -> list[str]:
+        """All reasons, capability first. Subclasses extend ``device_reasons``."""
+        reasons: list[str] = []
+        ops = self.supports.get(request.format)
+        if ops is None or request.op not in ops:
+            what = request.format if ops is None else f"{request.format} {request.op.value}"
+            return [f"{self.name} does not compute {what}"]
+        reasons += self.device_reasons(request, profile)
+        reasons += self.scheme_reasons(request)
+        reasons += self.shape_reasons(request)
+        if self.provider is not None:
+            info = profile.provider(self.provider)
+            if not info.available:
+                if (info.reason or "").startswith("ModuleNotFoundError"):
+                    reasons.append(f"{info.name} is not installed ({info.install_hint})")
+                else:
+                    reasons.append(
+                        f"{info.name} does not import ({info.reason}); {info.install_hint}"
+                    )
+        done = self.implemented.get(request.format, frozenset())
+        if request.op not in done:
+            variant = self.variant(request, profile)
+            reasons.append(
+                f"not implemented yet: quantdispatch has no {self.name} kernel binding for "
+                f"{request.format} {request.op.value}" + (f" ({variant})" if variant else "")
+            )
+        return reasons
+
+    def variant(self, request: Request, profile: DeviceProfile) -> str | None:
+        """Which kernel family this request would use on this device, for messages."""
+        return None
+
+    @abstractmethod
+    def device_reasons(self, request: Request, profile: DeviceProfile) -> list[str]:
+        """Why the device (SM, dtype support, CUDA build) rules this backend out, if it does."""
+
+    def scheme_reasons(self, request: Request) -> list[str]:
+        if not self.weight_only and request.scheme is Scheme.WEIGHT_ONLY:
+            return [
+                f"{self.name} quantizes activations (W{request.scheme_label[1]}A"
+                f"{request.scheme_label[1]}), but this checkpoint is weight-only "
+                f"({request.scheme_label}): that would change its numerics"
+            ]
+        return []
+
+    def shape_reasons(self, request: Request) -> list[str]:
+        return []
+
+    def accepted_note(self, request: Request, profile: DeviceProfile) -> str:
+        """One line saying what will run, e.g. that a W4A4 checkpoint runs weight-only."""
+        note = self.title
+        variant = self.variant(request, profile)
+        if variant:
+            note += f" [{variant}]"
+        if self.weight_only and request.scheme is Scheme.WEIGHT_ACT:
+            note += (
+                f"; runs the {request.scheme_label} checkpoint weight-only: activations stay "
+                f"{request.act_name}, not quantized (close to, not bit-equal with, a native run)"
+            )
+        return note
+
+    # -- shared fact helpers ----------------------------------------------------------------
+
+    @staticmethod
+    def gpu_reasons(profile: DeviceProfile) -> list[str]:
+        """A CUDA GPU that this torch build can drive."""
+        if profile.kind != "cuda":
+            return ["needs a CUDA GPU; this device is a CPU"]
+        if not profile.torch_cuda:
+            return [
+                f"torch {profile.torch_version} cannot launch kernels on this GPU "
+                "(install a CUDA build of torch)"
+            ]
+        return []
+
+    @staticmethod
+    def min_sm_reasons(
+        profile: DeviceProfile,
+        request: Request,
+        fp16_min: tuple[int, int],
+        bf16_min: tuple[int, int],
+    ) -> list[str]:
+        """Weight-only kernels are forward compatible: a minimum SM per activation dtype."""
+        cc = profile.capability
+        if cc is None:
+            return []
+        need = bf16_min if request.act_name == "bf16" else fp16_min
+        if cc < fp16_min:
+            return [f"SM {fmt_sm(cc)} is below SM {fmt_sm(fp16_min)}, the minimum for this kernel"]
+        if cc < need:
+            return [
+                f"SM {fmt_sm(cc)} has no bf16 tensor cores (bf16 needs SM {fmt_sm(need)}+); "
+                "fp16 activations work here"
+            ]
+        return []
+
+    def refuse_simulated(self, profile: DeviceProfile) -> None:
+        if profile.simulated:
+            raise BackendUnavailableError(
+                format_error(
+                    f"cannot run the {self.name} kernel: the decision was made for a simulated "
+                    f"device (preset {profile.preset!r})",
+                    "presets explain decisions; kernels run only on a probed device",
+                    "drop device=... / unset QUANTDISPATCH_DEVICE to run on this machine",
+                )
+            )
+
+    # -- life cycle ---------------------------------------------------------------------------
+
+    def prepare(self, weight: object, request: Request) -> PreparedWeight:
+        """Turn a canonical weight (formats.*Weight) into this backend's tensors, once, at load."""
+        raise BackendUnavailableError(
+            format_error(
+                f"backend {self.name} cannot prepare {request.describe()}",
+                "its kernel binding is not implemented yet",
+                "let the resolver choose (unset QUANTDISPATCH_BACKEND_*), or use 'triton' / "
+                "'reference'",
+            )
+        )
+
+    def linear(
+        self,
+        x: torch.Tensor,
+        tensors: Sequence[torch.Tensor],
+        bias: torch.Tensor | None,
+        fmt: str,
+        meta: Sequence[int],
+    ) -> torch.Tensor:
+        """y = x @ W.T (+ bias) for 2-D x [M, K]; returns [M, N] in x.dtype."""
+        raise BackendUnavailableError(
+            format_error(f"backend {self.name} has no linear kernel", "not implemented yet", "")
+        )

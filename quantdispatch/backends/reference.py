@@ -1,0 +1,209 @@
+"""The reference backend: plain torch, any device, the numerical contract for every other backend.
+
+y = x @ dequant(W).T with fp32 accumulation. The weight is dequantized ``CHUNK_ELEMENTS`` weights
+(rows of K) at a time, so no full copy of a large weight ever exists: the extra memory of a call
+is bounded by about ``4 * CHUNK_ELEMENTS * 4`` bytes (dequantization temporaries in fp32) plus
+the fp32 copy of the activations and the output. Weight-only semantics by default; with
+``emulate_activations`` a W4A4 (W8A8) checkpoint's activations are quantized to FP4 (FP8) and
+back first, which is what a native Blackwell (Hopper) kernel computes: the contract native
+backends are compared with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from quantdispatch.backends.base import Backend, PreparedWeight
+from quantdispatch.request import Op, Request, Scheme
+
+if TYPE_CHECKING:
+    from quantdispatch.device import DeviceProfile
+
+__all__ = ["CHUNK_ELEMENTS", "ReferenceBackend", "fake_quantize_fp8_activations"]
+
+#: Weights dequantized per chunk (2M: 8 MiB as fp32). Peak extra memory ~ 4x that (32 MiB).
+CHUNK_ELEMENTS = 2**21
+
+
+def fake_quantize_fp8_activations(
+    x: torch.Tensor, input_scale: torch.Tensor | None
+) -> torch.Tensor:
+    """What a W8A8 kernel does to activations: e4m3 per token (dynamic) or per tensor (static)."""
+    xf = x.float()
+    if input_scale is None:
+        scale = xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 448.0
+    else:
+        scale = input_scale.float()
+    q = (xf / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return (q.float() * scale).to(x.dtype)
+
+
+def _trusted(cls: type, **fields: Any) -> Any:
+    """Rebuild an already-validated frozen weight object without re-validating it.
+
+    Validation (NaN / sign checks on scales) synchronizes with the GPU; it ran once at load,
+    so the per-call path must not repeat it.
+    """
+    obj = object.__new__(cls)
+    for f in dataclasses.fields(cls):
+        object.__setattr__(obj, f.name, fields.get(f.name, f.default))
+    return obj
+
+
+class ReferenceBackend(Backend):
+    name = "reference"
+    title = "plain torch, weight dequantized in bounded chunks (correct everywhere, slow)"
+    supports = {
+        "nvfp4": frozenset({Op.LINEAR, Op.MOE}),
+        "mxfp4": frozenset({Op.LINEAR, Op.MOE}),
+        "fp8": frozenset({Op.LINEAR, Op.MOE}),
+    }
+    implemented = {
+        "nvfp4": frozenset({Op.LINEAR, Op.MOE}),
+        "mxfp4": frozenset({Op.LINEAR, Op.MOE}),
+        "fp8": frozenset({Op.LINEAR, Op.MOE}),
+    }
+    weight_only = True
+
+    def device_reasons(self, request: Request, profile: DeviceProfile) -> list[str]:
+        return []
+
+    # -- life cycle ---------------------------------------------------------------------------
+
+    def prepare(
+        self, weight: object, request: Request, *, emulate_activations: bool = False
+    ) -> PreparedWeight:
+        from quantdispatch.formats import Fp8Weight, Mxfp4Weight, Nvfp4Weight
+
+        if not isinstance(weight, (Nvfp4Weight, Mxfp4Weight, Fp8Weight)):
+            return super().prepare(weight, request)
+        if emulate_activations and request.scheme is not Scheme.WEIGHT_ACT:
+            from quantdispatch.errors import ConfigurationError, format_error
+
+            raise ConfigurationError(
+                format_error(
+                    f"emulate_activations=True for a {request.scheme_label} checkpoint",
+                    "emulation reproduces W4A4 / W8A8 checkpoints' quantized activations",
+                    "drop emulate_activations, or load a checkpoint with activation scales",
+                )
+            )
+        tensors = {k: v for k, v in weight.tensors().items() if v is not None}
+        if isinstance(weight, Nvfp4Weight) and emulate_activations and "input_scale" not in tensors:
+            from quantdispatch.errors import CheckpointError, format_error
+
+            raise CheckpointError(
+                format_error(
+                    "emulate_activations=True but the NVFP4 weight has no input_scale",
+                    "W4A4 emulation quantizes activations with the checkpoint's input scale",
+                    "load the checkpoint's input_scale / input_global_scale with the weight",
+                )
+            )
+        meta: tuple[int, ...] = (int(emulate_activations),)
+        if isinstance(weight, Fp8Weight) and weight.block_size is not None:
+            meta += tuple(weight.block_size)
+        n, k = weight.shape
+        return PreparedWeight(
+            names=tuple(tensors),
+            tensors=tuple(tensors.values()),
+            meta=meta,
+            out_features=n,
+            in_features=k,
+        )
+
+    def _weight(self, fmt: str, tensors: Sequence[torch.Tensor], meta: Sequence[int]) -> Any:
+        from quantdispatch.formats import Fp8Weight, Mxfp4Weight, Nvfp4Weight
+
+        if fmt == "nvfp4":
+            names = ("packed", "block_scale", "global_scale", "input_scale")
+            return _trusted(Nvfp4Weight, **dict(zip(names, tensors, strict=False)))
+        if fmt == "mxfp4":
+            return _trusted(Mxfp4Weight, packed=tensors[0], block_scale=tensors[1])
+        if fmt == "fp8":
+            names = ("weight", "scale", "input_scale")
+            block = (int(meta[1]), int(meta[2])) if len(meta) >= 3 else None
+            return _trusted(Fp8Weight, block_size=block, **dict(zip(names, tensors, strict=False)))
+        raise ValueError(f"reference backend: unknown format {fmt!r}")
+
+    def linear(
+        self,
+        x: torch.Tensor,
+        tensors: Sequence[torch.Tensor],
+        bias: torch.Tensor | None,
+        fmt: str,
+        meta: Sequence[int],
+    ) -> torch.Tensor:
+        from quantdispatch.formats import fake_quantize_nvfp4_activations as fq_nvfp4
+
+        weight = self._weight(fmt, tensors, meta)
+        emulate = bool(meta and meta[0])
+        if emulate and fmt == "nvfp4":
+            x = fq_nvfp4(x, weight.input_scale)
+        elif emulate and fmt == "fp8":
+            x = fake_quantize_fp8_activations(x, weight.input_scale)
+        return _chunked_matmul(x.to(torch.float32), weight, fmt, bias).to(x.dtype)
+
+    def moe(
+        self,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        w13: Sequence[torch.Tensor],
+        w2: Sequence[torch.Tensor],
+        w13_bias: torch.Tensor | None,
+        w2_bias: torch.Tensor | None,
+        fmt: str,
+        activation: str,
+        params: Sequence[float],
+        meta: Sequence[int],
+    ) -> torch.Tensor:
+        """Loop over the experts that received tokens; fp32 accumulation, chunked dequant.
+
+        ``topk_ids`` hold local expert indices; ids outside [0, E) (experts another rank
+        holds, or -1) contribute nothing, so a sum over expert-parallel ranks is the full
+        layer. This path synchronizes with the device (it lists the experts in use): it is
+        the contract, not a fast path.
+        """
+        from quantdispatch.moe_math import apply_activation
+
+        num_experts = w13[0].shape[0]
+        xf = x.to(torch.float32)
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        ids = topk_ids.to(torch.long)
+        valid = (ids >= 0) & (ids < num_experts)
+        for e in torch.unique(ids[valid]).tolist():
+            token_idx, slot = torch.nonzero(ids == e, as_tuple=True)
+            w13_e = self._weight(fmt, [t[e] for t in w13], meta)
+            w2_e = self._weight(fmt, [t[e] for t in w2], meta)
+            h = _chunked_matmul(
+                xf[token_idx], w13_e, fmt, None if w13_bias is None else w13_bias[e]
+            )
+            a = apply_activation(h, activation, params)
+            y = _chunked_matmul(a, w2_e, fmt, None if w2_bias is None else w2_bias[e])
+            out.index_add_(
+                0, token_idx, y * topk_weights[token_idx, slot].to(torch.float32)[:, None]
+            )
+        return out.to(x.dtype)
+
+
+def _chunked_matmul(
+    xf: torch.Tensor, weight: Any, fmt: str, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """fp32 xf [M, K] @ dequant(weight).T -> fp32 [M, N], CHUNK_ELEMENTS weights at a time."""
+    from quantdispatch.formats import dequantize_fp8, dequantize_mxfp4, dequantize_nvfp4
+
+    dequant = {"nvfp4": dequantize_nvfp4, "mxfp4": dequantize_mxfp4, "fp8": dequantize_fp8}[fmt]
+    n, k = weight.shape
+    out = torch.empty((xf.shape[0], n), dtype=torch.float32, device=xf.device)
+    rows_per_chunk = max(1, CHUNK_ELEMENTS // max(k, 1))
+    for start in range(0, n, rows_per_chunk):
+        stop = min(n, start + rows_per_chunk)
+        w = dequant(weight, dtype=torch.float32, rows=slice(start, stop))
+        out[:, start:stop] = xf @ w.T
+        del w
+        if bias is not None:
+            out[:, start:stop] += bias[start:stop].to(torch.float32)
+    return out

@@ -1,0 +1,122 @@
+"""quantdispatch's own Triton weight-only kernels: FP4 / FP8 weights stay packed on the GPU and
+are dequantized in registers inside the GEMM; activations stay fp16 / bf16.
+
+Facts: any CUDA GPU from SM 7.5 with fp16 activations, from SM 8.0 with bf16 (no bf16 tensor
+cores before Ampere). Scales are decoded with integer ops, so GPUs without hardware FP8
+conversion (SM 7.5-8.6) work. Needs triton and a CUDA build of torch. K must be a multiple of
+the format's group (16 NVFP4, 32 MXFP4). Weight-only: serves W4A16 checkpoints exactly and W4A4
+ones with unquantized activations (it says so).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from quantdispatch.backends.base import Backend, PreparedWeight
+from quantdispatch.request import Op, Request
+
+if TYPE_CHECKING:
+    import torch
+
+    from quantdispatch.device import DeviceProfile
+
+_GROUP = {"nvfp4": 16, "mxfp4": 32}
+
+
+class TritonBackend(Backend):
+    name = "triton"
+    title = "quantdispatch Triton weight-only GEMM (weights dequantized in registers)"
+    supports = {
+        "nvfp4": frozenset({Op.LINEAR, Op.MOE}),
+        "mxfp4": frozenset({Op.LINEAR, Op.MOE}),
+        "fp8": frozenset({Op.LINEAR, Op.MOE}),
+    }
+    implemented = {
+        "nvfp4": frozenset({Op.LINEAR}),
+        "mxfp4": frozenset({Op.LINEAR}),
+        "fp8": frozenset({Op.LINEAR}),
+    }
+    provider = "triton"
+    weight_only = True
+
+    def device_reasons(self, request: Request, profile: DeviceProfile) -> list[str]:
+        gpu = self.gpu_reasons(profile)
+        if gpu:
+            return gpu
+        return self.min_sm_reasons(profile, request, fp16_min=(7, 5), bf16_min=(8, 0))
+
+    def shape_reasons(self, request: Request) -> list[str]:
+        group = _GROUP.get(request.format)
+        if group and request.k is not None and request.k % group != 0:
+            return [f"K={request.k} is not a multiple of the {request.format} group size {group}"]
+        return []
+
+    def prepare(self, weight: object, request: Request) -> PreparedWeight:
+        from quantdispatch.formats.fp8 import Fp8Weight
+        from quantdispatch.formats.mxfp4 import Mxfp4Weight
+        from quantdispatch.formats.nvfp4 import Nvfp4Weight
+
+        if isinstance(weight, Nvfp4Weight):
+            n, k = weight.shape
+            return PreparedWeight(
+                names=("packed", "block_scale", "global_scale"),
+                tensors=(weight.packed, weight.block_scale, weight.global_scale),
+                out_features=n,
+                in_features=k,
+            )
+        if isinstance(weight, Mxfp4Weight):
+            n, k = weight.shape
+            return PreparedWeight(
+                names=("packed", "block_scale"),
+                tensors=(weight.packed, weight.block_scale),
+                out_features=n,
+                in_features=k,
+            )
+        if isinstance(weight, Fp8Weight):
+            n, k = weight.shape
+            return PreparedWeight(
+                names=("weight", "scale"),
+                tensors=(weight.weight, weight.scale),
+                meta=tuple(weight.block_size or ()),
+                out_features=n,
+                in_features=k,
+            )
+        return super().prepare(weight, request)
+
+    def linear(
+        self,
+        x: torch.Tensor,
+        tensors: Sequence[torch.Tensor],
+        bias: torch.Tensor | None,
+        fmt: str,
+        meta: Sequence[int],
+    ) -> torch.Tensor:
+        import torch
+
+        if fmt == "nvfp4":
+            from quantdispatch.kernels.fp4_linear import fp4_linear
+
+            packed, block_scale, global_scale = tensors
+            return fp4_linear(
+                x,
+                packed,
+                block_scale.view(torch.uint8),
+                global_scale,
+                scale_format="e4m3",
+                bias=bias,
+            )
+        if fmt == "mxfp4":
+            from quantdispatch.kernels.fp4_linear import fp4_linear
+
+            packed, block_scale = tensors
+            return fp4_linear(x, packed, block_scale, None, scale_format="e8m0", bias=bias)
+        if fmt == "fp8":
+            from quantdispatch.kernels.fp8_linear import fp8_weight_only_linear
+
+            weight, scale = tensors
+            block = (int(meta[0]), int(meta[1])) if len(meta) == 2 else None
+            return fp8_weight_only_linear(
+                x, weight.view(torch.uint8), scale, block_size=block, bias=bias
+            )
+        return super().linear(x, tensors, bias, fmt, meta)

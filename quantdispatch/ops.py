@@ -1,0 +1,83 @@
+"""torch.library custom ops: the only way layers call kernels.
+
+Every backend runs behind ``torch.ops.quantdispatch.linear`` (and ``.moe``), each with a fake
+(meta) implementation, so torch.compile(fullgraph=True) traces layers without looking inside the
+kernels and CUDA graphs capture them as opaque calls. The real implementation looks the backend
+up by name and hands it the prepared tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quantdispatch.backends import get_backend
+
+__all__ = ["linear", "moe"]
+
+NAMESPACE = "quantdispatch"
+
+
+@torch.library.custom_op(f"{NAMESPACE}::linear", mutates_args=())
+def linear(
+    x: torch.Tensor,
+    weights: list[torch.Tensor],
+    bias: torch.Tensor | None,
+    backend: str,
+    fmt: str,
+    meta: list[int],
+    out_features: int,
+) -> torch.Tensor:
+    """y[M, N] = x[M, K] @ W.T (+ bias), W given as ``backend``'s prepared tensors."""
+    return get_backend(backend).linear(x, weights, bias, fmt, meta)
+
+
+@linear.register_fake
+def _linear_fake(
+    x: torch.Tensor,
+    weights: list[torch.Tensor],
+    bias: torch.Tensor | None,
+    backend: str,
+    fmt: str,
+    meta: list[int],
+    out_features: int,
+) -> torch.Tensor:
+    return x.new_empty((x.shape[0], out_features))
+
+
+@torch.library.custom_op(f"{NAMESPACE}::moe", mutates_args=())
+def moe(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: list[torch.Tensor],
+    w2: list[torch.Tensor],
+    w13_bias: torch.Tensor | None,
+    w2_bias: torch.Tensor | None,
+    backend: str,
+    fmt: str,
+    activation: str,
+    params: list[float],
+    meta: list[int],
+) -> torch.Tensor:
+    """out[t] = sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]), shape [M, H]."""
+    return get_backend(backend).moe(
+        x, topk_ids, topk_weights, w13, w2, w13_bias, w2_bias, fmt, activation, params, meta
+    )
+
+
+@moe.register_fake
+def _moe_fake(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: list[torch.Tensor],
+    w2: list[torch.Tensor],
+    w13_bias: torch.Tensor | None,
+    w2_bias: torch.Tensor | None,
+    backend: str,
+    fmt: str,
+    activation: str,
+    params: list[float],
+    meta: list[int],
+) -> torch.Tensor:
+    return x.new_empty(x.shape)

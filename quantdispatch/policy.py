@@ -1,0 +1,206 @@
+"""Policy tables: the preference order of backends per (format, op), as validated data.
+
+The packaged default lives in ``policies/default.toml`` (shipped as ``quantdispatch.policies``).
+A user or engine file is laid over it: the (format, op) entries it has replace the default's,
+the others stay. Every problem in a file is an error naming the file, the key and the valid
+values.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.resources
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from quantdispatch.errors import ConfigurationError, format_error
+from quantdispatch.request import Op
+
+__all__ = ["DEFAULT_POLICY_NAME", "Policy", "default_policy", "load_policy", "parse_policy"]
+
+DEFAULT_POLICY_NAME = "default.toml"
+SCHEMA_VERSION = 1
+
+
+class PolicyEntry(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    format: str
+    op: Op
+    candidates: tuple[str, ...]
+    source: str
+    """The file this entry came from."""
+
+
+class Policy(BaseModel):
+    """Ordered candidates per (format, op), with the file each entry came from."""
+
+    model_config = ConfigDict(frozen=True)
+
+    entries: tuple[PolicyEntry, ...]
+    sources: tuple[str, ...]
+
+    def entry(self, fmt: str, op: Op) -> PolicyEntry:
+        for e in self.entries:
+            if e.format == fmt and e.op == op:
+                return e
+        raise ConfigurationError(
+            format_error(
+                f"the policy ({' + '.join(self.sources)}) has no entry for {fmt}.{op.value}",
+                "every (format, op) a layer asks for needs an ordered list of backends",
+                f"add [{fmt}] {op.value} = [...] to your policy file",
+            )
+        )
+
+    def candidates(self, fmt: str, op: Op) -> tuple[str, ...]:
+        return self.entry(fmt, op).candidates
+
+    def __hash__(self) -> int:
+        return hash((self.entries, self.sources))
+
+    def overlay(self, other: Policy) -> Policy:
+        """This policy with ``other``'s entries replacing ours for the same (format, op)."""
+        replaced = {(e.format, e.op) for e in other.entries}
+        kept = tuple(e for e in self.entries if (e.format, e.op) not in replaced)
+        return Policy(entries=kept + other.entries, sources=self.sources + other.sources)
+
+
+def _fail(source: str, key: str, what: str, valid: str, fix: str) -> ConfigurationError:
+    return ConfigurationError(
+        format_error(f"policy file {source}, key {key!r}: {what}", valid, fix)
+    )
+
+
+def parse_policy(data: dict[str, Any], source: str) -> Policy:
+    """Validate a parsed TOML mapping. ``source`` names the file in error messages."""
+    from quantdispatch.backends import backend_names
+    from quantdispatch.formats import FORMATS
+
+    formats = list(FORMATS)
+    backends = backend_names()
+    ops = [o.value for o in Op]
+    entries: list[PolicyEntry] = []
+    if not isinstance(data, dict):
+        raise _fail(source, "<top>", "not a table", "a TOML file of [format] tables", "")
+    version = data.get("version", SCHEMA_VERSION)
+    if version != SCHEMA_VERSION:
+        raise _fail(
+            source,
+            "version",
+            f"unsupported version {version!r}",
+            f"this quantdispatch reads version {SCHEMA_VERSION}",
+            f"set version = {SCHEMA_VERSION}",
+        )
+    for fmt, table in data.items():
+        if fmt == "version":
+            continue
+        if fmt not in formats:
+            raise _fail(
+                source,
+                fmt,
+                "unknown format",
+                f"valid formats: {', '.join(formats)} (and the key 'version')",
+                "rename or remove that table",
+            )
+        if not isinstance(table, dict):
+            raise _fail(
+                source,
+                fmt,
+                f"expected a table of op = [backends], got {type(table).__name__}",
+                f"valid ops: {', '.join(ops)}",
+                f'write [{fmt}] then linear = ["triton", "reference"]',
+            )
+        for op, cands in table.items():
+            key = f"{fmt}.{op}"
+            if op not in ops:
+                raise _fail(
+                    source, key, "unknown op", f"valid ops: {', '.join(ops)}", "rename or remove it"
+                )
+            if not isinstance(cands, list) or not all(isinstance(c, str) for c in cands):
+                raise _fail(
+                    source,
+                    key,
+                    f"expected a list of backend names, got {cands!r}",
+                    f"valid backends: {', '.join(backends)}",
+                    f'write {op} = ["triton", "reference"]',
+                )
+            if not cands:
+                raise _fail(
+                    source,
+                    key,
+                    "empty list",
+                    "each entry lists at least one backend",
+                    'end every list with "reference", which runs everywhere',
+                )
+            names = [c.strip().lower() for c in cands]
+            unknown = [c for c in names if c not in backends]
+            if unknown:
+                raise _fail(
+                    source,
+                    key,
+                    f"unknown backend(s) {', '.join(map(repr, unknown))}",
+                    f"valid backends: {', '.join(backends)}",
+                    "fix the names",
+                )
+            dups = sorted({c for c in names if names.count(c) > 1})
+            if dups:
+                raise _fail(
+                    source,
+                    key,
+                    f"duplicate backend(s) {', '.join(map(repr, dups))}",
+                    "each backend appears once per list",
+                    "remove the repeats",
+                )
+            entries.append(
+                PolicyEntry(format=fmt, op=Op(op), candidates=tuple(names), source=source)
+            )
+    return Policy(entries=tuple(entries), sources=(source,))
+
+
+def _read_toml(text: str, source: str) -> dict[str, Any]:
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigurationError(
+            format_error(
+                f"policy file {source} is not valid TOML: {exc}",
+                "policy files are TOML",
+                "fix the syntax (quantdispatch doctor validates it)",
+            )
+        ) from None
+
+
+@functools.lru_cache(maxsize=1)
+def default_policy() -> Policy:
+    """The packaged default policy (validated once)."""
+    res = importlib.resources.files("quantdispatch.policies").joinpath(DEFAULT_POLICY_NAME)
+    source = f"<packaged>/{DEFAULT_POLICY_NAME}"
+    return parse_policy(_read_toml(res.read_text(encoding="utf-8"), source), source)
+
+
+@functools.lru_cache(maxsize=32)
+def _load_file(path: str, mtime_ns: int) -> Policy:
+    text = Path(path).read_text(encoding="utf-8")
+    return parse_policy(_read_toml(text, path), path)
+
+
+def load_policy(path: str | Path | None = None) -> Policy:
+    """The default policy, with the file at ``path`` (if any) laid over it."""
+    base = default_policy()
+    if path is None:
+        return base
+    p = Path(path).expanduser()
+    try:
+        mtime = p.stat().st_mtime_ns
+    except OSError as exc:
+        raise ConfigurationError(
+            format_error(
+                f"policy file {str(path)!r} cannot be read: {exc.strerror or exc}",
+                "a policy is a TOML file",
+                "check the path",
+            )
+        ) from None
+    return base.overlay(_load_file(str(p), mtime))

@@ -1,0 +1,185 @@
+"""The resolver: a pure function of (request, device profile, settings, policy) -> Decision.
+
+It walks the policy's candidates for (format, op) in order and asks each backend whether it can
+run the request on the device. The first that can is chosen; every candidate stays in the
+trace, accepted or rejected with its reason. A forced backend that cannot run raises with its
+own reason: forcing never falls back.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+from quantdispatch.backends import get_backend
+from quantdispatch.device import DeviceProfile
+from quantdispatch.errors import BackendUnavailableError, format_error
+from quantdispatch.policy import Policy
+from quantdispatch.request import Request
+from quantdispatch.settings import ENV_PREFIX, Settings
+
+__all__ = ["Candidate", "Decision", "resolve"]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One line of a decision's trace."""
+
+    backend: str
+    accepted: bool
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"backend": self.backend, "accepted": self.accepted, "reason": self.reason}
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Which backend runs a request on a device, why, and why not each other candidate."""
+
+    request: Request
+    device: DeviceProfile
+    backend: str
+    reason: str
+    trace: tuple[Candidate, ...]
+    forced_by: str | None
+    policy_source: str
+
+    @property
+    def is_fallback(self) -> bool:
+        """True when a GPU ends up on the slow reference path without being asked to."""
+        return self.backend == "reference" and self.device.is_gpu and self.forced_by is None
+
+    def rejected(self) -> tuple[Candidate, ...]:
+        return tuple(c for c in self.trace if not c.accepted)
+
+    def explain(self) -> str:
+        """The text ``quantdispatch doctor`` prints for this decision."""
+        r = self.request
+        lines = [f"{r.describe()} on {self.device.label()}"]
+        for c in self.trace:
+            mark = "->" if c.backend == self.backend else ("ok" if c.accepted else "no")
+            reason = self.reason if c.backend == self.backend else c.reason
+            lines.append(f"  {mark} {c.backend:<10} {reason}")
+        return "\n".join(lines)
+
+    def summary(self) -> str:
+        """One log line: which kernel runs and why."""
+        return (
+            f"{self.request.describe()} on {self.device.label()} -> {self.backend}: {self.reason}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        r = self.request
+        return {
+            "format": r.format,
+            "op": r.op.value,
+            "act_dtype": r.act_name,
+            "scheme": r.scheme.value,
+            "scheme_label": r.scheme_label,
+            "backend": self.backend,
+            "reason": self.reason,
+            "forced_by": self.forced_by,
+            "policy": self.policy_source,
+            "trace": [c.to_dict() for c in self.trace],
+        }
+
+
+def resolve(
+    request: Request, profile: DeviceProfile, settings: Settings, policy: Policy
+) -> Decision:
+    """Decide which backend runs ``request`` on ``profile`` (cached: same inputs, same object)."""
+    return _resolve(request, profile, settings, policy)
+
+
+@functools.lru_cache(maxsize=4096)
+def _resolve(
+    request: Request, profile: DeviceProfile, settings: Settings, policy: Policy
+) -> Decision:
+    entry = policy.entry(request.format, request.op)
+    forced = settings.forced(request.format)
+    if forced is not None:
+        return _resolve_forced(request, profile, settings, entry.candidates, entry.source, forced)
+
+    trace: list[Candidate] = []
+    chosen: str | None = None
+    chosen_reason = ""
+    for name in entry.candidates:
+        backend = get_backend(name)
+        if name in settings.disable:
+            trace.append(Candidate(name, False, f"disabled by {ENV_PREFIX}DISABLE"))
+            continue
+        why_not = backend.explain_unsupported(request, profile)
+        if why_not is not None:
+            trace.append(Candidate(name, False, why_not))
+            continue
+        note = backend.accepted_note(request, profile)
+        if chosen is None:
+            chosen = name
+            where = "first in" if not trace else "first that can run in"
+            chosen_reason = f"{where} the policy order {' > '.join(entry.candidates)}: {note}"
+            trace.append(Candidate(name, True, note))
+        else:
+            trace.append(Candidate(name, True, f"can run, ranked below {chosen}: {note}"))
+    if chosen is None:
+        reasons = "; ".join(f"{c.backend}: {c.reason}" for c in trace)
+        raise BackendUnavailableError(
+            format_error(
+                f"no backend can run {request.describe()} on {profile.label()} ({reasons})",
+                f"the policy ({entry.source}) lists {', '.join(entry.candidates)}",
+                "add 'reference' to the policy list, re-enable a disabled backend, or install "
+                "what the reasons name",
+            )
+        )
+    return Decision(
+        request=request,
+        device=profile,
+        backend=chosen,
+        reason=chosen_reason,
+        trace=tuple(trace),
+        forced_by=None,
+        policy_source=entry.source,
+    )
+
+
+def _resolve_forced(
+    request: Request,
+    profile: DeviceProfile,
+    settings: Settings,
+    candidates: tuple[str, ...],
+    source: str,
+    forced: tuple[str, str],
+) -> Decision:
+    name, by = forced
+    backend = get_backend(name)
+    why_not = backend.explain_unsupported(request, profile)
+    if why_not is not None:
+        able = [
+            c
+            for c in candidates
+            if c not in settings.disable
+            and get_backend(c).explain_unsupported(request, profile) is None
+        ]
+        hint = f"backends that can run it here: {', '.join(able)}" if able else "none can"
+        raise BackendUnavailableError(
+            format_error(
+                f"{by} forces backend {name!r}, which cannot run {request.describe()} on "
+                f"{profile.label()}: {why_not}",
+                "a forced backend never falls back silently",
+                f"unset it to let the policy choose ({hint})",
+            )
+        )
+    trace = [Candidate(name, True, f"forced by {by}: {backend.accepted_note(request, profile)}")]
+    for other in candidates:
+        if other != name:
+            trace.append(Candidate(other, False, f"not considered: {by} forces {name}"))
+    return Decision(
+        request=request,
+        device=profile,
+        backend=name,
+        reason=trace[0].reason,
+        trace=tuple(trace),
+        forced_by=by,
+        policy_source=source,
+    )

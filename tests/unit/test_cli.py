@@ -1,0 +1,149 @@
+"""`quantdispatch doctor`: human output, JSON schema, matrix, exit codes, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from quantdispatch.cli import main
+
+
+def _run(capsys, *argv):
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _json(capsys, *argv):
+    code, out, err = _run(capsys, "doctor", "--json", *argv)
+    assert code == 0, err
+    return json.loads(out)
+
+
+def _decision(data, fmt="nvfp4", op="linear", act="bf16"):
+    return next(
+        d for d in data["decisions"] if (d["format"], d["op"], d["act_dtype"]) == (fmt, op, act)
+    )
+
+
+def test_doctor_on_this_cpu_machine(capsys):
+    code, out, err = _run(capsys, "doctor", "--device", "cpu")
+    assert code == 0, err
+    assert "nvfp4 linear" in out and "-> reference" in out
+
+
+def test_json_schema(capsys):
+    data = _json(capsys, "--device", "h100")
+    assert set(data) >= {"device", "providers", "settings", "decisions"}
+    assert data["device"]["name"] == "NVIDIA H100 80GB HBM3"
+    assert data["device"]["sources"]["capability"] == "preset"
+    assert {p["name"] for p in data["providers"]} == {"triton", "sgl-kernel", "flashinfer"}
+    assert len(data["decisions"]) == 3 * 2 * 2  # formats x ops x act dtypes
+    for d in data["decisions"]:
+        assert {"format", "op", "act_dtype", "backend", "reason", "trace"} <= set(d)
+        for c in d["trace"]:
+            assert set(c) == {"backend", "accepted", "reason"}
+            assert isinstance(c["accepted"], bool) and c["reason"]
+
+
+def test_v100_json_nvfp4_reference_and_sm70_reason(capsys):
+    d = _decision(_json(capsys, "--device", "v100"))
+    assert d["backend"] == "reference"
+    others = [c for c in d["trace"] if c["backend"] != "reference"]
+    assert others and all("SM 7.0" in c["reason"] for c in others)
+
+
+def test_t4_bf16_vs_fp16(capsys):
+    data = _json(capsys, "--device", "t4")
+    bf = {c["backend"]: c for c in _decision(data, act="bf16")["trace"]}
+    fp = {c["backend"]: c for c in _decision(data, act="fp16")["trace"]}
+    for name in ("triton", "marlin"):
+        assert "bf16" in bf[name]["reason"]
+        assert "bf16" not in fp[name]["reason"]
+
+
+def test_h100_fp4_vs_fp8_capability(capsys):
+    data = _json(capsys, "--device", "h100")
+    nv = {c["backend"]: c for c in _decision(data)["trace"]}
+    f8 = {c["backend"]: c for c in _decision(data, fmt="fp8")["trace"]}
+    assert (
+        "no FP4 tensor cores" in nv["cutlass"]["reason"]
+        and "no FP4 tensor cores" in nv["torch"]["reason"]
+    )
+    assert "tensor cores" not in f8["cutlass"]["reason"] and f8["torch"]["accepted"]
+
+
+@pytest.mark.parametrize("preset", ["rtx5090", "gb10"])
+def test_sm120_family_named(capsys, preset):
+    d = _decision(_json(capsys, "--device", preset))
+    text = " ".join(c["reason"] for c in d["trace"])
+    assert "sm120 family" in text
+
+
+def test_forced_backend_that_cannot_run_exits_nonzero_with_reason(capsys, monkeypatch):
+    monkeypatch.setenv("QUANTDISPATCH_BACKEND_NVFP4", "cutlass")
+    code, _out, err = _run(capsys, "doctor", "--device", "h100")
+    assert code == 1
+    assert err.count("\n") == 1 and "no FP4 tensor cores" in err
+    assert "Traceback" not in err
+
+
+def test_bad_env_value_exits_nonzero_listing_valid_backends(capsys, monkeypatch):
+    monkeypatch.setenv("QUANTDISPATCH_DISABLE", "bogus")
+    code, out, err = _run(capsys, "doctor")
+    assert code == 2 and out == ""
+    assert (
+        err.count("\n") == 1 and "valid backends: cutlass, torch, triton, marlin, reference" in err
+    )
+
+
+def test_bad_policy_file_exits_2(capsys, tmp_path):
+    f = tmp_path / "p.toml"
+    f.write_text('[nvfp4]\nlinear = ["nope"]\n')
+    code, _out, err = _run(capsys, "doctor", "--policy", str(f))
+    assert code == 2 and "'nope'" in err and err.count("\n") == 1
+
+
+def test_bad_flag_is_one_line(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["doctor", "--frobnicate"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "--frobnicate" in err
+
+
+def test_unknown_device_and_format(capsys):
+    code, _, err = _run(capsys, "doctor", "--device", "h300")
+    assert code == 2 and "valid presets" in err
+    code, _, err = _run(capsys, "doctor", "--format", "int3")
+    assert code == 2 and "valid formats" in err
+
+
+def test_matrix_covers_every_preset(capsys):
+    code, out, err = _run(capsys, "doctor", "--matrix", "--json")
+    assert code == 0, err
+    m = json.loads(out)["matrix"]
+    from quantdispatch.device import PRESETS
+
+    assert set(m) == set(PRESETS)
+    assert m["h200"]["nvfp4/linear/bf16"] == "triton"
+    assert m["v100"]["nvfp4/linear/bf16"] == "reference"
+    assert m["h100"]["fp8/linear/bf16"] == "torch"
+    code, out, _ = _run(capsys, "doctor", "--matrix")
+    assert code == 0 and "h200" in out and "nvfp4/linear/bf16" in out
+
+
+def test_presets_command(capsys):
+    code, out, _ = _run(capsys, "presets")
+    assert code == 0 and "rtx5090" in out and "12.0" in out
+
+
+def test_console_script_runs_on_this_machine():
+    exe = shutil.which("quantdispatch")
+    cmd = [exe, "doctor"] if exe else [sys.executable, "-m", "quantdispatch", "doctor"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "Decisions" in out.stdout

@@ -1,0 +1,228 @@
+"""Resolver invariants over every preset, plus the acceptance cases of the core issue."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from quantdispatch import select
+from quantdispatch.backends import BACKENDS, get_backend
+from quantdispatch.device import PRESETS, preset_profile
+from quantdispatch.errors import BackendUnavailableError, ConfigurationError
+from quantdispatch.policy import default_policy, parse_policy
+from quantdispatch.request import Op, Request, Scheme
+from quantdispatch.resolver import resolve
+from quantdispatch.settings import load_settings
+
+FORMATS = ["nvfp4", "mxfp4", "fp8"]
+NO_ENV = load_settings({})
+
+
+def _trace(decision):
+    return {c.backend: c for c in decision.trace}
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("op", ["linear", "moe"])
+@pytest.mark.parametrize("act", ["bf16", "fp16"])
+@pytest.mark.parametrize("scheme", ["weight_only", "weight_act"])
+def test_every_preset_resolves_with_a_full_ordered_trace(preset, fmt, op, act, scheme):
+    profile = preset_profile(preset)
+    request = Request.make(fmt, op, act, scheme)
+    decision = resolve(request, profile, NO_ENV, default_policy())
+    candidates = default_policy().candidates(fmt, Op(op))
+    # Every candidate is in the trace, in policy order, with a reason.
+    assert [c.backend for c in decision.trace] == list(candidates)
+    assert all(c.reason for c in decision.trace)
+    # The chosen backend is the first accepted one, and its own check agrees.
+    first_ok = next(c.backend for c in decision.trace if c.accepted)
+    assert decision.backend == first_ok
+    assert get_backend(decision.backend).explain_unsupported(request, profile) is None
+    for c in decision.trace:
+        backend = get_backend(c.backend)
+        assert (backend.explain_unsupported(request, profile) is None) == c.accepted
+        # A W4A4/W8A8 kernel is never chosen for a weight-only checkpoint.
+        if scheme == "weight_only" and not backend.weight_only:
+            assert not c.accepted
+    # Invariant: on a W4A4/W8A8 checkpoint a weight-only backend never outranks a native one
+    # that can run.
+    if scheme == "weight_act":
+        natives_ok = [
+            c.backend for c in decision.trace if c.accepted and not BACKENDS[c.backend].weight_only
+        ]
+        if natives_ok:
+            assert decision.backend in natives_ok
+
+
+@pytest.mark.parametrize("preset", [p for p in PRESETS if PRESETS[p].capability])
+def test_sm120_is_never_sm100(preset):
+    profile = preset_profile(preset)
+    d = select("nvfp4", device=profile, settings=NO_ENV)
+    text = d.explain()
+    if profile.capability[0] == 12:
+        assert "sm120 family" in text
+        for c in d.trace:
+            if c.backend in ("cutlass", "torch"):
+                assert "sm100 family kernels" not in c.reason
+
+
+def test_v100_nvfp4_goes_to_reference_because_sm70_is_too_old():
+    d = select("nvfp4", device="v100", settings=NO_ENV)
+    assert d.backend == "reference"
+    t = _trace(d)
+    assert "SM 7.0 is below SM 7.5" in t["triton"].reason
+    assert "SM 7.0 is below SM 7.5" in t["marlin"].reason
+    assert "SM 7.0 has no FP4 tensor cores" in t["cutlass"].reason
+    assert "SM 7.0 has no FP4 tensor cores" in t["torch"].reason
+
+
+def test_t4_rejects_bf16_but_not_fp16():
+    bf = _trace(select("nvfp4", act_dtype=torch.bfloat16, device="t4", settings=NO_ENV))
+    fp = _trace(select("nvfp4", act_dtype=torch.float16, device="t4", settings=NO_ENV))
+    for name in ("triton", "marlin"):
+        assert "no bf16 tensor cores" in bf[name].reason
+        assert "bf16" not in fp[name].reason
+    assert fp["triton"].accepted
+
+
+def test_h100_native_fp4_rejected_for_capability_fp8_not():
+    nv = _trace(select("nvfp4", device="h100", settings=NO_ENV))
+    assert "SM 9.0 has no FP4 tensor cores" in nv["cutlass"].reason
+    assert "SM 9.0 has no FP4 tensor cores" in nv["torch"].reason
+    f8 = _trace(select("fp8", device="h100", settings=NO_ENV))
+    assert f8["torch"].accepted
+    assert "tensor cores" not in f8["cutlass"].reason
+    assert "SM 9.0" not in f8["cutlass"].reason
+
+
+def test_h200_picks_triton_for_fp4_and_torch_for_fp8():
+    assert select("nvfp4", device="h200", settings=NO_ENV).backend == "triton"
+    assert select("mxfp4", device="h200", settings=NO_ENV).backend == "triton"
+    assert select("fp8", device="h200", settings=NO_ENV).backend == "torch"
+    # Ampere has no FP8 tensor cores: FP8 checkpoints run weight-only there.
+    assert select("fp8", device="a100", settings=NO_ENV).backend == "triton"
+
+
+def test_w4a4_on_weight_only_kernel_says_so():
+    d = select("nvfp4", scheme="weight_act", device="h100", settings=NO_ENV)
+    assert "weight-only" in d.reason and "W4A4" in d.reason
+
+
+def test_weight_only_fp8_checkpoint_never_gets_w8a8_kernel():
+    d = select("fp8", scheme="weight_only", device="h100", settings=NO_ENV)
+    assert d.backend == "triton"
+    assert "weight-only" in _trace(d)["torch"].reason
+
+
+def test_block_scaled_fp8_goes_weight_only():
+    d = select("fp8", scale_kind="block", device="h100", settings=NO_ENV)
+    assert d.backend == "triton"
+    assert "block-scaled" in _trace(d)["torch"].reason
+
+
+def test_marlin_shape_rule_is_reported():
+    d = select("nvfp4", n=4096 + 32, k=4096 + 32, device="a100", settings=NO_ENV)
+    assert "does not fit Marlin's tiles" in _trace(d)["marlin"].reason
+
+
+def test_triton_rejects_k_not_multiple_of_group():
+    d = select("nvfp4", n=64, k=40, device="a100", settings=NO_ENV)
+    assert "K=40 is not a multiple of the nvfp4 group size 16" in _trace(d)["triton"].reason
+    assert d.backend == "reference"
+
+
+def test_cpu_runs_reference():
+    d = select("nvfp4", device="cpu", settings=NO_ENV)
+    assert d.backend == "reference"
+    assert "needs a CUDA GPU" in _trace(d)["triton"].reason
+
+
+def test_forced_backend_that_can_run_is_used_and_traced():
+    s = load_settings({"QUANTDISPATCH_BACKEND_NVFP4": "reference"})
+    d = select("nvfp4", device="h100", settings=s)
+    assert d.backend == "reference"
+    assert d.forced_by == "QUANTDISPATCH_BACKEND_NVFP4=reference"
+    assert all("not considered" in c.reason for c in d.trace if c.backend != "reference")
+    assert not d.is_fallback  # forced: no fallback warning
+
+
+def test_forced_backend_that_cannot_run_raises_with_its_reason():
+    s = load_settings({"QUANTDISPATCH_BACKEND_NVFP4": "cutlass"})
+    with pytest.raises(BackendUnavailableError) as e:
+        select("nvfp4", device="h100", settings=s)
+    msg = str(e.value)
+    assert "QUANTDISPATCH_BACKEND_NVFP4=cutlass" in msg
+    assert "SM 9.0 has no FP4 tensor cores" in msg
+    assert "never falls back" in msg
+    # The force applies to its format only.
+    assert select("mxfp4", device="h100", settings=s).backend == "triton"
+
+
+def test_sglang_marlin_switch_forces_marlin():
+    s = load_settings({"SGLANG_FORCE_NVFP4_MARLIN": "1"})
+    with pytest.raises(
+        BackendUnavailableError, match="SGLANG_FORCE_NVFP4_MARLIN=1 forces backend 'marlin'"
+    ):
+        select("nvfp4", device="h100", settings=s)
+
+
+def test_disabled_backend_is_skipped_with_reason():
+    s = load_settings({"QUANTDISPATCH_DISABLE": "triton, marlin"})
+    d = select("nvfp4", device="h100", settings=s)
+    assert d.backend == "reference"
+    t = _trace(d)
+    assert t["triton"].reason == "disabled by QUANTDISPATCH_DISABLE"
+    assert not t["triton"].accepted
+
+
+def test_no_runnable_backend_raises_listing_reasons():
+    policy = default_policy().overlay(parse_policy({"nvfp4": {"linear": ["triton"]}}, "test.toml"))
+    with pytest.raises(BackendUnavailableError) as e:
+        select("nvfp4", device="cpu", settings=NO_ENV, policy=policy)
+    assert "triton: needs a CUDA GPU" in str(e.value)
+    assert "test.toml" in str(e.value)
+
+
+def test_decisions_are_cached_and_deterministic():
+    a = select("nvfp4", device="h100", settings=NO_ENV)
+    b = select("nvfp4", device="h100", settings=load_settings({}))
+    assert a is b
+
+
+def test_fallback_to_reference_warns_once(caplog, monkeypatch):
+    import quantdispatch.api
+
+    monkeypatch.setattr(quantdispatch.api, "_warned", set())
+    caplog.set_level(logging.INFO, logger="quantdispatch")
+    # A real (probed) GPU profile: simulated ones never log.
+    v100 = preset_profile("v100").model_copy(update={"simulated": False, "preset": None})
+    for _ in range(3):
+        select("mxfp4", op="moe", act_dtype="fp16", device=v100, settings=NO_ENV)
+    select("mxfp4", device="v100", settings=NO_ENV)  # simulated: silent
+
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "reference" in warnings[0].getMessage()
+    assert "SM 7.0" in warnings[0].getMessage()
+
+
+def test_bad_request_values_name_the_fix():
+    with pytest.raises(ConfigurationError, match="valid formats"):
+        select("nvfp5", settings=NO_ENV)
+    with pytest.raises(ConfigurationError, match="valid ops"):
+        select("nvfp4", op="conv", settings=NO_ENV)
+    with pytest.raises(ConfigurationError, match="bf16 or fp16"):
+        select("nvfp4", act_dtype=torch.float32, settings=NO_ENV)
+    with pytest.raises(ConfigurationError, match="valid schemes"):
+        select("nvfp4", scheme="w4a8", settings=NO_ENV)
+    with pytest.raises(ConfigurationError, match="valid presets"):
+        select("nvfp4", device="h300", settings=NO_ENV)
+
+
+def test_scheme_defaults_follow_the_format():
+    assert Request.make("nvfp4").scheme is Scheme.WEIGHT_ACT
+    assert Request.make("mxfp4").scheme is Scheme.WEIGHT_ONLY
+    assert Request.make("nvfp4", scheme="weight_only").scheme_label == "W4A16"
