@@ -1,0 +1,198 @@
+"""MXFP4 (OCP Microscaling, used by gpt-oss): E2M1 codes, one E8M0 scale per 32 elements along K.
+
+    W[n, k] = e2m1(code[n, k]) * 2 ** (block_scale[n, k // 32] - 127)
+
+No per-tensor scale. E8M0 is a bare biased exponent: 0..254 are 2**-127 .. 2**127, 255 is NaN.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from quantdispatch.errors import ConfigurationError
+from quantdispatch.formats.e2m1 import (
+    _check_float_matrix,
+    _check_rows,
+    _compute_dtype,
+    _fail,
+    _nbytes,
+    _require_device,
+    _require_ndim,
+    _require_tensor,
+    decode_e2m1,
+    encode_e2m1,
+    pack_e2m1,
+)
+
+__all__ = [
+    "E8M0_BIAS",
+    "E8M0_NAN",
+    "MXFP4_GROUP_SIZE",
+    "Mxfp4Weight",
+    "dequantize_mxfp4",
+    "e8m0_to_float",
+    "quantize_mxfp4",
+]
+
+MXFP4_GROUP_SIZE = 32
+E8M0_BIAS = 127
+E8M0_NAN = 255
+# OCP MX: the shared exponent is floor(log2(block_amax)) - emax_elem, and E2M1's largest
+# power of two is 4 = 2**2.
+_E2M1_EMAX = 2
+
+
+@dataclass(frozen=True, eq=False)
+class Mxfp4Weight:
+    """A validated MXFP4 weight: packed codes [N, K/2] and E8M0 exponent bytes [N, K/32].
+
+    ``block_scale`` may be given as torch.float8_e8m0fnu; it is stored as its uint8 bits so
+    every consumer sees one dtype.
+    """
+
+    packed: torch.Tensor
+    block_scale: torch.Tensor
+
+    def __post_init__(self) -> None:
+        packed = _require_tensor(
+            self.packed,
+            "Mxfp4Weight.packed",
+            torch.uint8,
+            "pass the packed codes as torch.uint8 [N, K/2] (gpt-oss *_blocks flattened to 2-D)",
+        )
+        _require_ndim(packed, "Mxfp4Weight.packed", 2, "[N, K/2] bytes")
+        n, half_k = packed.shape
+        k = 2 * half_k
+        if n == 0 or k == 0:
+            _fail(
+                f"Mxfp4Weight.packed has shape {(n, half_k)}",
+                "a weight needs at least one row and one group of 32",
+                "skip empty layers",
+            )
+        if k % MXFP4_GROUP_SIZE != 0:
+            _fail(
+                f"Mxfp4Weight.packed has shape {(n, half_k)}, so K = {k}",
+                f"MXFP4 needs K to be a multiple of {MXFP4_GROUP_SIZE}",
+                f"pad K with zero columns to {-(-k // 32) * 32} before quantizing",
+            )
+        bs = self.block_scale
+        if isinstance(bs, torch.Tensor) and bs.dtype == torch.float8_e8m0fnu:
+            bs = bs.view(torch.uint8)
+            object.__setattr__(self, "block_scale", bs)
+        bs = _require_tensor(
+            bs,
+            "Mxfp4Weight.block_scale",
+            torch.uint8,
+            "pass the E8M0 exponents as torch.uint8 (or torch.float8_e8m0fnu) [N, K/32]",
+        )
+        _require_ndim(bs, "Mxfp4Weight.block_scale", 2, "[N, K/32]")
+        if bs.shape[0] != n:
+            _fail(
+                f"Mxfp4Weight.block_scale has {bs.shape[0]} rows but packed has N = {n}",
+                "there is one row of block scales per output feature",
+                "pass the scales that belong to this weight (same TP shard / same expert)",
+            )
+        if bs.shape[1] != k // MXFP4_GROUP_SIZE:
+            _fail(
+                f"Mxfp4Weight.block_scale has {bs.shape[1]} groups per row but packed implies "
+                f"K = {k}, i.e. {k // MXFP4_GROUP_SIZE} groups of {MXFP4_GROUP_SIZE}",
+                "MXFP4 has one E8M0 scale per 32 consecutive elements along K",
+                "check that the scales are not swizzled/padded and belong to this weight",
+            )
+        _require_device(bs, "Mxfp4Weight.block_scale", packed.device, "packed")
+        nan = bs == E8M0_NAN
+        if bool(nan.any()):
+            first = tuple(nan.nonzero()[0].tolist())
+            _fail(
+                f"Mxfp4Weight.block_scale contains {int(nan.sum())} byte(s) equal to 255 "
+                f"(first at index {first})",
+                "E8M0 255 is NaN; valid exponents are 0..254 (2**-127 .. 2**127)",
+                "the checkpoint is corrupt or the scales are not E8M0 bytes: re-export it",
+            )
+
+    @property
+    def out_features(self) -> int:
+        """N, the number of rows."""
+        return int(self.packed.shape[0])
+
+    @property
+    def in_features(self) -> int:
+        """K, the reduction dimension (two codes per byte)."""
+        return int(self.packed.shape[1]) * 2
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(N, K) of the dense weight this represents."""
+        return (self.out_features, self.in_features)
+
+    def nbytes(self) -> int:
+        """Bytes held by all tensors."""
+        return _nbytes(self.packed, self.block_scale)
+
+    def to(self, device: torch.device | str) -> Mxfp4Weight:
+        """Move every tensor to ``device``."""
+        return Mxfp4Weight(packed=self.packed.to(device), block_scale=self.block_scale.to(device))
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors by field name."""
+        return {"packed": self.packed, "block_scale": self.block_scale}
+
+
+def e8m0_to_float(bits: torch.Tensor) -> torch.Tensor:
+    """E8M0 bytes -> exact float32 powers of two, built from the float32 bit pattern.
+
+    Byte b in 1..254 is the float32 with exponent field b (2**(b-127)); b = 0 is the float32
+    subnormal 2**-127. No pow/exp2 call, so there is no library rounding to trust.
+    """
+    b = bits.to(torch.int32)
+    pattern = torch.where(b == 0, torch.full_like(b, 0x00400000), b << 23)
+    return pattern.view(torch.float32)
+
+
+def quantize_mxfp4(weight: torch.Tensor) -> Mxfp4Weight:
+    """Quantize a float [N, K] weight to MXFP4 with the OCP MX rule.
+
+    Per 32-element block: shared exponent e = floor(log2(block_amax)) - 2 (exactly, via frexp),
+    clamped to the E8M0 range [-127, 127]; codes = encode_e2m1(W / 2**e) (ties to even,
+    saturating). All-zero blocks get e = 0. Scaled magnitudes lie in [0, 8): values in (6, 8)
+    saturate to 6, so the per-element error is <= 2**e for |W| <= 6 * 2**e (half the widest
+    step) and < 2 * 2**e above it, i.e. up to 25% of the block max: that is the format.
+    """
+    w = _check_float_matrix(weight, "quantize_mxfp4", MXFP4_GROUP_SIZE, "MXFP4")
+    n, k = w.shape
+    wf = w.detach().to(torch.float32)
+    blocks = wf.reshape(n, k // MXFP4_GROUP_SIZE, MXFP4_GROUP_SIZE)
+    amax = blocks.abs().amax(dim=-1)
+    _, exp = torch.frexp(amax)  # amax = m * 2**exp with m in [0.5, 1): floor(log2) = exp - 1
+    e = exp.to(torch.int32) - 1 - _E2M1_EMAX
+    e = torch.where(amax == 0, torch.zeros_like(e), e).clamp(-E8M0_BIAS, E8M0_BIAS)
+    bits = (e + E8M0_BIAS).to(torch.uint8)
+    scale = e8m0_to_float(bits)
+    codes = encode_e2m1(blocks / scale.unsqueeze(-1)).reshape(n, k)
+    return Mxfp4Weight(packed=pack_e2m1(codes), block_scale=bits)
+
+
+def dequantize_mxfp4(
+    w: Mxfp4Weight, *, dtype: torch.dtype = torch.float32, rows: slice | None = None
+) -> torch.Tensor:
+    """Reference dequantization of ``rows`` (all by default) to a dense [n_rows, K] tensor.
+
+    Exact in float32 (power-of-two scales), except that blocks with exponents above 2**125
+    overflow float32 (never seen in real checkpoints): ask for float64 if you have them.
+    """
+    if not isinstance(w, Mxfp4Weight):
+        _fail(
+            f"dequantize_mxfp4 got a {type(w).__name__}",
+            "it dequantizes an Mxfp4Weight",
+            "build one with Mxfp4Weight(...) or quantize_mxfp4(...)",
+            ConfigurationError,
+        )
+    cd = _compute_dtype(dtype, "dequantize_mxfp4")
+    sl = _check_rows(rows, w.out_features, "dequantize_mxfp4")
+    packed = w.packed[sl]
+    n = packed.shape[0]
+    vals = decode_e2m1(packed, cd).reshape(n, -1, MXFP4_GROUP_SIZE)
+    scale = e8m0_to_float(w.block_scale[sl]).to(cd)
+    return (vals * scale.unsqueeze(-1)).reshape(n, w.in_features).to(dtype)
