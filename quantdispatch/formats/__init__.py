@@ -11,6 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
+
 from quantdispatch.errors import ConfigurationError, format_error
 from quantdispatch.formats.e2m1 import (
     E2M1_MAX,
@@ -96,7 +98,7 @@ class FormatSpec:
     weight_type: type
     default_scheme: Literal["weight_act", "weight_only"]
     bits_per_weight: float
-    dequantize: Callable[..., object]
+    dequantize: Callable[..., torch.Tensor]
 
 
 FORMATS: dict[str, FormatSpec] = {

@@ -165,6 +165,11 @@ def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+def _has_values(t: torch.Tensor) -> bool:
+    """False for meta tensors (shape-only: fake/meta construction skips the value checks)."""
+    return t.device.type != "meta"
+
+
 def _fail(what: str, rule: str, fix: str, exc: type[Exception] = WeightFormatError) -> NoReturn:
     raise exc(format_error(what, rule, fix))
 
@@ -249,6 +254,8 @@ def _positive_scalar(
             "pass torch.tensor(value, dtype=torch.float32)",
             exc,
         )
+    if not _has_values(t):
+        return t
     v = float(t)
     if not (v > 0.0 and v != float("inf")):
         _fail(

@@ -22,6 +22,7 @@ from quantdispatch.formats.e2m1 import (
     _check_rows,
     _compute_dtype,
     _fail,
+    _has_values,
     _nbytes,
     _positive_scalar,
     _require_device,
@@ -94,7 +95,7 @@ class Fp8Weight:
             )
         bits = w.view(torch.uint8)
         nan = (bits & 0x7F) == 0x7F
-        if bool(nan.any()):
+        if _has_values(w) and bool(nan.any()):
             first = tuple(nan.nonzero()[0].tolist())
             _fail(
                 f"Fp8Weight.weight contains {int(nan.sum())} NaN value(s) (first at {first})",
@@ -144,24 +145,26 @@ class Fp8Weight:
                 shapes_rule,
                 "pass the scale that belongs to this weight (same TP shard) and check its layout",
             )
-        if not bool(torch.isfinite(scale).all()):
-            _fail(
-                f"Fp8Weight.scale contains {int((~torch.isfinite(scale)).sum())} NaN/inf value(s)",
-                "scales are finite multipliers",
-                "re-export the checkpoint",
-            )
-        if bool((scale < 0).any()):
-            _fail(
-                f"Fp8Weight.scale contains negative values (min {float(scale.min())})",
-                "scales are magnitudes: >= 0",
-                "re-quantize the weight; a negative scale means the producer is broken",
-            )
-        if scale.ndim == 0 and float(scale) == 0.0:
-            _fail(
-                "Fp8Weight.scale is 0.0 (per-tensor)",
-                "a per-tensor scale must be > 0, or the whole layer is zero",
-                "recompute it as amax / 448",
-            )
+        if _has_values(scale):
+            if not bool(torch.isfinite(scale).all()):
+                bad = int((~torch.isfinite(scale)).sum())
+                _fail(
+                    f"Fp8Weight.scale contains {bad} NaN/inf value(s)",
+                    "scales are finite multipliers",
+                    "re-export the checkpoint",
+                )
+            if bool((scale < 0).any()):
+                _fail(
+                    f"Fp8Weight.scale contains negative values (min {float(scale.min())})",
+                    "scales are magnitudes: >= 0",
+                    "re-quantize the weight; a negative scale means the producer is broken",
+                )
+            if scale.ndim == 0 and float(scale) == 0.0:
+                _fail(
+                    "Fp8Weight.scale is 0.0 (per-tensor)",
+                    "a per-tensor scale must be > 0, or the whole layer is zero",
+                    "recompute it as amax / 448",
+                )
         object.__setattr__(self, "scale", scale)
 
         if self.input_scale is not None:

@@ -17,6 +17,7 @@ from quantdispatch.formats.e2m1 import (
     _check_rows,
     _compute_dtype,
     _fail,
+    _has_values,
     _nbytes,
     _require_device,
     _require_ndim,
@@ -103,7 +104,7 @@ class Mxfp4Weight:
             )
         _require_device(bs, "Mxfp4Weight.block_scale", packed.device, "packed")
         nan = bs == E8M0_NAN
-        if bool(nan.any()):
+        if _has_values(bs) and bool(nan.any()):
             first = tuple(nan.nonzero()[0].tolist())
             _fail(
                 f"Mxfp4Weight.block_scale contains {int(nan.sum())} byte(s) equal to 255 "

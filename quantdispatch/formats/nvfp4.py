@@ -24,6 +24,7 @@ from quantdispatch.formats.e2m1 import (
     _check_rows,
     _compute_dtype,
     _fail,
+    _has_values,
     _nbytes,
     _positive_scalar,
     _require_device,
@@ -55,6 +56,8 @@ E4M3_MIN_SUBNORMAL = 2.0**-9
 
 def _check_e4m3_scales(bs: torch.Tensor, field: str) -> None:
     """Reject NaN (e4m3fn has no inf) and negative block scales, reading the bits directly."""
+    if not _has_values(bs):
+        return
     bits = bs.view(torch.uint8)
     mag = bits & 0x7F
     nan = mag == 0x7F

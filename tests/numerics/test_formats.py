@@ -619,6 +619,24 @@ def test_fp8_scale_layouts_are_normalised() -> None:
     assert set(blk.tensors()) == {"weight", "scale"}
 
 
+def test_meta_tensors_construct_without_reading_values() -> None:
+    """Shape-only (meta) weights validate shapes/dtypes but skip value checks."""
+    w = rand_weight(32, 64, seed=70)
+    for q in (
+        quantize_nvfp4(w, with_input_scale=0.5),
+        quantize_mxfp4(w),
+        quantize_fp8(w, kind="block", block_size=(16, 32)),
+    ):
+        m = q.to("meta")
+        assert m.shape == q.shape and m.nbytes() == q.nbytes()
+        assert all(t.device.type == "meta" for t in m.tensors().values())
+    with pytest.raises(WeightFormatError, match="2 groups"):
+        Mxfp4Weight(
+            packed=torch.empty(4, 16, dtype=torch.uint8, device="meta"),
+            block_scale=torch.empty(4, 2, dtype=torch.uint8, device="meta"),
+        )
+
+
 # ----------------------------------------------------------------------------------------------
 # Registry
 # ----------------------------------------------------------------------------------------------

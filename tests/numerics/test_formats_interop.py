@@ -60,7 +60,8 @@ def _assert_close_to_bf16(ours: torch.Tensor, theirs: torch.Tensor) -> None:
     """ours is float32 (one rounding); theirs went through bf16: within half a bf16 ulp."""
     assert theirs.dtype == torch.bfloat16 and ours.shape == theirs.shape
     diff = (ours.double() - theirs.double()).abs()
-    assert (diff <= ours.double().abs() * BF16_HALF_ULP * (1 + 2.0**-16)).all()
+    # half a bf16 ulp of their fp32 value, plus the few fp32 ulps between the two fp32 paths
+    assert (diff <= ours.double().abs() * BF16_HALF_ULP * (1 + 2.0**-12)).all()
     exact = (ours.to(torch.bfloat16) == theirs).float().mean().item()
     assert exact > 0.99, exact
 
