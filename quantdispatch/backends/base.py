@@ -198,3 +198,22 @@ class Backend(ABC):
         raise BackendUnavailableError(
             format_error(f"backend {self.name} has no linear kernel", "not implemented yet", "")
         )
+
+    def moe(
+        self,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        w13: Sequence[torch.Tensor],
+        w2: Sequence[torch.Tensor],
+        w13_bias: torch.Tensor | None,
+        w2_bias: torch.Tensor | None,
+        fmt: str,
+        activation: str,
+        params: Sequence[float],
+        meta: Sequence[int],
+    ) -> torch.Tensor:
+        """Routed experts: out[t] = sum_k w[t, k] * expert_{id[t, k]}(x[t]); [M, H] in x.dtype."""
+        raise BackendUnavailableError(
+            format_error(f"backend {self.name} has no MoE kernel", "not implemented yet", "")
+        )

@@ -116,16 +116,22 @@ class ReferenceBackend(Backend):
 
     def _weight(self, fmt: str, tensors: Sequence[torch.Tensor], meta: Sequence[int]) -> Any:
         from quantdispatch.formats import Fp8Weight, Mxfp4Weight, Nvfp4Weight
+        from quantdispatch.ops import op_view
 
+        e4m3 = torch.float8_e4m3fn
         if fmt == "nvfp4":
             names = ("packed", "block_scale", "global_scale", "input_scale")
-            return _trusted(Nvfp4Weight, **dict(zip(names, tensors, strict=False)))
+            fields = dict(zip(names, tensors, strict=False))
+            fields["block_scale"] = op_view(fields["block_scale"], e4m3)
+            return _trusted(Nvfp4Weight, **fields)
         if fmt == "mxfp4":
             return _trusted(Mxfp4Weight, packed=tensors[0], block_scale=tensors[1])
         if fmt == "fp8":
             names = ("weight", "scale", "input_scale")
+            fields = dict(zip(names, tensors, strict=False))
+            fields["weight"] = op_view(fields["weight"], e4m3)
             block = (int(meta[1]), int(meta[2])) if len(meta) >= 3 else None
-            return _trusted(Fp8Weight, block_size=block, **dict(zip(names, tensors, strict=False)))
+            return _trusted(Fp8Weight, block_size=block, **fields)
         raise ValueError(f"reference backend: unknown format {fmt!r}")
 
     def linear(

@@ -83,12 +83,16 @@ class TorchScaledMMBackend(Backend):
         from quantdispatch.formats.fp8 import Fp8Weight
         from quantdispatch.kernels.scaled_mm import prepare_fp8_scaled_mm
 
-        if not isinstance(weight, Fp8Weight):
+        if not isinstance(weight, Fp8Weight) or weight.block_size is not None:
             return super().prepare(weight, request)
-        names, tensors = prepare_fp8_scaled_mm(weight.weight, weight.scale, weight.input_scale)
-        n, k = weight.weight.shape
+        w, scale = prepare_fp8_scaled_mm(weight.weight, weight.scale)
+        names, tensors = ["weight", "scale"], [w, scale]
+        if weight.input_scale is not None:
+            names.append("input_scale")
+            tensors.append(weight.input_scale)
+        n, k = weight.shape
         return PreparedWeight(
-            names=tuple(names), tensors=tuple(tensors), meta=(), out_features=n, in_features=k
+            names=tuple(names), tensors=tuple(tensors), out_features=n, in_features=k
         )
 
     def linear(
@@ -99,6 +103,11 @@ class TorchScaledMMBackend(Backend):
         fmt: str,
         meta: Sequence[int],
     ) -> torch.Tensor:
-        from quantdispatch.kernels.scaled_mm import fp8_scaled_mm_prepared
+        import torch
 
-        return fp8_scaled_mm_prepared(x, *tensors, bias=bias)
+        from quantdispatch.kernels.scaled_mm import fp8_scaled_mm_linear
+        from quantdispatch.ops import op_view
+
+        weight = op_view(tensors[0], torch.float8_e4m3fn)
+        input_scale = tensors[2] if len(tensors) > 2 else None
+        return fp8_scaled_mm_linear(x, weight, tensors[1], input_scale=input_scale, bias=bias)

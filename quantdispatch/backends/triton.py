@@ -33,9 +33,9 @@ class TritonBackend(Backend):
         "fp8": frozenset({Op.LINEAR, Op.MOE}),
     }
     implemented = {
-        "nvfp4": frozenset({Op.LINEAR}),
-        "mxfp4": frozenset({Op.LINEAR}),
-        "fp8": frozenset({Op.LINEAR}),
+        "nvfp4": frozenset({Op.LINEAR, Op.MOE}),
+        "mxfp4": frozenset({Op.LINEAR, Op.MOE}),
+        "fp8": frozenset({Op.LINEAR, Op.MOE}),
     }
     provider = "triton"
     weight_only = True
@@ -59,11 +59,19 @@ class TritonBackend(Backend):
 
         if isinstance(weight, Nvfp4Weight):
             n, k = weight.shape
+            names, tensors = (
+                ["packed", "block_scale", "global_scale"],
+                [
+                    weight.packed,
+                    weight.block_scale,
+                    weight.global_scale,
+                ],
+            )
+            if weight.input_scale is not None:  # kept so the state dict keeps the checkpoint's
+                names.append("input_scale")
+                tensors.append(weight.input_scale)
             return PreparedWeight(
-                names=("packed", "block_scale", "global_scale"),
-                tensors=(weight.packed, weight.block_scale, weight.global_scale),
-                out_features=n,
-                in_features=k,
+                names=tuple(names), tensors=tuple(tensors), out_features=n, in_features=k
             )
         if isinstance(weight, Mxfp4Weight):
             n, k = weight.shape
@@ -75,9 +83,10 @@ class TritonBackend(Backend):
             )
         if isinstance(weight, Fp8Weight):
             n, k = weight.shape
+            extra = () if weight.input_scale is None else (weight.input_scale,)
             return PreparedWeight(
-                names=("weight", "scale"),
-                tensors=(weight.weight, weight.scale),
+                names=("weight", "scale", "input_scale")[: 2 + len(extra)],
+                tensors=(weight.weight, weight.scale, *extra),
                 meta=tuple(weight.block_size or ()),
                 out_features=n,
                 in_features=k,
@@ -97,7 +106,7 @@ class TritonBackend(Backend):
         if fmt == "nvfp4":
             from quantdispatch.kernels.fp4_linear import fp4_linear
 
-            packed, block_scale, global_scale = tensors
+            packed, block_scale, global_scale = tensors[:3]
             return fp4_linear(
                 x,
                 packed,
@@ -114,9 +123,40 @@ class TritonBackend(Backend):
         if fmt == "fp8":
             from quantdispatch.kernels.fp8_linear import fp8_weight_only_linear
 
-            weight, scale = tensors
+            weight, scale = tensors[:2]
             block = (int(meta[0]), int(meta[1])) if len(meta) == 2 else None
             return fp8_weight_only_linear(
                 x, weight.view(torch.uint8), scale, block_size=block, bias=bias
             )
         return super().linear(x, tensors, bias, fmt, meta)
+
+    def moe(
+        self,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        w13: Sequence[torch.Tensor],
+        w2: Sequence[torch.Tensor],
+        w13_bias: torch.Tensor | None,
+        w2_bias: torch.Tensor | None,
+        fmt: str,
+        activation: str,
+        params: Sequence[float],
+        meta: Sequence[int],
+    ) -> torch.Tensor:
+        """Fused MoE on the stacked canonical expert tensors (see quantdispatch.moe)."""
+        from quantdispatch.kernels.fused_moe import fused_moe
+
+        return fused_moe(
+            x,
+            topk_ids,
+            topk_weights,
+            list(w13),
+            list(w2),
+            w13_bias,
+            w2_bias,
+            fmt=fmt,
+            activation=activation,
+            params=list(params),
+            meta=list(meta),
+        )

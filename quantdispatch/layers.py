@@ -1,0 +1,354 @@
+"""``QuantLinear``: a quantized linear layer that picks its kernel through ``select()``.
+
+Life cycle: the decision is made once at construction (format, scheme, activation dtype, shape
+and the layer's device), the weights are prepared once for the chosen backend on that device,
+and ``forward`` calls ``torch.ops.quantdispatch.linear`` (a custom op with a fake
+implementation, so torch.compile(fullgraph=True) and CUDA graphs work). The layer holds only
+packed weights and scales as buffers, never a dequantized copy.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from quantdispatch.api import select
+from quantdispatch.backends import get_backend
+from quantdispatch.checkpoints import (
+    LoadedLinear,
+    QuantConfig,
+    QuantWeight,
+    load_quant_config,
+    merge_shards,
+    parse_quant_config,
+    read_linear,
+)
+from quantdispatch.device import DeviceProfile, device_profile
+from quantdispatch.errors import CheckpointError, ConfigurationError, InputError, format_error
+from quantdispatch.formats import (
+    Fp8Weight,
+    Mxfp4Weight,
+    Nvfp4Weight,
+    quantize_fp8,
+    quantize_mxfp4,
+    quantize_nvfp4,
+)
+from quantdispatch.ops import as_op_tensors  # also registers torch.ops.quantdispatch.*
+from quantdispatch.policy import Policy
+from quantdispatch.request import Request, Scheme, dtype_name, parse_act_dtype
+from quantdispatch.resolver import Decision
+from quantdispatch.settings import Settings
+
+__all__ = ["QuantLinear", "format_of", "resolve_quant_config", "target_device"]
+
+logger = logging.getLogger("quantdispatch")
+
+_FORMAT_OF = {Nvfp4Weight: "nvfp4", Mxfp4Weight: "mxfp4", Fp8Weight: "fp8"}
+
+
+def format_of(weight: object) -> str:
+    fmt = _FORMAT_OF.get(type(weight))
+    if fmt is None:
+        raise ConfigurationError(
+            format_error(
+                f"expected a quantized weight, got {type(weight).__name__}",
+                "QuantLinear takes an Nvfp4Weight, Mxfp4Weight or Fp8Weight",
+                "build one with quantdispatch.formats.quantize_*(...) or use "
+                "QuantLinear.from_checkpoint / from_float",
+            )
+        )
+    return fmt
+
+
+def target_device(device: object, weight_device: torch.device) -> torch.device:
+    """Where a layer lives: ``device`` if given; else the weights' device if it is a GPU; else
+    the current CUDA device when there is one; else the CPU."""
+    if device is not None:
+        if (
+            isinstance(device, str)
+            and device.strip().lower() not in ("cpu", "cuda")
+            and not (device.strip().lower().startswith("cuda:"))
+        ):
+            # A preset name: let the resolver explain, then refuse to run on a simulation.
+            return torch.device("meta")
+        return torch.device(device) if not isinstance(device, torch.device) else device
+    if weight_device.type == "cuda":
+        return weight_device
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _profile_for(device: torch.device, requested: object) -> DeviceProfile:
+    if device.type == "meta":
+        return device_profile(requested)
+    if device.type == "cpu":
+        return device_profile("cpu")
+    return device_profile(device.index if device.index is not None else 0)
+
+
+def resolve_quant_config(config: object) -> QuantConfig | None:
+    """A QuantConfig from a QuantConfig, a parsed JSON mapping, a path, or None."""
+    if config is None or isinstance(config, QuantConfig):
+        return config
+    if isinstance(config, (str, Path)):
+        return load_quant_config(config)
+    if isinstance(config, Mapping):
+        return parse_quant_config(config)
+    raise ConfigurationError(
+        format_error(
+            f"quant_config is a {type(config).__name__}",
+            "pass a QuantConfig, the parsed config JSON, a path, or None",
+            "e.g. quant_config=json.load(open('config.json'))",
+        )
+    )
+
+
+def _module_name(prefix: str) -> str:
+    prefix = prefix.rstrip(".")
+    return prefix[: -len(".weight")] if prefix.endswith(".weight") else prefix
+
+
+class QuantLinear(nn.Module):
+    """y = x @ W.T + b with W quantized (NVFP4, MXFP4 or FP8), on the kernel ``select()`` picks.
+
+    ``act_dtype`` is the activation dtype the layer is built for (the decision depends on it:
+    a T4 has no bf16 tensor cores). ``device`` is where it runs (see :func:`target_device`);
+    a preset name there is refused: presets explain, they do not run.
+    """
+
+    def __init__(
+        self,
+        weight: QuantWeight,
+        *,
+        bias: torch.Tensor | None = None,
+        scheme: Scheme | str | None = None,
+        act_dtype: torch.dtype | str = torch.bfloat16,
+        device: torch.device | str | None = None,
+        policy: Policy | str | Path | None = None,
+        settings: Settings | None = None,
+        emulate_activations: bool = False,
+    ) -> None:
+        super().__init__()
+        fmt = format_of(weight)
+        self.act_dtype = parse_act_dtype(act_dtype)
+        n, k = weight.shape
+        if scheme is None:
+            has_input = getattr(weight, "input_scale", None) is not None
+            scheme = Scheme.WEIGHT_ACT if has_input else Scheme.WEIGHT_ONLY
+            if fmt == "fp8":
+                scheme = Scheme.WEIGHT_ACT
+        target = target_device(
+            device, weight.packed.device if fmt != "fp8" else weight.weight.device
+        )
+        profile = _profile_for(target, device)
+        scale_kind = weight.scale_kind if isinstance(weight, Fp8Weight) else None
+        decision = select(
+            fmt,
+            "linear",
+            self.act_dtype,
+            scheme,
+            n=n,
+            k=k,
+            scale_kind=scale_kind,
+            device=profile,
+            settings=settings,
+            policy=policy,
+        )
+        backend = get_backend(decision.backend)
+        backend.refuse_simulated(decision.device)
+        if emulate_activations and decision.backend != "reference":
+            raise ConfigurationError(
+                format_error(
+                    f"emulate_activations=True but the decision is {decision.backend!r}",
+                    "activation emulation is a mode of the reference backend (the W4A4 / W8A8 "
+                    "contract native kernels are compared with)",
+                    "force it with settings=load_settings(backend={'nvfp4': 'reference'}) or "
+                    "QUANTDISPATCH_BACKEND_<FORMAT>=reference",
+                )
+            )
+        weight = weight.to(target)
+        if emulate_activations:
+            prepared = backend.prepare(weight, decision.request, emulate_activations=True)  # type: ignore[call-arg]
+        else:
+            prepared = backend.prepare(weight, decision.request)
+        self.decision: Decision = decision
+        self.format = fmt
+        self.backend = decision.backend
+        self.in_features, self.out_features = k, n
+        self._names = tuple(prepared.names)
+        self._meta = list(prepared.meta)
+        for name, tensor in zip(prepared.names, prepared.tensors, strict=True):
+            self.register_buffer(name, tensor)
+        if bias is not None:
+            bias = bias.detach()
+            if bias.shape != (n,):
+                raise CheckpointError(
+                    format_error(
+                        f"bias has shape {tuple(bias.shape)}",
+                        f"a linear with N = {n} outputs has a bias of shape ({n},)",
+                        "pass this layer's own bias",
+                    )
+                )
+            if not bias.is_floating_point() or not bool(torch.isfinite(bias).all()):
+                raise CheckpointError(
+                    format_error(
+                        f"bias is {bias.dtype} or contains NaN/inf",
+                        "a bias is finite floating point",
+                        "check the checkpoint",
+                    )
+                )
+            bias = bias.to(device=target, dtype=torch.float32)
+        self.register_buffer("bias", bias)
+
+    # -- construction helpers -------------------------------------------------------------------
+
+    @classmethod
+    def from_loaded(cls, loaded: LoadedLinear, **kwargs: Any) -> QuantLinear:
+        kwargs.setdefault("scheme", loaded.scheme)
+        return cls(loaded.weight, bias=loaded.bias, **kwargs)
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        state_dict: Mapping[str, torch.Tensor],
+        prefix: str | Sequence[str],
+        quant_config: object = None,
+        *,
+        act_dtype: torch.dtype | str = torch.bfloat16,
+        device: torch.device | str | None = None,
+        **kwargs: Any,
+    ) -> QuantLinear:
+        """Load the layer at ``prefix`` (e.g. ``model.layers.0.mlp.down_proj``) from a state
+        dict (or ``SafetensorsStateDict``). A list of prefixes loads a fused layer (q/k/v,
+        gate/up): shards are concatenated along N with their per-tensor scales merged exactly.
+        """
+        config = resolve_quant_config(quant_config)
+        prefixes = [prefix] if isinstance(prefix, str) else list(prefix)
+        shards = []
+        for p in prefixes:
+            module = _module_name(p)
+            quant = None
+            if config is not None:
+                quant = config.layer(module)
+                if quant is None:
+                    raise CheckpointError(
+                        format_error(
+                            f"{module!r} is not quantized in this checkpoint ({config.producer} "
+                            "config excludes it or lists no scheme for it)",
+                            "QuantLinear loads quantized layers only",
+                            "load it as torch.nn.Linear (quantdispatch.load_linear does this)",
+                        )
+                    )
+            shards.append(read_linear(state_dict, module, quant))
+        loaded = shards[0] if len(shards) == 1 else merge_shards(shards)
+        return cls.from_loaded(loaded, act_dtype=act_dtype, device=device, **kwargs)
+
+    @classmethod
+    def from_float(
+        cls,
+        linear: nn.Linear,
+        format: str,
+        *,
+        fp8_scales: str = "channel",
+        act_dtype: torch.dtype | str | None = None,
+        device: torch.device | str | None = None,
+        **kwargs: Any,
+    ) -> QuantLinear:
+        """Quantize an ``nn.Linear`` (weight-only: no activation calibration happens here)."""
+        if not isinstance(linear, nn.Linear):
+            raise ConfigurationError(
+                format_error(
+                    f"from_float got a {type(linear).__name__}",
+                    "it quantizes a torch.nn.Linear",
+                    "pass the Linear module",
+                )
+            )
+        from quantdispatch.formats import get_format
+
+        fmt = get_format(format).name
+        w = linear.weight.detach()
+        if fmt == "nvfp4":
+            weight: QuantWeight = quantize_nvfp4(w)
+            scheme = Scheme.WEIGHT_ONLY
+        elif fmt == "mxfp4":
+            weight = quantize_mxfp4(w)
+            scheme = Scheme.WEIGHT_ONLY
+        else:
+            weight = quantize_fp8(w, kind=fp8_scales)  # type: ignore[arg-type]
+            scheme = Scheme.WEIGHT_ONLY
+        if act_dtype is None:
+            act_dtype = w.dtype if w.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+        kwargs.setdefault("scheme", scheme)
+        return cls(weight, bias=linear.bias, act_dtype=act_dtype, device=device, **kwargs)
+
+    # -- running ----------------------------------------------------------------------------------
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return as_op_tensors([getattr(self, n) for n in self._names])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.act_dtype:
+            raise InputError(
+                format_error(
+                    f"input is {x.dtype} but this layer was built for {self.act_dtype}",
+                    "the kernel decision depends on the activation dtype",
+                    f"cast the input with .to({self.act_dtype}) or build the layer with "
+                    f"act_dtype={x.dtype}",
+                )
+            )
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
+            raise InputError(
+                format_error(
+                    f"input has shape {tuple(x.shape)}",
+                    f"the last dimension must be in_features = {self.in_features}",
+                    "pass [..., K] activations",
+                )
+            )
+        ref = getattr(self, self._names[0])
+        if x.device != ref.device:
+            raise InputError(
+                format_error(
+                    f"input is on {x.device} but the layer is on {ref.device}",
+                    "input and weights must be on one device",
+                    f"move the input with .to('{ref.device}')",
+                )
+            )
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        y = torch.ops.quantdispatch.linear(
+            x2,
+            self._tensors(),
+            self.bias,
+            self.backend,
+            self.format,
+            self._meta,
+            self.out_features,
+        )
+        return y.reshape(*lead, self.out_features)
+
+    # -- reporting --------------------------------------------------------------------------------
+
+    @property
+    def request(self) -> Request:
+        return self.decision.request
+
+    def device_bytes(self) -> int:
+        """Bytes this layer holds (weights, scales, bias): what it costs in device memory."""
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    def extra_repr(self) -> str:
+        r = self.decision.request
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"format={self.format}, scheme={r.scheme_label}, "
+            f"act_dtype={dtype_name(self.act_dtype)}, backend={self.backend}, "
+            f"bias={self.bias is not None}"
+        )
