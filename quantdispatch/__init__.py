@@ -31,6 +31,7 @@ _EXPORTS = {
     "Policy": "quantdispatch.policy",
     "load_policy": "quantdispatch.policy",
     "QuantLinear": "quantdispatch.layers",
+    "load_linear": "quantdispatch.layers",
     "QuantMoE": "quantdispatch.moe",
 }
 
@@ -39,7 +40,7 @@ __all__ = ["__version__", *_EXPORTS]
 if TYPE_CHECKING:
     from quantdispatch.api import select
     from quantdispatch.device import PRESETS, DeviceProfile, device_profile, preset_profile, probe
-    from quantdispatch.layers import QuantLinear
+    from quantdispatch.layers import QuantLinear, load_linear
     from quantdispatch.moe import QuantMoE
     from quantdispatch.policy import Policy, load_policy
     from quantdispatch.request import Request

@@ -44,7 +44,7 @@ from quantdispatch.request import Request, Scheme, dtype_name, parse_act_dtype
 from quantdispatch.resolver import Decision
 from quantdispatch.settings import Settings
 
-__all__ = ["QuantLinear", "format_of", "resolve_quant_config", "target_device"]
+__all__ = ["QuantLinear", "format_of", "load_linear", "resolve_quant_config", "target_device"]
 
 logger = logging.getLogger("quantdispatch")
 
@@ -242,7 +242,8 @@ class QuantLinear(nn.Module):
                             f"{module!r} is not quantized in this checkpoint ({config.producer} "
                             "config excludes it or lists no scheme for it)",
                             "QuantLinear loads quantized layers only",
-                            "load it as torch.nn.Linear (quantdispatch.load_linear does this)",
+                            "load it as torch.nn.Linear (quantdispatch.layers.load_linear does "
+                            "this for you)",
                         )
                     )
             shards.append(read_linear(state_dict, module, quant))
@@ -352,3 +353,56 @@ class QuantLinear(nn.Module):
             f"act_dtype={dtype_name(self.act_dtype)}, backend={self.backend}, "
             f"bias={self.bias is not None}"
         )
+
+
+def load_linear(
+    state_dict: Mapping[str, torch.Tensor],
+    prefix: str | Sequence[str],
+    quant_config: object = None,
+    *,
+    act_dtype: torch.dtype | str = torch.bfloat16,
+    device: torch.device | str | None = None,
+    **kwargs: Any,
+) -> nn.Module:
+    """The layer at ``prefix`` as the checkpoint has it: a ``QuantLinear`` when it is quantized,
+    a plain ``nn.Linear`` (in ``act_dtype``) when the config leaves it unquantized."""
+    config = resolve_quant_config(quant_config)
+    prefixes = [prefix] if isinstance(prefix, str) else list(prefix)
+    modules = [_module_name(p) for p in prefixes]
+    quantized = [config.layer(m) is not None if config is not None else None for m in modules]
+    if config is not None and not any(quantized):
+        weights, biases = [], []
+        for m in modules:
+            if f"{m}.weight" not in state_dict:
+                raise CheckpointError(
+                    format_error(
+                        f"missing tensor '{m}.weight' of unquantized layer {m!r}",
+                        "an unquantized linear has a floating-point weight [N, K]",
+                        "pass the complete state dict",
+                    )
+                )
+            weights.append(state_dict[f"{m}.weight"])
+            biases.append(state_dict.get(f"{m}.bias"))
+        weight = torch.cat(weights)
+        dtype = parse_act_dtype(act_dtype)
+        has_bias = any(b is not None for b in biases)
+        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias, device="meta")
+        linear.weight = nn.Parameter(weight.to(dtype), requires_grad=False)
+        if has_bias:
+            full = torch.cat(
+                [b if b is not None else torch.zeros(w.shape[0]) for b, w in zip(biases, weights)]
+            )
+            linear.bias = nn.Parameter(full.to(dtype), requires_grad=False)
+        target = target_device(device, weight.device)
+        return linear.to(target)
+    if config is not None and not all(quantized):
+        raise CheckpointError(
+            format_error(
+                f"fused shards {modules} mix quantized and unquantized layers",
+                "a fused layer's shards share one quantization",
+                "load them as separate layers",
+            )
+        )
+    return QuantLinear.from_checkpoint(
+        state_dict, prefix, config, act_dtype=act_dtype, device=device, **kwargs
+    )

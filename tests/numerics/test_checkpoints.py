@@ -409,3 +409,40 @@ def test_excluded_module_is_not_loaded_as_quantized():
 def test_unquantized_weight_is_explained():
     with pytest.raises(CheckpointError, match="not quantized"):
         read_linear({f"{P}.weight": torch.randn(4, 4)}, P)
+
+
+def test_load_linear_gives_nn_linear_for_excluded_layers_and_quantlinear_otherwise():
+    from quantdispatch.layers import load_linear
+
+    cfg = {"quantization": {"quant_algo": "NVFP4", "exclude_modules": ["lm_head"]}}
+    head = torch.randn(16, 32)
+    sd = _modelopt_nvfp4(32, 64, seed=44) | {"lm_head.weight": head}
+    plain = load_linear(sd, "lm_head", cfg, device="cpu")
+    assert type(plain) is torch.nn.Linear and plain.weight.dtype == torch.bfloat16
+    assert torch.equal(plain.weight, head.to(torch.bfloat16))
+    quant = load_linear(sd, P, cfg, device="cpu")
+    assert isinstance(quant, QuantLinear)
+
+
+def test_compressed_tensors_mxfp4_compressor_checkpoint():
+    pytest.importorskip("compressed_tensors", reason="compressed-tensors is the oracle")
+    from compressed_tensors.compressors.mxfp4.base import MXFP4PackedCompressor
+    from compressed_tensors.quantization import preset_name_to_scheme
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+    g = torch.Generator().manual_seed(45)
+    n, k = 40, 128
+    w = torch.randn(n, k, generator=g) * 0.1
+    scheme = preset_name_to_scheme("MXFP4A16", ["Linear"])
+    groups = w.reshape(n, k // 32, 32)
+    scale, zp = calculate_qparams(groups.amin(-1), groups.amax(-1), scheme.weights)
+    packed = MXFP4PackedCompressor.compress(
+        {"weight": w, "weight_scale": scale, "weight_zero_point": zp}, scheme
+    )
+    theirs = MXFP4PackedCompressor.decompress(dict(packed), scheme)["weight"]
+    layer = QuantLinear.from_checkpoint(
+        {f"{P}.{k_}": v for k_, v in packed.items()}, P, device="cpu"
+    )
+    assert layer.format == "mxfp4"
+    # power-of-two scales: reading the weight back through an identity input is exact
+    assert torch.equal(layer(torch.eye(k, dtype=torch.bfloat16)).T, theirs)
