@@ -390,7 +390,10 @@ def load_linear(
         linear.weight = nn.Parameter(weight.to(dtype), requires_grad=False)
         if has_bias:
             full = torch.cat(
-                [b if b is not None else torch.zeros(w.shape[0]) for b, w in zip(biases, weights)]
+                [
+                    b if b is not None else torch.zeros(w.shape[0])
+                    for b, w in zip(biases, weights, strict=True)
+                ]
             )
             linear.bias = nn.Parameter(full.to(dtype), requires_grad=False)
         target = target_device(device, weight.device)
