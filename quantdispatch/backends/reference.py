@@ -114,7 +114,8 @@ class ReferenceBackend(Backend):
             in_features=k,
         )
 
-    def _weight(self, fmt: str, tensors: Sequence[torch.Tensor], meta: Sequence[int]) -> Any:
+    def weight_object(self, fmt: str, tensors: Sequence[torch.Tensor], meta: Sequence[int]) -> Any:
+        """The canonical weight (Nvfp4Weight, ...) behind this backend's prepared tensors."""
         from quantdispatch.formats import Fp8Weight, Mxfp4Weight, Nvfp4Weight
         from quantdispatch.ops import op_view
 
@@ -144,7 +145,7 @@ class ReferenceBackend(Backend):
     ) -> torch.Tensor:
         from quantdispatch.formats import fake_quantize_nvfp4_activations as fq_nvfp4
 
-        weight = self._weight(fmt, tensors, meta)
+        weight = self.weight_object(fmt, tensors, meta)
         emulate = bool(meta and meta[0])
         if emulate and fmt == "nvfp4":
             x = fq_nvfp4(x, weight.input_scale)
@@ -182,8 +183,8 @@ class ReferenceBackend(Backend):
         valid = (ids >= 0) & (ids < num_experts)
         for e in torch.unique(ids[valid]).tolist():
             token_idx, slot = torch.nonzero(ids == e, as_tuple=True)
-            w13_e = self._weight(fmt, [t[e] for t in w13], meta)
-            w2_e = self._weight(fmt, [t[e] for t in w2], meta)
+            w13_e = self.weight_object(fmt, [t[e] for t in w13], meta)
+            w2_e = self.weight_object(fmt, [t[e] for t in w2], meta)
             h = _chunked_matmul(
                 xf[token_idx], w13_e, fmt, None if w13_bias is None else w13_bias[e]
             )

@@ -147,3 +147,17 @@ def test_console_script_runs_on_this_machine():
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "Decisions" in out.stdout
+
+
+def test_verify_runs_every_runnable_backend_against_float64(capsys):
+    code, out, err = _run(capsys, "verify", "--format", "nvfp4", "--json")
+    assert code == 0, err
+    rows = json.loads(out)
+    assert rows and all(r["ok"] and 0 < r["rel_err"] < r["bound"] for r in rows)
+    assert {r["act_dtype"] for r in rows} == {"bf16", "fp16"}
+
+
+def test_verify_refuses_a_simulated_device(capsys, monkeypatch):
+    monkeypatch.setenv("QUANTDISPATCH_DEVICE", "h100")
+    code, _, err = _run(capsys, "verify")
+    assert code == 1 and "verify runs kernels" in err
