@@ -9,6 +9,7 @@ from quantdispatch.checkpoints.config import (
 )
 from quantdispatch.checkpoints.reader import LoadedLinear, QuantWeight, merge_shards, read_linear
 from quantdispatch.checkpoints.safetensors_dict import SafetensorsStateDict
+from quantdispatch.checkpoints.sharding import shard_bounds, shard_weight
 
 __all__ = [
     "LayerQuant",
@@ -20,4 +21,6 @@ __all__ = [
     "merge_shards",
     "parse_quant_config",
     "read_linear",
+    "shard_bounds",
+    "shard_weight",
 ]
