@@ -1,0 +1,212 @@
+"""Large-M path: dequantize a bounded slab of weight rows to 16-bit, then a cuBLAS GEMM.
+
+Why: from a few hundred tokens on, a GEMM is bound by tensor-core math, not by weight bytes, and
+cuBLAS's bf16/fp16 GEMM is the fastest tensor-core code torch has. Dequantizing costs one pass
+over the packed weight (0.5625 B/weight read, 2 B/weight written to a slab that stays in L2 for
+small slabs), which is small next to the GEMM once M is large.
+
+Memory: the slab is a fixed workspace of ``WORKSPACE_ELEMENTS`` 16-bit values (64 MiB) per device
+and dtype, allocated once at the first large-M call and never grown or freed (a CUDA graph that
+captured it must be able to replay it). The layer itself still holds only packed weights.
+
+Numerics: each weight is decoded exactly in fp32 (e2m1 * block scale * global scale), rounded
+once to the activation dtype, and the GEMM accumulates in fp32: the same as a bf16 / fp16 model
+whose weights are the dequantized checkpoint. The global scale is applied before the 16-bit
+cast, so fp16 never sees unscaled (overflowing) products.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from quantdispatch.kernels.decode import (
+    e2m1_pair_to_f32,
+    e4m3_to_f32_scaled,
+    e4m3_to_f32_scaled_finite,
+    e8m0_to_f32_scaled,
+)
+
+__all__ = ["WORKSPACE_ELEMENTS", "dequant_fp4_rows", "dequant_fp8_rows", "dequant_gemm"]
+
+WORKSPACE_ELEMENTS = 32 * 2**20
+_WORKSPACES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+@triton.jit
+def _dequant_fp4_kernel(
+    packed_ptr,
+    scale_ptr,
+    gs_ptr,
+    out_ptr,
+    n_rows,
+    half_k,
+    stride_p,
+    stride_s,
+    stride_o,
+    GROUP: tl.constexpr,
+    SCALE_E8M0: tl.constexpr,
+    HAS_GS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)  # byte index along K / 2
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < half_k)
+    byte = tl.load(packed_ptr + rows[:, None] * stride_p + cols[None, :], mask=mask, other=0)
+    group = (cols * 2) // GROUP
+    sbits = tl.load(scale_ptr + rows[:, None] * stride_s + group[None, :], mask=mask, other=0)
+    # Codes decode to value * 2^-14; fold that power of two into the scale.
+    if SCALE_E8M0:
+        scale = e8m0_to_f32_scaled(sbits, 14)
+    else:
+        scale = e4m3_to_f32_scaled_finite(sbits) * 4194304.0  # e4m3 * 2^-8 * 2^22
+    if HAS_GS:
+        scale = scale * tl.load(gs_ptr)
+    lo, hi = e2m1_pair_to_f32(byte)
+    vals = tl.join(lo * scale, hi * scale)  # [BLOCK_R, BLOCK_B, 2]: element 2j then 2j + 1
+    vals = tl.reshape(vals, (BLOCK_R, 2 * BLOCK_B))
+    out_cols = tl.program_id(1) * 2 * BLOCK_B + tl.arange(0, 2 * BLOCK_B)
+    omask = (rows[:, None] < n_rows) & (out_cols[None, :] < 2 * half_k)
+    tl.store(
+        out_ptr + rows[:, None] * stride_o + out_cols[None, :],
+        vals.to(out_ptr.dtype.element_ty),
+        mask=omask,
+    )
+
+
+@triton.jit
+def _dequant_fp8_kernel(
+    w_ptr,
+    scale_ptr,
+    out_ptr,
+    n_rows,
+    k,
+    row0,
+    stride_w,
+    stride_s,
+    stride_o,
+    SCALE_KIND: tl.constexpr,  # 0 tensor, 1 channel, 2 block
+    BLOCK_SN: tl.constexpr,
+    BLOCK_SK: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < k)
+    bits = tl.load(w_ptr + rows[:, None] * stride_w + cols[None, :], mask=mask, other=0)
+    if SCALE_KIND == 0:
+        scale = tl.load(scale_ptr)
+    elif SCALE_KIND == 1:
+        scale = tl.load(scale_ptr + (row0 + rows)[:, None], mask=rows[:, None] < n_rows, other=0.0)
+    else:
+        sr = (row0 + rows) // BLOCK_SN
+        sc = cols // BLOCK_SK
+        scale = tl.load(scale_ptr + sr[:, None] * stride_s + sc[None, :], mask=mask, other=0.0)
+    vals = e4m3_to_f32_scaled(bits) * (scale * 256.0)
+    tl.store(
+        out_ptr + rows[:, None] * stride_o + cols[None, :],
+        vals.to(out_ptr.dtype.element_ty),
+        mask=mask,
+    )
+
+
+def _workspace(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    key = (device, dtype)
+    ws = _WORKSPACES.get(key)
+    if ws is None:
+        ws = torch.empty(WORKSPACE_ELEMENTS, dtype=dtype, device=device)
+        _WORKSPACES[key] = ws
+    return ws
+
+
+def dequant_fp4_rows(
+    packed: torch.Tensor,
+    block_scale_u8: torch.Tensor,
+    global_scale: torch.Tensor | None,
+    out: torch.Tensor,
+    *,
+    scale_format: str,
+) -> torch.Tensor:
+    """Write the dequantized rows of an NVFP4 / MXFP4 weight into ``out`` [rows, K] (16-bit)."""
+    n, half_k = packed.shape
+    block_r, block_b = 32, 64
+    grid = (triton.cdiv(n, block_r), triton.cdiv(half_k, block_b))
+    _dequant_fp4_kernel[grid](
+        packed,
+        block_scale_u8,
+        global_scale if global_scale is not None else packed,
+        out,
+        n,
+        half_k,
+        packed.stride(0),
+        block_scale_u8.stride(0),
+        out.stride(0),
+        GROUP=32 if scale_format == "e8m0" else 16,
+        SCALE_E8M0=scale_format == "e8m0",
+        HAS_GS=global_scale is not None,
+        BLOCK_R=block_r,
+        BLOCK_B=block_b,
+        num_warps=4,
+    )
+    return out
+
+
+def dequant_fp8_rows(
+    weight_u8: torch.Tensor,
+    scale: torch.Tensor,
+    row0: int,
+    out: torch.Tensor,
+    *,
+    block_size: tuple[int, int] | None,
+) -> torch.Tensor:
+    """Dequantize FP8 rows ``row0 .. row0 + len(weight_u8)`` (scales indexed from row0)."""
+    n, k = weight_u8.shape
+    kind = 2 if block_size is not None else (0 if scale.dim() == 0 else 1)
+    bn, bk = block_size or (1, 1)
+    block_r, block_k = 32, 128
+    grid = (triton.cdiv(n, block_r), triton.cdiv(k, block_k))
+    _dequant_fp8_kernel[grid](
+        weight_u8,
+        scale,
+        out,
+        n,
+        k,
+        row0,
+        weight_u8.stride(0),
+        scale.stride(0) if scale.dim() == 2 else 0,
+        out.stride(0),
+        SCALE_KIND=kind,
+        BLOCK_SN=bn,
+        BLOCK_SK=bk,
+        BLOCK_R=block_r,
+        BLOCK_K=block_k,
+        num_warps=4,
+    )
+    return out
+
+
+def dequant_gemm(
+    x: torch.Tensor,
+    n: int,
+    k: int,
+    dequant_rows,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """y [M, N] = x @ W.T (+ bias), W produced slab by slab by ``dequant_rows(a, b, out)``."""
+    m = x.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    ws = _workspace(x.device, x.dtype)
+    rows = max(1, min(n, WORKSPACE_ELEMENTS // k))
+    bias16 = bias.to(x.dtype) if bias is not None else None
+    for a in range(0, n, rows):
+        b = min(n, a + rows)
+        slab = ws[: (b - a) * k].view(b - a, k)
+        dequant_rows(a, b, slab)
+        if bias16 is not None:
+            torch.addmm(bias16[a:b], x, slab.t(), out=out[:, a:b])
+        else:
+            torch.mm(x, slab.t(), out=out[:, a:b])
+    return out
