@@ -1,0 +1,296 @@
+"""Weight-only FP8 (E4M3) GEMM in Triton, W8A16: ``out = x @ (W * scale).T (+ bias)``.
+
+For GPUs without FP8 tensor cores (SM75-SM86) and for FP8 checkpoints whose activations stay
+16-bit. The e4m3 bytes are decoded with integer ops (no fp8 dtype in Triton, which rejects it
+below SM89) straight to their exact 16-bit value (:func:`.decode.e4m3_to_16bit`: bits into
+the bottom of the 16-bit exponent field, one exact power-of-two multiply); the interpreter's
+bf16 path uses the fp32 decode instead. Scales, by ``scale.dim()``:
+
+* 0: per-tensor, 1: per-output-channel [N] -- applied to the fp32 accumulator at the end;
+* 2: block [ceil(N/bn), ceil(K/bk)] (DeepSeek-style 128x128) -- each K tile lies inside one
+  scale block (BLOCK_K divides bk), so every tile's fp32 partial product is scaled by its
+  per-column block scale before it is accumulated.
+
+One tiled kernel (the FP4 small-M kernel's in-program K split is not ported here yet: at
+M <= 16 on 4096-wide layers this kernel is occupancy-limited, see benchmarks/NOTES.md).
+Same CUDA-graph properties as :mod:`.fp4_linear`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from quantdispatch.errors import InputError, WeightFormatError, format_error
+from quantdispatch.kernels import fp4_linear as _fp4
+from quantdispatch.kernels.configs import GemmConfig, get_config
+from quantdispatch.kernels.decode import e4m3_to_16bit, e4m3_to_f32_scaled
+from quantdispatch.kernels.fp4_linear import (
+    check_activation,
+    check_bias,
+    check_same_device,
+    mma_tile,
+)
+
+__all__ = ["fp8_weight_only_linear"]
+
+
+@triton.jit(do_not_specialize=["M"])
+def _fp8_gemm_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_sk,
+    stride_om,
+    SCALE_KIND: tl.constexpr,
+    BLOCK_SN: tl.constexpr,
+    BLOCK_SK: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    BF16: tl.constexpr,
+    DEQ16: tl.constexpr,
+    SWAP_AB: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """One [BLOCK_M, BLOCK_N] output tile over all of K; SCALE_KIND 0 tensor, 1 channel, 2 block."""
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * num_pid_n
+    first_m = (pid // width) * GROUP_M
+    rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % rows
+    pid_n = (pid % width) // rows
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.minimum(offs_m, M - 1).to(tl.int64)
+    rn = tl.minimum(offs_n, N - 1).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + rm[:, None] * stride_xm + offs_k[None, :]
+    w_ptrs = w_ptr + rn[:, None] * stride_wn + offs_k[None, :]
+    s_row_ptrs = s_ptr + (rn // BLOCK_SN) * stride_sn  # block scales of this tile's columns
+
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    row_ok = (offs_m < M)[:, None]  # rows past M masked: no duplicate requests to one line
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=row_ok, other=0.0)
+            b = tl.load(w_ptrs)
+        else:
+            x = tl.load(x_ptrs, mask=row_ok & (offs_k[None, :] < K - k0), other=0.0)
+            b = tl.load(w_ptrs, mask=offs_k[None, :] < K - k0, other=0)
+        if DEQ16:  # noqa: SIM108 -- exact e4m3 values straight in 16-bit
+            w = e4m3_to_16bit(b, BF16)
+        else:  # interpreter's bf16: fp32, e4m3 * 2^-8 (the 2^8 goes to the epilogue)
+            w = e4m3_to_f32_scaled(b)
+        if SCALE_KIND == 2:  # this K tile lies in one scale block: scale its partial product
+            part = tl.zeros(acc.shape, dtype=tl.float32)
+            part = mma_tile(part, x, w, SWAP_AB, DOT_F32)
+            s_blk = tl.load(s_row_ptrs + (k0 // BLOCK_SK) * stride_sk)
+            if SWAP_AB:
+                acc += part * s_blk[:, None]
+            else:
+                acc += part * s_blk[None, :]
+        else:
+            acc = mma_tile(acc, x, w, SWAP_AB, DOT_F32)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+
+    if SWAP_AB:
+        acc = tl.trans(acc)
+    if SCALE_KIND == 0:
+        acc = acc * tl.load(s_ptr)
+    elif SCALE_KIND == 1:
+        acc = acc * tl.load(s_ptr + rn)[None, :]
+    if not DEQ16:
+        acc = acc * 256.0
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + rn).to(tl.float32)[None, :]
+    o_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _interpreted() -> bool:
+    """True when this kernel was built for Triton's CPU interpreter (see fp4_linear)."""
+    return type(_fp8_gemm_kernel).__name__ == "InterpretedFunction"
+
+
+def _check_fp8_weights(
+    weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int] | None, k: int
+) -> tuple[torch.Tensor, int, tuple[int, int]]:
+    """Validate weight/scale; returns (uint8 weight view, scale kind, block size or (1, 1))."""
+    where = "fp8_weight_only_linear"
+    if (
+        weight.dtype not in (torch.float8_e4m3fn, torch.uint8)
+        or weight.dim() != 2
+        or (weight.stride(1) != 1)
+    ):
+        raise WeightFormatError(
+            format_error(
+                f"{where}: weight is {weight.dtype} {tuple(weight.shape)} "
+                f"strides {weight.stride()}",
+                "FP8 weights are float8_e4m3fn (or its uint8 view) [N, K] with contiguous rows",
+                "pass the checkpoint weight unchanged (.contiguous() once at load)",
+            )
+        )
+    n = weight.shape[0]
+    if scale.dtype != torch.float32:
+        raise WeightFormatError(
+            format_error(
+                f"{where}: scale dtype is {scale.dtype}",
+                "FP8 weight scales are float32",
+                "convert the scale once at load: scale.float()",
+            )
+        )
+    kind = scale.dim()
+    if kind == 0:
+        bs = (1, 1)
+    elif kind == 1:
+        if scale.shape[0] != n:
+            raise WeightFormatError(
+                format_error(
+                    f"{where}: per-channel scale has {scale.shape[0]} entries",
+                    f"it needs N={n}",
+                    "pass the [N] weight scale of this layer",
+                )
+            )
+        bs = (1, 1)
+    elif kind == 2:
+        if block_size is None or len(block_size) != 2 or min(block_size) <= 0:
+            raise WeightFormatError(
+                format_error(
+                    f"{where}: 2-D scale {tuple(scale.shape)} with block_size={block_size!r}",
+                    "block scales need block_size=(block_n, block_k)",
+                    "pass the checkpoint's weight_block_size, e.g. (128, 128)",
+                )
+            )
+        bn, bk = int(block_size[0]), int(block_size[1])
+        want = (triton.cdiv(n, bn), triton.cdiv(k, bk))
+        if tuple(scale.shape) != want:
+            raise WeightFormatError(
+                format_error(
+                    f"{where}: block scale shape {tuple(scale.shape)}",
+                    f"with block_size {(bn, bk)} it must be "
+                    f"[ceil(N/{bn}), ceil(K/{bk})] = {list(want)}",
+                    "pass the scale that belongs to this weight and block size",
+                )
+            )
+        if bk % 16 != 0:
+            raise WeightFormatError(
+                format_error(
+                    f"{where}: block_k={bk}",
+                    "block_k must be a multiple of 16 (the MMA K step)",
+                    "use the reference backend for this checkpoint",
+                )
+            )
+        bs = (bn, bk)
+    else:
+        raise WeightFormatError(
+            format_error(
+                f"{where}: scale has {kind} dims",
+                "0 (tensor), 1 (channel) or 2 (block)",
+                "pass the checkpoint's weight scale",
+            )
+        )
+    return weight.view(torch.uint8), kind, bs
+
+
+def fp8_weight_only_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    block_size: tuple[int, int] | None,
+    bias: torch.Tensor | None = None,
+    config: GemmConfig | None = None,
+) -> torch.Tensor:
+    """``x @ (weight * scale).T + bias`` with 16-bit activations; [M, N] in x.dtype.
+
+    ``scale``: 0-dim (tensor), [N] (channel) or [ceil(N/bn), ceil(K/bk)] with
+    ``block_size=(bn, bk)`` (block). ``config`` overrides the table (tuning and tests only).
+    """
+    k = weight.shape[1] if weight.dim() == 2 else -1
+    x = check_activation(x, k, "fp8_weight_only_linear")
+    w_u8, kind, (bn, bk) = _check_fp8_weights(weight, scale, block_size, k)
+    check_same_device(x, "fp8_weight_only_linear", weight=weight, scale=scale, bias=bias)
+    n = weight.shape[0]
+    check_bias(bias, n, "fp8_weight_only_linear")
+    m = x.shape[0]
+    out = _fp4.empty_output(m, n, x.dtype, x.device)
+    if m == 0 or n == 0:
+        return out
+    if config is None:
+        config, _ = get_config("fp8", x.device, n, k, m)
+    if config.split:  # an FP4 small-M entry: no in-program split here, use its full K width
+        config = GemmConfig(
+            config.block_m,
+            max(config.block_n, 32),
+            min(config.block_k * config.split, 512),
+            4,
+            config.num_stages,
+            swap_ab=0,
+        )
+    # one byte per weight: K tiles twice as wide in bytes as FP4's; keep stages inside 227 KB
+    block_k = min(config.block_k, 256 if config.block_m <= 32 else 128)
+    if kind == 2:  # a K tile must not straddle two scale blocks
+        while bk % block_k != 0:
+            block_k //= 2
+        if block_k < 16:
+            raise InputError(
+                format_error(
+                    f"fp8_weight_only_linear: block_k={bk}",
+                    "it must be a multiple of 16",
+                    "use the reference backend",
+                )
+            )
+    s = scale
+    grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
+    _fp8_gemm_kernel[grid](
+        x,
+        w_u8,
+        s,
+        bias if bias is not None else x,
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        w_u8.stride(0),
+        s.stride(0) if kind == 2 else 0,
+        s.stride(1) if kind == 2 else 0,
+        out.stride(0),
+        SCALE_KIND=kind,
+        BLOCK_SN=bn,
+        BLOCK_SK=bk,
+        HAS_BIAS=bias is not None,
+        EVEN_K=k % block_k == 0,
+        DOT_F32=_interpreted(),
+        BF16=x.dtype == torch.bfloat16,
+        DEQ16=not (_interpreted() and x.dtype == torch.bfloat16),
+        SWAP_AB=bool(config.swap_ab),
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=block_k,
+        GROUP_M=config.group_m,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    return out
