@@ -23,6 +23,12 @@ if TYPE_CHECKING:
 
 _GROUP = {"nvfp4": 16, "mxfp4": 32}
 
+#: From this many activation rows on, the GEMM is tensor-core bound: dequantize bounded slabs of
+#: the weight to 16-bit and run cuBLAS (kernels/dequant_gemm.py). Below it, the fused Triton
+#: kernels stream the packed weight. Chosen from the H200 measurements in
+#: benchmarks/results/linear-h200-*.md (columns NVFP4 and NVFP4 deq+cuBLAS).
+DEQUANT_GEMM_MIN_M = 128
+
 
 class TritonBackend(Backend):
     name = "triton"
@@ -101,33 +107,46 @@ class TritonBackend(Backend):
         fmt: str,
         meta: Sequence[int],
     ) -> torch.Tensor:
+        """Fused weight-streaming kernels for small M, dequantized slabs + cuBLAS for large M.
+
+        The path depends only on M (a host-side shape), so nothing synchronizes.
+        """
         import torch
 
-        if fmt == "nvfp4":
+        from quantdispatch.ops import op_view
+
+        large = x.shape[0] >= DEQUANT_GEMM_MIN_M
+        if fmt in ("nvfp4", "mxfp4"):
+            scale_format = "e4m3" if fmt == "nvfp4" else "e8m0"
+            packed, block_scale = tensors[0], op_view(tensors[1], torch.uint8)
+            global_scale = tensors[2] if fmt == "nvfp4" else None
+            if large:
+                from quantdispatch.kernels.dequant_gemm import dequant_fp4_rows, dequant_gemm
+
+                def rows(a: int, b: int, out: torch.Tensor) -> None:
+                    dequant_fp4_rows(
+                        packed[a:b], block_scale[a:b], global_scale, out, scale_format=scale_format
+                    )
+
+                return dequant_gemm(x, packed.shape[0], packed.shape[1] * 2, rows, bias)
             from quantdispatch.kernels.fp4_linear import fp4_linear
 
-            packed, block_scale, global_scale = tensors[:3]
             return fp4_linear(
-                x,
-                packed,
-                block_scale.view(torch.uint8),
-                global_scale,
-                scale_format="e4m3",
-                bias=bias,
+                x, packed, block_scale, global_scale, scale_format=scale_format, bias=bias
             )
-        if fmt == "mxfp4":
-            from quantdispatch.kernels.fp4_linear import fp4_linear
-
-            packed, block_scale = tensors
-            return fp4_linear(x, packed, block_scale, None, scale_format="e8m0", bias=bias)
         if fmt == "fp8":
+            weight, scale = op_view(tensors[0], torch.uint8), tensors[1]
+            block = (int(meta[0]), int(meta[1])) if len(meta) == 2 else None
+            if large:
+                from quantdispatch.kernels.dequant_gemm import dequant_fp8_rows, dequant_gemm
+
+                def rows8(a: int, b: int, out: torch.Tensor) -> None:
+                    dequant_fp8_rows(weight[a:b], scale, a, out, block_size=block)
+
+                return dequant_gemm(x, weight.shape[0], weight.shape[1], rows8, bias)
             from quantdispatch.kernels.fp8_linear import fp8_weight_only_linear
 
-            weight, scale = tensors[:2]
-            block = (int(meta[0]), int(meta[1])) if len(meta) == 2 else None
-            return fp8_weight_only_linear(
-                x, weight.view(torch.uint8), scale, block_size=block, bias=bias
-            )
+            return fp8_weight_only_linear(x, weight, scale, block_size=block, bias=bias)
         return super().linear(x, tensors, bias, fmt, meta)
 
     def moe(
