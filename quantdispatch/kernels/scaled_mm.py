@@ -182,7 +182,12 @@ def fp8_scaled_mm_linear(
     x = x if x.is_contiguous() else x.contiguous()
 
     if input_scale is None:
-        xq, scale_a = _quantize_per_token(x)
+        if x.is_cuda and x.stride(1) == 1:
+            from quantdispatch.kernels.fp8_quant import quantize_per_token_fp8
+
+            xq, scale_a = quantize_per_token_fp8(x)  # one launch instead of ~6 torch ops
+        else:
+            xq, scale_a = _quantize_per_token(x)
         rowwise = True
     else:
         if input_scale.numel() != 1:

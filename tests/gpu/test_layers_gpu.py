@@ -122,3 +122,18 @@ def test_reference_backend_on_gpu_keeps_memory_bounded():
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base
     assert extra < 64 * 2**20, f"{extra / 2**20:.1f} MiB"  # a full fp32 copy would be 235 MB
+
+
+@pytest.mark.parametrize(("m", "k"), [(1, 4096), (7, 14336), (33, 1000)])
+def test_fused_per_token_fp8_quantization_is_bitwise_the_torch_maths(m, k):
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("native FP8 (and this kernel) needs SM89+")
+    from quantdispatch.kernels.fp8_quant import quantize_per_token_fp8
+    from quantdispatch.kernels.scaled_mm import _quantize_per_token
+
+    x = (torch.randn(m, k, device=DEV) * 3).to(torch.bfloat16)
+    x[0, 0] = 0.0
+    q, s = quantize_per_token_fp8(x)
+    q_ref, s_ref = _quantize_per_token(x)
+    assert torch.equal(s, s_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
