@@ -30,7 +30,7 @@ def _per_token_fp8_kernel(x_ptr, q_ptr, s_ptr, k, stride_x, stride_q, BLOCK_K: t
     for k0 in range(0, k, BLOCK_K):
         mask = k0 + offs < k
         v = tl.load(x_ptr + row * stride_x + k0 + offs, mask=mask, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(v / scale, -448.0), 448.0)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -448.0), 448.0)  # IEEE, like torch
         tl.store(q_ptr + row * stride_q + k0 + offs, q.to(tl.float8e4nv), mask=mask)
 
 
