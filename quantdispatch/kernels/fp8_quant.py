@@ -25,7 +25,7 @@ def _per_token_fp8_kernel(x_ptr, q_ptr, s_ptr, k, stride_x, stride_q, BLOCK_K: t
     for k0 in range(0, k, BLOCK_K):
         v = tl.load(x_ptr + row * stride_x + k0 + offs, mask=k0 + offs < k, other=0.0)
         amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
-    scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / 448.0
+    scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), 1e-12), 448.0)
     tl.store(s_ptr + row, scale)
     for k0 in range(0, k, BLOCK_K):
         mask = k0 + offs < k
