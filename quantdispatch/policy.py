@@ -176,9 +176,16 @@ def _read_toml(text: str, source: str) -> dict[str, Any]:
 @functools.lru_cache(maxsize=1)
 def default_policy() -> Policy:
     """The packaged default policy (validated once)."""
-    res = importlib.resources.files("quantdispatch.policies").joinpath(DEFAULT_POLICY_NAME)
     source = f"<packaged>/{DEFAULT_POLICY_NAME}"
-    return parse_policy(_read_toml(res.read_text(encoding="utf-8"), source), source)
+    try:
+        res = importlib.resources.files("quantdispatch.policies").joinpath(DEFAULT_POLICY_NAME)
+        text = res.read_text(encoding="utf-8")
+    except ModuleNotFoundError:
+        # Running from a source tree without installing (PYTHONPATH=checkout): the table is in
+        # the top-level policies/ folder that the wheel maps to quantdispatch.policies.
+        path = Path(__file__).resolve().parent.parent / "policies" / DEFAULT_POLICY_NAME
+        text, source = path.read_text(encoding="utf-8"), str(path)
+    return parse_policy(_read_toml(text, source), source)
 
 
 @functools.lru_cache(maxsize=32)

@@ -77,3 +77,22 @@ def test_policy_file_is_reread_after_a_change(tmp_path):
     t = time.time() + 5
     os.utime(f, (t, t))
     assert load_policy(f).candidates("fp8", Op.LINEAR) == ("triton", "reference")
+
+
+def test_default_policy_loads_from_a_source_tree_without_install():
+    """PYTHONPATH=checkout (no pip install): quantdispatch.policies is not a package there."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, importlib.abc\n"
+        "class Block(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name == 'quantdispatch.policies':\n"
+        "            raise ModuleNotFoundError(name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "from quantdispatch.policy import default_policy\n"
+        "print(default_policy().sources[0])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().endswith("policies/default.toml")
