@@ -1,0 +1,459 @@
+#!/usr/bin/env python3
+"""Side-by-side timing of one MoE layer per model on one GPU, in one run.
+
+Models (experts, top-k, hidden, intermediate): Qwen3-30B-A3B (128, 8, 2048, 768), Mixtral-8x7B
+(8, 2, 4096, 14336), DeepSeek-V3 (256, 8, 7168, 2048); M = 1 ... 4096 tokens. Columns:
+
+* ``nvfp4``: quantdispatch's Triton fused MoE on packed NVFP4 experts (align + gate/up GEMM
+  with fused SiLU + down GEMM + top-k reduction: the whole op);
+* ``bf16``: the same experts dequantized to bf16, run with ``torch._grouped_mm`` on tokens
+  sorted by expert (sort, gather, two grouped GEMMs, SiLU, weighted sum), i.e. what a user
+  gets from an unquantized MoE; a per-expert loop (eager timing, it synchronizes) where this
+  torch has no ``_grouped_mm``. All experts are held in bf16 (they fit in an H200);
+* ``floor``: NVFP4 bytes of the experts the routing actually touches (distinct ids, averaged
+  over the rotated routings) + activations in/out, divided by the copy bandwidth measured here.
+
+Routing: random router logits, top-k, softmax over the selected (renormalized), 8 different
+routings (and activations) cycled inside each CUDA graph so that consecutive calls touch
+different experts (the weights of one call stay out of L2 for the next). Each kernel is checked
+against the reference backend (fp32, chunked dequant) before it is timed; a failed check is
+recorded and not timed. Timing: median over CUDA-graph replays after a warm-up.
+
+    PYTHONPATH=$PWD python3 benchmarks/moe.py [--quick] [--out DIR] [--models a,b] [--sweep]
+
+``--sweep`` then times alternative tile configs at a few points (written to a second JSON)
+within ``--sweep-budget`` seconds. ``--smoke`` runs tiny shapes on the CPU interpreter (a
+check of this script, no meaningful timing).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if "--smoke" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+import argparse
+import datetime as dt
+import json
+import math
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from quantdispatch.backends.reference import ReferenceBackend
+from quantdispatch.kernels import fused_moe as fm
+
+MODELS: dict[str, tuple[int, int, int, int]] = {
+    "qwen3-30b-a3b": (128, 8, 2048, 768),
+    "mixtral-8x7b": (8, 2, 4096, 14336),
+    "deepseek-v3": (256, 8, 7168, 2048),
+}
+SMOKE_MODELS = {"tiny": (8, 2, 64, 32), "tiny-wide": (16, 4, 96, 64)}
+MS = [1, 4, 16, 64, 256, 1024, 4096]
+QUICK_MS = [1, 16, 256, 4096]
+SMOKE_MS = [1, 4, 33]
+ROUTINGS = 8
+BOUND = 2e-2  # bf16 normwise vs the fp32 reference (tests/gpu/test_moe_gpu.py: 1.5e-2 vs f64)
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+
+def log(*a: object) -> None:
+    print(*a, flush=True)
+
+
+# ---- timing ----------------------------------------------------------------------------------
+
+
+def time_graph(calls: list[Callable[[], object]], target_s: float = 0.25) -> float:
+    """Median microseconds per call over CUDA-graph replays of all ``calls`` back to back."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in calls:  # warm-up: compiles, allocator pools
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in calls:
+            f()
+    g.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    g.replay()
+    torch.cuda.synchronize()
+    one = time.perf_counter() - t0
+    replays = max(5, min(50, int(target_s / max(one, 1e-6))))
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / len(calls))
+    del g
+    return statistics.median(times)
+
+
+def time_eager(calls: list[Callable[[], object]], reps: int = 5) -> float:
+    """Median microseconds per call, eager (for paths that synchronize, and the CPU smoke)."""
+    for f in calls:
+        f()
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    times = []
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        for f in calls:
+            f()
+        sync()
+        times.append((time.perf_counter() - t0) * 1e6 / len(calls))
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second (the floor's denominator)."""
+    n = 2 << 30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    us = time_graph([lambda: dst.copy_(src)] * 4)
+    return 2 * n / (us * 1e-6)
+
+
+def driver_version() -> str:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=20, check=False,
+        ).stdout  # fmt: skip
+        return out.strip().splitlines()[0]
+    except Exception:
+        return "unknown"
+
+
+# ---- one model's layer ---------------------------------------------------------------------
+
+
+class Layer:
+    """Random NVFP4 experts of one model (stacked canonical tensors) and their bf16 copy."""
+
+    def __init__(self, e: int, top_k: int, h: int, i: int, dev: torch.device, seed: int):
+        self.e, self.top_k, self.h, self.i, self.dev = e, top_k, h, i, dev
+        gen = torch.Generator(device=dev).manual_seed(seed)
+        self.w13 = self._nvfp4(2 * i, h, gen)
+        self.w2 = self._nvfp4(h, i, gen)
+        self.bytes_per_expert = int(3 * i * h * (0.5 + 1 / 16) + 8)
+        # bf16 experts [E, N, K], dequantized once (the unquantized baseline's weights)
+        self.b13 = self._dequant(self.w13)
+        self.b2 = self._dequant(self.w2)
+        self.grouped = hasattr(torch, "_grouped_mm") and dev.type == "cuda"
+
+    def _nvfp4(self, n: int, k: int, gen: torch.Generator) -> list[torch.Tensor]:
+        e, dev = self.e, self.dev
+        packed = torch.randint(0, 256, (e, n, k // 2), generator=gen, device=dev, dtype=torch.uint8)
+        bits = torch.randint(0x28, 0x48, (e, n, k // 16), generator=gen, device=dev,
+                             dtype=torch.uint8)  # fmt: skip
+        gs = (0.5 + torch.rand(e, generator=gen, device=dev)) / (3 * math.sqrt(k))
+        return [packed, bits.view(torch.float8_e4m3fn), gs.to(torch.float32)]
+
+    def _dequant(self, w: list[torch.Tensor]) -> torch.Tensor:
+        packed, bs, gs = w
+        e, n, kh = packed.shape
+        lut = torch.tensor(E2M1 + [-v for v in E2M1], device=self.dev)
+        out = torch.empty((e, n, 2 * kh), dtype=torch.bfloat16, device=self.dev)
+        for x in range(e):
+            codes = torch.stack([packed[x] & 0xF, packed[x] >> 4], -1).flatten(-2).long()
+            v = lut[codes].view(n, -1, 16) * bs[x].float()[:, :, None] * gs[x]
+            out[x] = v.view(n, -1).to(torch.bfloat16)
+        return out
+
+    def routings(self, m: int, count: int, gen: torch.Generator):
+        """``count`` different (x, ids, weights) inputs: softmax over the top-k logits."""
+        out = []
+        for _ in range(count):
+            logits = torch.randn(m, self.e, generator=gen, device=self.dev)
+            val, ids = logits.topk(self.top_k, dim=-1)
+            w = torch.softmax(val, dim=-1)
+            x = torch.randn(m, self.h, generator=gen, device=self.dev).to(torch.bfloat16)
+            out.append((x, ids.to(torch.int32), w.float()))
+        return out
+
+    def nvfp4(self, x, ids, w, config=None):
+        return fm.fused_moe(x, ids, w, self.w13, self.w2, None, None, fmt="nvfp4",
+                            activation="silu", params=[], meta=[0], config=config)  # fmt: skip
+
+    def reference(self, x, ids, w):
+        return ReferenceBackend().moe(x, ids, w, self.w13, self.w2, None, None, "nvfp4", "silu",
+                                      [], [0])  # fmt: skip
+
+    def bf16(self, x, ids, w):
+        """Unquantized MoE: sort pairs by expert, two grouped GEMMs, weighted top-k sum."""
+        m, k = ids.shape
+        flat = ids.flatten().long()
+        order = torch.argsort(flat, stable=True)
+        xs = x.index_select(0, order // k)
+        if self.grouped:
+            counts = torch.zeros(self.e, dtype=torch.int32, device=x.device)
+            counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+            offs = torch.cumsum(counts, 0, dtype=torch.int32)
+            hh = torch._grouped_mm(xs, self.b13.transpose(1, 2), offs=offs)
+            a = F.silu(hh[:, : self.i]) * hh[:, self.i :]
+            ys = torch._grouped_mm(a, self.b2.transpose(1, 2), offs=offs)
+        else:  # eager per-expert loop (host sync on the counts)
+            counts = torch.bincount(flat, minlength=self.e).tolist()
+            ys = torch.empty((m * k, self.h), dtype=x.dtype, device=x.device)
+            start = 0
+            for e, c in enumerate(counts):
+                if c:
+                    hh = xs[start : start + c] @ self.b13[e].T
+                    a = F.silu(hh[:, : self.i]) * hh[:, self.i :]
+                    ys[start : start + c] = a @ self.b2[e].T
+                start += c
+        y = torch.empty_like(ys)
+        y[order] = ys
+        return (y.view(m, k, self.h).float() * w[:, :, None]).sum(1).to(x.dtype)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    if not bool(torch.isfinite(out).all()):
+        return math.inf
+    return float((out.double() - ref.double()).norm() / ref.double().norm())
+
+
+def distinct_experts(ids: torch.Tensor) -> int:
+    return int(torch.unique(ids).numel())
+
+
+# ---- main ------------------------------------------------------------------------------------
+
+
+def config_dict(cfg: fm.MoeConfig) -> dict:
+    return {
+        "block_m": cfg.block_m,
+        "direct": cfg.direct,
+        "gemm1": vars(cfg.gemm1).copy(),
+        "gemm2": vars(cfg.gemm2).copy(),
+    }
+
+
+def run_point(layer: Layer, name: str, m: int, gen, bw: float, graphs: bool) -> list[dict]:
+    inputs = layer.routings(m, ROUTINGS if graphs else 2, gen)
+    touched = statistics.mean(distinct_experts(ids) for _, ids, _ in inputs)
+    moved = touched * layer.bytes_per_expert + 2 * m * layer.h * 2
+    floor = moved / bw * 1e6 if bw else math.nan
+    x0, ids0, w0 = inputs[0]
+    ref = layer.reference(x0, ids0, w0)
+    cfg = fm.moe_config(m, layer.top_k, layer.e, layer.i, layer.h, "nvfp4", x0.device)
+    rows = []
+    for kern in ("nvfp4", "bf16"):
+        fn = layer.nvfp4 if kern == "nvfp4" else layer.bf16
+        row = {"model": name, "M": m, "kernel": kern, "us": None, "rel_err": math.nan,
+               "floor_us": floor, "experts_touched": touched}  # fmt: skip
+        if kern == "nvfp4":
+            row["config"] = config_dict(cfg)
+        else:
+            row["path"] = "grouped_mm" if layer.grouped else "per-expert loop (eager)"
+        try:
+            err = rel_err(fn(x0, ids0, w0), ref)
+            row["rel_err"] = err
+            if err < BOUND:
+                calls = [lambda a=a, b=b, c=c, fn=fn: fn(a, b, c) for a, b, c in inputs]
+                use_graph = graphs and (kern == "nvfp4" or layer.grouped)
+                row["us"] = (
+                    time_graph(calls) if use_graph else time_eager(calls, 5 if graphs else 1)
+                )
+                row["timing"] = "cuda-graph" if use_graph else "eager"
+            else:
+                log(f"  {name} M={m} {kern}: CHECK FAILED rel_err={err:.3g}")
+        except Exception as exc:  # keep the other column
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            log(f"  {name} M={m} {kern}: {row['error']}")
+        rows.append(row)
+    nv, bf = rows
+    ratio = f"{bf['us'] / nv['us']:.2f}x" if nv["us"] and bf["us"] else "-"
+    vs_floor = f"{nv['us'] / floor:.2f}x" if nv["us"] and floor == floor else "-"
+    log(
+        f"{name} M={m}: nvfp4 {fmt_us(nv['us'])} (e={nv['rel_err']:.1e}) "
+        f"bf16 {fmt_us(bf['us'])} (e={bf['rel_err']:.1e}) floor {floor:.1f} | "
+        f"bf16/nvfp4 {ratio} nvfp4/floor {vs_floor}"
+    )
+    return rows
+
+
+def fmt_us(us: float | None) -> str:
+    return "FAIL" if us is None else f"{us:.1f}"
+
+
+def markdown(meta: dict, rows: list[dict]) -> str:
+    by = {(r["model"], r["M"], r["kernel"]): r for r in rows}
+    out = [
+        f"# MoE layer on {meta['device']} ({meta['date']})",
+        "",
+        f"torch {meta['torch']}, triton {meta['triton']}, driver {meta['driver']}, CUDA "
+        f"{meta['cuda']}; copy bandwidth {meta['copy_bw_TBps']:.2f} TB/s (read+write). Median "
+        f"us per call over CUDA-graph replays, {ROUTINGS} routings cycled per graph; each kernel "
+        "checked against the reference backend first (FAIL = not timed). bf16 activations. "
+        "floor = NVFP4 bytes of the experts touched + x + out, / copy bandwidth. bf16 = "
+        f"{meta['bf16_path']}. Targets: M <= 16: bf16/nvfp4 >= 2 and nvfp4/floor <= 2; "
+        "M = 4096: nvfp4/bf16 <= 1.5.",
+        "",
+        "| model | E, top-k, H, I | M | experts touched | nvfp4 | bf16 | floor | bf16/nvfp4 "
+        "| nvfp4/floor | err nvfp4 | config |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, dims in meta["models"].items():
+        for m in meta["ms"]:
+            nv, bf = by.get((name, m, "nvfp4")), by.get((name, m, "bf16"))
+            if nv is None or bf is None:
+                continue
+            ok = nv["us"] and bf["us"]
+            r1 = f"{bf['us'] / nv['us']:.2f}x" if ok else "-"
+            fl = nv["floor_us"]
+            r2 = f"{nv['us'] / fl:.2f}x" if nv["us"] and fl == fl else "-"
+            c = nv.get("config") or {}
+            cs = (
+                f"BM{c.get('block_m')}{' direct' if c.get('direct') else ''} "
+                f"n{c.get('gemm1', {}).get('block_n')}/{c.get('gemm2', {}).get('block_n')}"
+            )
+            out.append(
+                f"| {name} | {', '.join(map(str, dims))} | {m} | {nv['experts_touched']:.1f} | "
+                f"{fmt_us(nv['us'])} | {fmt_us(bf['us'])} | {fl:.1f} | {r1} | {r2} | "
+                f"{nv['rel_err']:.1e} | {cs} |"
+            )
+    return "\n".join(out) + "\n"
+
+
+SWEEP_POINTS = [("qwen3-30b-a3b", 1), ("qwen3-30b-a3b", 16), ("qwen3-30b-a3b", 4096),
+                ("deepseek-v3", 16), ("mixtral-8x7b", 4096)]  # fmt: skip
+
+
+def sweep_configs(m: int, top_k: int, e: int) -> list[fm.MoeConfig]:
+    g = fm.MoeGemmConfig
+    if m * top_k / e <= 12:
+        out = []
+        for direct in [True, False] if 4 * m * top_k <= e else [False]:
+            for bn1, bn2, bk, st in [(16, 32, 256, 3), (32, 32, 256, 3), (16, 16, 512, 2),
+                                     (32, 64, 128, 4), (64, 64, 256, 3)]:  # fmt: skip
+                out.append(fm.MoeConfig(16, g(bn1, bk, 4, st), g(bn2, bk, 4, st), direct))
+        return out
+    return [
+        fm.MoeConfig(bm, g(bn1, bk, w, st), g(bn2, bk, w, st))
+        for bm, bn1, bn2, bk, w, st in [
+            (128, 64, 128, 64, 8, 3), (128, 64, 128, 64, 8, 4), (128, 128, 128, 64, 8, 3),
+            (64, 64, 128, 64, 4, 4), (128, 64, 256, 64, 8, 3), (128, 64, 128, 128, 8, 2),
+        ]
+    ]  # fmt: skip
+
+
+def sweep(layers: dict[str, Layer], gen, budget_s: float) -> list[dict]:
+    t0 = time.time()
+    rows = []
+    for name, m in SWEEP_POINTS:
+        layer = layers.get(name)
+        if layer is None:
+            continue
+        inputs = layer.routings(m, ROUTINGS, gen)
+        ref = layer.reference(*inputs[0])
+        for cfg in sweep_configs(m, layer.top_k, layer.e):
+            if time.time() - t0 > budget_s:
+                log("sweep: budget spent")
+                return rows
+            row = {"model": name, "M": m, "config": config_dict(cfg), "us": None}
+            try:
+                err = rel_err(layer.nvfp4(*inputs[0], config=cfg), ref)
+                row["rel_err"] = err
+                if err < BOUND:
+                    run = layer.nvfp4
+                    calls = [
+                        lambda a=a, b=b, c=c, cfg=cfg, run=run: run(a, b, c, cfg)
+                        for a, b, c in inputs
+                    ]
+                    row["us"] = time_graph(calls, target_s=0.1)
+            except Exception as exc:
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            log(f"sweep {name} M={m} {row['config']}: {fmt_us(row['us'])}")
+            rows.append(row)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help=f"M in {QUICK_MS}")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--sweep", action="store_true", help="then time alternative tile configs")
+    ap.add_argument("--sweep-budget", type=float, default=90.0)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter")
+    args = ap.parse_args()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    import triton
+
+    smoke = args.smoke
+    dev = torch.device("cpu" if smoke else "cuda")
+    models = SMOKE_MODELS if smoke else {k: MODELS[k] for k in args.models.split(",")}
+    ms = SMOKE_MS if smoke else (QUICK_MS if args.quick else MS)
+    dev_name = "cpu-interpreter" if smoke else torch.cuda.get_device_name()
+    slug = dev_name.lower().replace("nvidia ", "").replace(" ", "-")
+    date = dt.date.today().isoformat()
+    meta = {
+        "device": dev_name,
+        "capability": None if smoke else list(torch.cuda.get_device_capability()),
+        "driver": "n/a" if smoke else driver_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": triton.__version__,
+        "date": date,
+        "models": models,
+        "ms": ms,
+        "routings_per_graph": ROUTINGS,
+        "bound": BOUND,
+    }
+    t_start = time.time()
+    bw = 0.0 if smoke else copy_bandwidth()
+    meta["copy_bw_TBps"] = bw / 1e12
+    log(f"{dev_name}: copy bandwidth {bw / 1e12:.2f} TB/s")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    base = out_dir / f"moe-{slug}-{date}"
+    rows: list[dict] = []
+    layers: dict[str, Layer] = {}
+    for idx, (name, (e, k, h, i)) in enumerate(models.items()):
+        layer = Layer(e, k, h, i, dev, seed=idx)
+        meta["bf16_path"] = (
+            "torch._grouped_mm on expert-sorted tokens"
+            if layer.grouped
+            else "per-expert torch.matmul loop (eager: it synchronizes)"
+        )
+        for m in ms:
+            rows += run_point(layer, name, m, gen, bw, graphs=not smoke)
+        meta["seconds"] = round(time.time() - t_start, 1)
+        # written after every model, so a run cut short keeps what it measured
+        base.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        base.with_suffix(".md").write_text(markdown(meta, rows))
+        if args.sweep and name in {p[0] for p in SWEEP_POINTS}:
+            del layer.b13, layer.b2  # the sweep only runs nvfp4
+            layers[name] = layer
+        del layer
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    log(markdown(meta, rows))
+    if args.sweep and not smoke:
+        srows = sweep(layers, gen, args.sweep_budget)
+        (out_dir / f"moe-sweep-{slug}-{date}.json").write_text(
+            json.dumps({"meta": meta, "rows": srows}, indent=1)
+        )
+    log(f"done in {time.time() - t_start:.0f}s")
+
+
+if __name__ == "__main__":
+    main()
