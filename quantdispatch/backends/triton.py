@@ -24,10 +24,21 @@ if TYPE_CHECKING:
 _GROUP = {"nvfp4": 16, "mxfp4": 32}
 
 #: From this many activation rows on, the GEMM is tensor-core bound: dequantize bounded slabs of
-#: the weight to 16-bit and run cuBLAS (kernels/dequant_gemm.py). Below it, the fused Triton
-#: kernels stream the packed weight. Chosen from the H200 measurements in
-#: benchmarks/results/linear-h200-*.md (columns NVFP4 and NVFP4 deq+cuBLAS).
+#: the weight to 16-bit and run cuBLAS (kernels/dequant_gemm.py); below it, the fused Triton
+#: kernels stream the packed weight. Large weights (over 64M elements, e.g. a fused 28672 x 4096
+#: gate_up) switch later, because their dequantization pass costs more than the fused kernel
+#: loses at mid M. From the H200 measurements in benchmarks/results/linear-h200-*.md (columns
+#: NVFP4 and NVFP4 deq).
 DEQUANT_GEMM_MIN_M = 128
+DEQUANT_GEMM_MIN_M_LARGE_WEIGHT = 512
+LARGE_WEIGHT_ELEMENTS = 2**26
+
+
+def use_dequant_gemm(m: int, n: int, k: int) -> bool:
+    """Whether a call with M rows on an N x K weight takes the dequantize + cuBLAS path."""
+    if n * k > LARGE_WEIGHT_ELEMENTS:
+        return m >= DEQUANT_GEMM_MIN_M_LARGE_WEIGHT
+    return m >= DEQUANT_GEMM_MIN_M
 
 
 class TritonBackend(Backend):
@@ -115,7 +126,7 @@ class TritonBackend(Backend):
 
         from quantdispatch.ops import op_view
 
-        large = x.shape[0] >= DEQUANT_GEMM_MIN_M
+        large = use_dequant_gemm(x.shape[0], tensors[0].shape[0], x.shape[1])
         if fmt in ("nvfp4", "mxfp4"):
             scale_format = "e4m3" if fmt == "nvfp4" else "e8m0"
             packed, block_scale = tensors[0], op_view(tensors[1], torch.uint8)
