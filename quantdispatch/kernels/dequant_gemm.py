@@ -135,12 +135,14 @@ def dequant_fp4_rows(
     out: torch.Tensor,
     *,
     scale_format: str,
+    tile: tuple[int, int, int] = (16, 128, 4),
 ) -> torch.Tensor:
     """Write the dequantized rows of an NVFP4 / MXFP4 weight into ``out`` [rows, K] (16-bit,
-    rows contiguous)."""
+    rows contiguous). ``tile`` = (rows, packed bytes, warps) per program; the default was the
+    fastest of benchmarks/dequant_sweep.py on the H200 (1.66 TB/s; larger tiles ran at ~0.9)."""
     n, half_k = packed.shape
     out32 = out.view(torch.int32)  # [rows, K / 2]: one word per packed byte
-    block_r, block_b = 16, 128
+    block_r, block_b, warps = tile
     grid = (triton.cdiv(n, block_r), triton.cdiv(half_k, block_b))
     _dequant_fp4_kernel[grid](
         packed,
@@ -158,7 +160,7 @@ def dequant_fp4_rows(
         OUT_BF16=out.dtype == torch.bfloat16,
         BLOCK_R=block_r,
         BLOCK_B=block_b,
-        num_warps=4,
+        num_warps=warps,
     )
     return out
 
