@@ -84,7 +84,7 @@ def target_device(device: object, weight_device: torch.device) -> torch.device:
     return torch.device("cpu")
 
 
-def _profile_for(device: torch.device, requested: object) -> DeviceProfile:
+def profile_for(device: torch.device, requested: object) -> DeviceProfile:
     if device.type == "meta":
         return device_profile(requested)
     if device.type == "cpu":
@@ -112,6 +112,39 @@ def resolve_quant_config(config: object) -> QuantConfig | None:
 def _module_name(prefix: str) -> str:
     prefix = prefix.rstrip(".")
     return prefix[: -len(".weight")] if prefix.endswith(".weight") else prefix
+
+
+def activations_2d(
+    x: torch.Tensor, act_dtype: torch.dtype, width: int, width_name: str, device: torch.device
+) -> torch.Tensor:
+    """Check a layer's input (dtype it was built for, last dim, device) and view it as 2-D
+    [tokens, width] with unit stride along the width, as the kernels take it."""
+    if x.dtype != act_dtype:
+        raise InputError(
+            format_error(
+                f"input is {x.dtype} but this layer was built for {act_dtype}",
+                "the kernel decision depends on the activation dtype",
+                f"cast the input with .to({act_dtype}) or build the layer with act_dtype={x.dtype}",
+            )
+        )
+    if x.dim() == 0 or x.shape[-1] != width:
+        raise InputError(
+            format_error(
+                f"input has shape {tuple(x.shape)}",
+                f"the last dimension must be {width_name} = {width}",
+                "pass [..., features] activations",
+            )
+        )
+    if x.device != device:
+        raise InputError(
+            format_error(
+                f"input is on {x.device} but the layer is on {device}",
+                "input and weights must be on one device",
+                f"move the input with .to('{device}')",
+            )
+        )
+    x2 = x.reshape(-1, width)
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
 class QuantLinear(nn.Module):
@@ -146,7 +179,7 @@ class QuantLinear(nn.Module):
         target = target_device(
             device, weight.packed.device if fmt != "fp8" else weight.weight.device
         )
-        profile = _profile_for(target, device)
+        profile = profile_for(target, device)
         scale_kind = weight.scale_kind if isinstance(weight, Fp8Weight) else None
         decision = select(
             fmt,
@@ -294,36 +327,9 @@ class QuantLinear(nn.Module):
         return as_op_tensors([getattr(self, n) for n in self._names])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != self.act_dtype:
-            raise InputError(
-                format_error(
-                    f"input is {x.dtype} but this layer was built for {self.act_dtype}",
-                    "the kernel decision depends on the activation dtype",
-                    f"cast the input with .to({self.act_dtype}) or build the layer with "
-                    f"act_dtype={x.dtype}",
-                )
-            )
-        if x.dim() == 0 or x.shape[-1] != self.in_features:
-            raise InputError(
-                format_error(
-                    f"input has shape {tuple(x.shape)}",
-                    f"the last dimension must be in_features = {self.in_features}",
-                    "pass [..., K] activations",
-                )
-            )
         ref = getattr(self, self._names[0])
-        if x.device != ref.device:
-            raise InputError(
-                format_error(
-                    f"input is on {x.device} but the layer is on {ref.device}",
-                    "input and weights must be on one device",
-                    f"move the input with .to('{ref.device}')",
-                )
-            )
+        x2 = activations_2d(x, self.act_dtype, self.in_features, "in_features", ref.device)
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
-        if x2.stride(-1) != 1:
-            x2 = x2.contiguous()
         y = torch.ops.quantdispatch.linear(
             x2,
             self._tensors(),

@@ -50,7 +50,13 @@ from quantdispatch.formats import (
     get_format,
     merge_nvfp4_shards,
 )
-from quantdispatch.layers import _profile_for, format_of, resolve_quant_config, target_device
+from quantdispatch.layers import (
+    activations_2d,
+    format_of,
+    profile_for,
+    resolve_quant_config,
+    target_device,
+)
 from quantdispatch.moe_math import get_activation
 from quantdispatch.policy import Policy
 from quantdispatch.request import Scheme, dtype_name, parse_act_dtype
@@ -525,7 +531,7 @@ class QuantMoE(nn.Module):
         if scheme is None:
             scheme = scheme_guess
         target = target_device(device, stacked13[0].device)
-        profile = _profile_for(target, device)
+        profile = profile_for(target, device)
         decision = select(
             fmt,
             "moe",
@@ -872,36 +878,9 @@ class QuantMoE(nn.Module):
         """x [..., H] -> [..., H]. Pass ``router_logits`` [tokens, num_experts] (routed here,
         the scaling factor applied once) or precomputed GLOBAL ``topk_ids`` and final
         ``topk_weights`` [tokens, k] (used as given: nothing is rescaled)."""
-        if x.dtype != self.act_dtype:
-            raise InputError(
-                format_error(
-                    f"input is {x.dtype} but this layer was built for {self.act_dtype}",
-                    "the kernel decision depends on the activation dtype",
-                    f"cast the input with .to({self.act_dtype}) or build the layer with "
-                    f"act_dtype={x.dtype}",
-                )
-            )
-        if x.dim() == 0 or x.shape[-1] != self.hidden_size:
-            raise InputError(
-                format_error(
-                    f"input has shape {tuple(x.shape)}",
-                    f"the last dimension must be hidden_size = {self.hidden_size}",
-                    "pass [..., H] activations",
-                )
-            )
         ref = getattr(self, self._names13[0])
-        if x.device != ref.device:
-            raise InputError(
-                format_error(
-                    f"input is on {x.device} but the layer is on {ref.device}",
-                    "input and weights must be on one device",
-                    f"move the input with .to('{ref.device}')",
-                )
-            )
+        x2 = activations_2d(x, self.act_dtype, self.hidden_size, "hidden_size", ref.device)
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.hidden_size)
-        if x2.stride(-1) != 1:
-            x2 = x2.contiguous()
         m = x2.shape[0]
         if (router_logits is None) == (topk_ids is None):
             raise InputError(
