@@ -27,7 +27,7 @@ step doctor 60 python3 -m quantdispatch doctor --format nvfp4 --format fp8 --act
 step doctor-json 60 python3 -m quantdispatch doctor --json
 step verify 120 python3 -m quantdispatch verify
 TAIL=25 step gpu-tests "${GPU_TEST_S:-240}" python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu}
-TAIL=14 step dequant-sweep 60 python3 benchmarks/dequant_sweep.py
+TAIL=26 step dequant-sweep 90 python3 benchmarks/dequant_sweep.py
 step bench-linear "${LINEAR_S:-200}" python3 benchmarks/linear.py --out "$OUT"
 step bench-moe "${MOE_S:-150}" python3 benchmarks/moe.py --out "$OUT"
 ls -la "$OUT"

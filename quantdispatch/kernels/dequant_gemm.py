@@ -83,6 +83,57 @@ def _dequant_fp4_kernel(
 
 
 @triton.jit
+def _dequant_fp4_grouped_kernel(
+    packed_ptr,
+    scale_ptr,
+    gs_ptr,
+    out32_ptr,
+    n_rows,
+    n_groups,
+    stride_p,
+    stride_s,
+    stride_o32,
+    BYTES_PER_GROUP: tl.constexpr,
+    SCALE_E8M0: tl.constexpr,
+    HAS_GS: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+):
+    # Same maths as _dequant_fp4_kernel, but a [rows, groups, bytes] tile: each scale is loaded
+    # once (a contiguous [rows, groups] load) and broadcast over its group's bytes, instead of
+    # one gathered scale load per byte.
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    groups = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
+    j = tl.arange(0, BYTES_PER_GROUP)
+    m2 = (rows[:, None] < n_rows) & (groups[None, :] < n_groups)
+    sbits = tl.load(scale_ptr + rows[:, None] * stride_s + groups[None, :], mask=m2, other=0)
+    if SCALE_E8M0:
+        scale = e8m0_to_f32_scaled(sbits, 14)
+    else:
+        scale = e4m3_to_f32_scaled_finite(sbits) * 4194304.0  # e4m3 * 2^-8 * 2^22
+    if HAS_GS:
+        scale = scale * tl.load(gs_ptr)
+    scale3 = scale[:, :, None]
+    byte_off = groups[None, :, None] * BYTES_PER_GROUP + j[None, None, :]
+    m3 = m2[:, :, None]
+    byte = tl.load(packed_ptr + rows[:, None, None] * stride_p + byte_off, mask=m3, other=0)
+    lo, hi = e2m1_pair_to_f32(byte)
+    if OUT_BF16:
+        lo16 = (lo * scale3).to(tl.bfloat16).to(tl.uint16, bitcast=True)
+        hi16 = (hi * scale3).to(tl.bfloat16).to(tl.uint16, bitcast=True)
+    else:
+        lo16 = (lo * scale3).to(tl.float16).to(tl.uint16, bitcast=True)
+        hi16 = (hi * scale3).to(tl.float16).to(tl.uint16, bitcast=True)
+    word = lo16.to(tl.uint32) | (hi16.to(tl.uint32) << 16)
+    tl.store(
+        out32_ptr + rows[:, None, None] * stride_o32 + byte_off,
+        word.to(tl.int32, bitcast=True),
+        mask=m3,
+    )
+
+
+@triton.jit
 def _dequant_fp8_kernel(
     w_ptr,
     scale_ptr,
@@ -136,31 +187,58 @@ def dequant_fp4_rows(
     *,
     scale_format: str,
     tile: tuple[int, int, int] = (16, 128, 4),
+    variant: str = "grouped",
 ) -> torch.Tensor:
     """Write the dequantized rows of an NVFP4 / MXFP4 weight into ``out`` [rows, K] (16-bit,
-    rows contiguous). ``tile`` = (rows, packed bytes, warps) per program; the default was the
-    fastest of benchmarks/dequant_sweep.py on the H200 (1.66 TB/s; larger tiles ran at ~0.9)."""
+    rows contiguous). ``tile`` = (rows, packed bytes, warps) per program; ``variant`` is
+    ``grouped`` (one scale load per group) or ``gather`` (one per byte). Defaults from
+    benchmarks/dequant_sweep.py on the H200 (results/dequant-sweep-h200-*.txt)."""
     n, half_k = packed.shape
     out32 = out.view(torch.int32)  # [rows, K / 2]: one word per packed byte
     block_r, block_b, warps = tile
+    group = 32 if scale_format == "e8m0" else 16
+    common = {
+        "SCALE_E8M0": scale_format == "e8m0",
+        "HAS_GS": global_scale is not None,
+        "OUT_BF16": out.dtype == torch.bfloat16,
+        "BLOCK_R": block_r,
+        "num_warps": warps,
+    }
+    gs = global_scale if global_scale is not None else packed
+    if variant == "grouped":
+        per_group = group // 2
+        n_groups = half_k // per_group
+        block_g = max(1, block_b // per_group)
+        grid = (triton.cdiv(n, block_r), triton.cdiv(n_groups, block_g))
+        _dequant_fp4_grouped_kernel[grid](
+            packed,
+            block_scale_u8,
+            gs,
+            out32,
+            n,
+            n_groups,
+            packed.stride(0),
+            block_scale_u8.stride(0),
+            out32.stride(0),
+            BYTES_PER_GROUP=per_group,
+            BLOCK_G=block_g,
+            **common,
+        )
+        return out
     grid = (triton.cdiv(n, block_r), triton.cdiv(half_k, block_b))
     _dequant_fp4_kernel[grid](
         packed,
         block_scale_u8,
-        global_scale if global_scale is not None else packed,
+        gs,
         out32,
         n,
         half_k,
         packed.stride(0),
         block_scale_u8.stride(0),
         out32.stride(0),
-        GROUP=32 if scale_format == "e8m0" else 16,
-        SCALE_E8M0=scale_format == "e8m0",
-        HAS_GS=global_scale is not None,
-        OUT_BF16=out.dtype == torch.bfloat16,
-        BLOCK_R=block_r,
+        GROUP=group,
         BLOCK_B=block_b,
-        num_warps=warps,
+        **common,
     )
     return out
 
