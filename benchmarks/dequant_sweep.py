@@ -12,12 +12,11 @@ import triton
 from quantdispatch.kernels.dequant_gemm import dequant_fp4_rows
 
 TILES = [(16, 128, 4), (16, 256, 4), (32, 128, 4), (8, 128, 4), (16, 128, 2), (32, 256, 8)]
-VARIANTS = ["gather", "grouped"]
 
 
-def _time(packed, scale, gs, out, tile, variant) -> float:
+def _time(packed, scale, gs, out, tile) -> float:
     def call():
-        dequant_fp4_rows(packed, scale, gs, out, scale_format="e4m3", tile=tile, variant=variant)
+        dequant_fp4_rows(packed, scale, gs, out, scale_format="e4m3", tile=tile)
 
     return triton.testing.do_bench(call, return_mode="median") * 1e3
 
@@ -31,20 +30,15 @@ def main() -> None:
         scale = torch.randint(0x28, 0x7F, (rows, k // 16), **u8)
         gs = torch.tensor(3e-3, device="cuda")
         out = torch.empty(rows, k, dtype=torch.bfloat16, device="cuda")
-        ref = dequant_fp4_rows(
-            packed, scale, gs, out.clone(), scale_format="e4m3", tile=TILES[0], variant="gather"
-        )
+        ref = dequant_fp4_rows(packed, scale, gs, out.clone(), scale_format="e4m3", tile=TILES[0])
         nbytes = rows * k * (0.5 + 1 / 16 + 2)
-        for variant in VARIANTS:
-            for tile in TILES:
-                got = dequant_fp4_rows(
-                    packed, scale, gs, out, scale_format="e4m3", tile=tile, variant=variant
-                )
-                us = _time(packed, scale, gs, out, tile, variant)
-                print(
-                    f"{n}x{k} slab {rows} rows {variant} tile {tile}: {us:.1f} us, "
-                    f"{nbytes / us / 1e6:.2f} TB/s, exact={torch.equal(got, ref)}"
-                )
+        for tile in TILES:
+            got = dequant_fp4_rows(packed, scale, gs, out, scale_format="e4m3", tile=tile)
+            us = _time(packed, scale, gs, out, tile)
+            print(
+                f"{n}x{k} slab {rows} rows tile {tile}: {us:.1f} us, "
+                f"{nbytes / us / 1e6:.2f} TB/s, exact={torch.equal(got, ref)}"
+            )
 
 
 if __name__ == "__main__":

@@ -35,54 +35,6 @@ _WORKSPACES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 
 @triton.jit
-def _dequant_fp4_kernel(
-    packed_ptr,
-    scale_ptr,
-    gs_ptr,
-    out32_ptr,
-    n_rows,
-    half_k,
-    stride_p,
-    stride_s,
-    stride_o32,
-    GROUP: tl.constexpr,
-    SCALE_E8M0: tl.constexpr,
-    HAS_GS: tl.constexpr,
-    OUT_BF16: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_B: tl.constexpr,
-):
-    # One packed byte (elements 2j, 2j + 1) becomes one 32-bit word of two 16-bit values, so
-    # every load and store is a full coalesced word per lane (2-byte stores ran at ~1 TB/s).
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)  # byte index along K / 2
-    mask = (rows[:, None] < n_rows) & (cols[None, :] < half_k)
-    byte = tl.load(packed_ptr + rows[:, None] * stride_p + cols[None, :], mask=mask, other=0)
-    group = (cols * 2) // GROUP
-    sbits = tl.load(scale_ptr + rows[:, None] * stride_s + group[None, :], mask=mask, other=0)
-    # Codes decode to value * 2^-14; fold that power of two into the scale.
-    if SCALE_E8M0:
-        scale = e8m0_to_f32_scaled(sbits, 14)
-    else:
-        scale = e4m3_to_f32_scaled_finite(sbits) * 4194304.0  # e4m3 * 2^-8 * 2^22
-    if HAS_GS:
-        scale = scale * tl.load(gs_ptr)
-    lo, hi = e2m1_pair_to_f32(byte)
-    if OUT_BF16:
-        lo16 = (lo * scale).to(tl.bfloat16).to(tl.uint16, bitcast=True)
-        hi16 = (hi * scale).to(tl.bfloat16).to(tl.uint16, bitcast=True)
-    else:
-        lo16 = (lo * scale).to(tl.float16).to(tl.uint16, bitcast=True)
-        hi16 = (hi * scale).to(tl.float16).to(tl.uint16, bitcast=True)
-    word = lo16.to(tl.uint32) | (hi16.to(tl.uint32) << 16)  # little endian: 2j at the low half
-    tl.store(
-        out32_ptr + rows[:, None] * stride_o32 + cols[None, :],
-        word.to(tl.int32, bitcast=True),
-        mask=mask,
-    )
-
-
-@triton.jit
 def _dequant_fp4_grouped_kernel(
     packed_ptr,
     scale_ptr,
@@ -100,9 +52,10 @@ def _dequant_fp4_grouped_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_G: tl.constexpr,
 ):
-    # Same maths as _dequant_fp4_kernel, but a [rows, groups, bytes] tile: each scale is loaded
-    # once (a contiguous [rows, groups] load) and broadcast over its group's bytes, instead of
-    # one gathered scale load per byte.
+    # A [rows, groups, bytes] tile: each scale is loaded once (a contiguous [rows, groups] load)
+    # and broadcast over its group's bytes; a per-byte scale gather ran at 0.9-2.2 TB/s against
+    # 2.7 for this (results/dequant-sweep-h200-2026-11-29.txt). Each packed byte (elements 2j,
+    # 2j + 1) becomes one 32-bit word of two 16-bit values: 2-byte stores ran at ~1 TB/s.
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     groups = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
     j = tl.arange(0, BYTES_PER_GROUP)
@@ -187,58 +140,34 @@ def dequant_fp4_rows(
     *,
     scale_format: str,
     tile: tuple[int, int, int] = (16, 128, 4),
-    variant: str = "grouped",
 ) -> torch.Tensor:
     """Write the dequantized rows of an NVFP4 / MXFP4 weight into ``out`` [rows, K] (16-bit,
-    rows contiguous). ``tile`` = (rows, packed bytes, warps) per program; ``variant`` is
-    ``grouped`` (one scale load per group) or ``gather`` (one per byte). Defaults from
-    benchmarks/dequant_sweep.py on the H200 (results/dequant-sweep-h200-*.txt)."""
+    rows contiguous). ``tile`` = (rows, packed bytes, warps) per program; the default is from
+    benchmarks/dequant_sweep.py on the H200 (every tile within 10% there)."""
     n, half_k = packed.shape
     out32 = out.view(torch.int32)  # [rows, K / 2]: one word per packed byte
     block_r, block_b, warps = tile
-    group = 32 if scale_format == "e8m0" else 16
-    common = {
-        "SCALE_E8M0": scale_format == "e8m0",
-        "HAS_GS": global_scale is not None,
-        "OUT_BF16": out.dtype == torch.bfloat16,
-        "BLOCK_R": block_r,
-        "num_warps": warps,
-    }
-    gs = global_scale if global_scale is not None else packed
-    if variant == "grouped":
-        per_group = group // 2
-        n_groups = half_k // per_group
-        block_g = max(1, block_b // per_group)
-        grid = (triton.cdiv(n, block_r), triton.cdiv(n_groups, block_g))
-        _dequant_fp4_grouped_kernel[grid](
-            packed,
-            block_scale_u8,
-            gs,
-            out32,
-            n,
-            n_groups,
-            packed.stride(0),
-            block_scale_u8.stride(0),
-            out32.stride(0),
-            BYTES_PER_GROUP=per_group,
-            BLOCK_G=block_g,
-            **common,
-        )
-        return out
-    grid = (triton.cdiv(n, block_r), triton.cdiv(half_k, block_b))
-    _dequant_fp4_kernel[grid](
+    per_group = (32 if scale_format == "e8m0" else 16) // 2  # packed bytes per scale
+    n_groups = half_k // per_group
+    block_g = max(1, block_b // per_group)
+    grid = (triton.cdiv(n, block_r), triton.cdiv(n_groups, block_g))
+    _dequant_fp4_grouped_kernel[grid](
         packed,
         block_scale_u8,
-        gs,
+        global_scale if global_scale is not None else packed,
         out32,
         n,
-        half_k,
+        n_groups,
         packed.stride(0),
         block_scale_u8.stride(0),
         out32.stride(0),
-        GROUP=group,
-        BLOCK_B=block_b,
-        **common,
+        BYTES_PER_GROUP=per_group,
+        SCALE_E8M0=scale_format == "e8m0",
+        HAS_GS=global_scale is not None,
+        OUT_BF16=out.dtype == torch.bfloat16,
+        BLOCK_R=block_r,
+        BLOCK_G=block_g,
+        num_warps=warps,
     )
     return out
 

@@ -28,9 +28,8 @@ def small_workspace(monkeypatch):
     monkeypatch.setattr(dg, "_WORKSPACES", {})
 
 
-@pytest.mark.parametrize("variant", ["grouped", "gather"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_nvfp4_and_mxfp4(small_workspace, dtype, variant):
+def test_nvfp4_and_mxfp4(small_workspace, dtype):
     g = torch.Generator().manual_seed(1)
     n, k, m = 100, 96, 5  # 40-row slabs: 40 + 40 + 20; K not a multiple of the 128-wide block
     packed = random_codes(n, k, g)
@@ -40,9 +39,7 @@ def test_nvfp4_and_mxfp4(small_workspace, dtype, variant):
     bias = torch.randn(n, generator=g)
 
     def rows(a, b, out):
-        dg.dequant_fp4_rows(
-            packed[a:b], bs.view(torch.uint8)[a:b], gs, out, scale_format="e4m3", variant=variant
-        )
+        dg.dequant_fp4_rows(packed[a:b], bs.view(torch.uint8)[a:b], gs, out, scale_format="e4m3")
 
     out = dg.dequant_gemm(x, n, k, rows, bias)
     assert rel_err(out, linear64(x, nvfp4_weight64(packed, bs, gs), bias)) < BOUND[dtype]
@@ -50,7 +47,7 @@ def test_nvfp4_and_mxfp4(small_workspace, dtype, variant):
     e8 = torch.randint(118, 134, (n, k // 32), generator=g).to(torch.uint8)
 
     def rows_mx(a, b, out):
-        dg.dequant_fp4_rows(packed[a:b], e8[a:b], None, out, scale_format="e8m0", variant=variant)
+        dg.dequant_fp4_rows(packed[a:b], e8[a:b], None, out, scale_format="e8m0")
 
     out = dg.dequant_gemm(x, n, k, rows_mx)
     assert rel_err(out, linear64(x, mxfp4_weight64(packed, e8))) < BOUND[dtype]
