@@ -176,6 +176,21 @@ class Problem:
         self.bf16_copies = max(2, math.ceil(ROTATE_BYTES / (2 * n * k)))
         self.bf16s = [self.bf16.clone() for _ in range(self.bf16_copies)]
 
+    def prepared_nvfp4(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[int]]:
+        """The rotated NVFP4 copies in the layout TritonBackend.prepare makes on this GPU
+        (mma16x64 on SM 8.0+ for bf16, else the checkpoint layout), and its meta."""
+        if getattr(self, "_prepared", None) is None:
+            from quantdispatch.backends.triton import MMA_LAYOUT_TAG, mma_layout_eligible
+            from quantdispatch.kernels.fp4_mma import repack
+
+            cap = torch.cuda.get_device_capability() if DEVICE == "cuda" else None
+            if mma_layout_eligible("nvfp4", self.n, self.k, torch.bfloat16, cap):
+                ws = [repack(pk, sc.view(torch.uint8), torch.bfloat16) for pk, sc in self.nv]
+                self._prepared = (ws, [MMA_LAYOUT_TAG, 1])
+            else:
+                self._prepared = (list(self.nv), [])
+        return self._prepared
+
     def xs(self, m: int, count: int, gen: torch.Generator) -> list[torch.Tensor]:
         x = torch.randn(m, self.k, generator=gen, device=DEVICE).to(torch.bfloat16)
         return [x.clone() for _ in range(count)]
@@ -203,10 +218,11 @@ def make_calls(p: Problem, kernel: str, m: int, gen, cfg: GemmConfig | None = No
             calls = [
                 (lambda x=x, w=w: _deq_nvfp4(x, w, p.gscale)) for x, w in zip(xs, p.nv, strict=True)
             ]
-        else:  # what QuantLinear runs: the backend picks the path by M
+        else:  # what QuantLinear runs: prepare's layout, then the backend picks the path by M
+            weights, meta = p.prepared_nvfp4()
             calls = [
-                (lambda x=x, w=w: backend.linear(x, [w[0], w[1], p.gscale], None, "nvfp4", []))
-                for x, w in zip(xs, p.nv, strict=True)
+                (lambda x=x, w=w: backend.linear(x, [*w, p.gscale], None, "nvfp4", meta))
+                for x, w in zip(xs, weights, strict=True)
             ]
         ref = lambda: xs[0].double() @ p.w64["nvfp4"].T
     elif kernel in ("nvfp4", "nvfp4_f32"):
@@ -345,8 +361,10 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         "every kernel checked against float64 first (FAIL = not timed). bf16 activations. "
         "floor = NVFP4 bytes (packed + e4m3 scales + x + out) / copy bandwidth.",
         "",
-        "NVFP4 = the fused Triton kernels; NVFP4 deq = dequantize slabs + cuBLAS; NVFP4 auto = "
-        "what QuantLinear runs (the triton backend picks the path by M).",
+        "NVFP4 = the fused tl.dot Triton kernels on the checkpoint layout; NVFP4 deq = dequantize "
+        "slabs + cuBLAS; NVFP4 auto = what QuantLinear runs: the weight as the triton backend "
+        "prepares it on this GPU (mma16x64 on SM 8.0+), M <= 64 the mma.sync PTX kernel, larger "
+        "M dequantized slabs + cuBLAS.",
         "",
         "| shape | N x K | M | NVFP4 | NVFP4 deq | NVFP4 auto | MXFP4 | FP8 W8A16 | FP8 native "
         "| bf16 | floor | bf16/auto | auto/floor |",

@@ -13,12 +13,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import torch
+
 from quantdispatch.backends.base import Backend, PreparedWeight
+from quantdispatch.errors import InputError, format_error
 from quantdispatch.request import Op, Request
 
 if TYPE_CHECKING:
-    import torch
-
     from quantdispatch.device import DeviceProfile
 
 _GROUP = {"nvfp4": 16, "mxfp4": 32}
@@ -32,6 +33,31 @@ _GROUP = {"nvfp4": 16, "mxfp4": 32}
 DEQUANT_GEMM_MIN_M = 128
 DEQUANT_GEMM_MIN_M_LARGE_WEIGHT = 512
 LARGE_WEIGHT_ELEMENTS = 2**26
+
+
+#: Meta tag of an NVFP4 weight repacked into the mma16x64 layout (kernels/fp4_mma.py).
+MMA_LAYOUT_TAG = 1
+#: Up to this many rows, an mma16x64 weight runs the PTX mma kernel; above, dequantize + cuBLAS.
+#: From the H200 sweep (benchmarks/results/mma-sweep-h200-*.log): at M = 64 the kernel beats
+#: dequantize + cuBLAS on every Llama shape (e.g. gate_up 132 vs ~170 us), at M = 128 it loses.
+MMA_MAX_M = 64
+
+
+def mma_layout_eligible(
+    fmt: str, n: int, k: int, act_dtype: torch.dtype, capability: tuple[int, int] | None
+) -> bool:
+    """Whether prepare repacks an NVFP4 weight for the mma kernel: SM 8.0+ (bf16 mma.sync),
+    N a multiple of 16 and K of 64. Other weights keep the checkpoint layout and the tl.dot
+    kernels."""
+    from quantdispatch.kernels.fp4_mma import mma_supported_shape
+
+    return (
+        fmt == "nvfp4"
+        and capability is not None
+        and capability >= (8, 0)
+        and mma_supported_shape(n, k)
+        and act_dtype in (torch.bfloat16, torch.float16)
+    )
 
 
 def use_dequant_gemm(m: int, n: int, k: int) -> bool:
@@ -63,6 +89,18 @@ class TritonBackend(Backend):
             return gpu
         return self.min_sm_reasons(profile, request, fp16_min=(7, 5), bf16_min=(8, 0))
 
+    def variant(self, request: Request, profile: DeviceProfile) -> str | None:
+        if request.op is not Op.LINEAR or request.format != "nvfp4":
+            return None
+        n = request.n if request.n is not None else 16
+        k = request.k if request.k is not None else 64
+        if mma_layout_eligible("nvfp4", n, k, request.act_dtype, profile.capability):
+            return (
+                f"M <= {MMA_MAX_M}: mma.sync kernel with PTX decode on a repacked weight "
+                "(mma16x64, same bytes); larger M: dequantized slabs + cuBLAS"
+            )
+        return "tl.dot kernels on the checkpoint layout; large M: dequantized slabs + cuBLAS"
+
     def shape_reasons(self, request: Request) -> list[str]:
         group = _GROUP.get(request.format)
         if group and request.k is not None and request.k % group != 0:
@@ -76,6 +114,27 @@ class TritonBackend(Backend):
 
         if isinstance(weight, Nvfp4Weight):
             n, k = weight.shape
+            device = weight.packed.device
+            capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+            if mma_layout_eligible("nvfp4", n, k, request.act_dtype, capability):
+                from quantdispatch.kernels.fp4_mma import repack
+
+                words, scales = repack(
+                    weight.packed, weight.block_scale.view(torch.uint8), request.act_dtype
+                )
+                names = ["mma_words", "mma_scales", "global_scale"]
+                tensors = [words, scales, weight.global_scale]
+                if weight.input_scale is not None:
+                    names.append("input_scale")
+                    tensors.append(weight.input_scale)
+                bf16 = request.act_dtype == torch.bfloat16
+                return PreparedWeight(
+                    names=tuple(names),
+                    tensors=tuple(tensors),
+                    meta=(MMA_LAYOUT_TAG, int(bf16)),
+                    out_features=n,
+                    in_features=k,
+                )
             names, tensors = (
                 ["packed", "block_scale", "global_scale"],
                 [
@@ -122,10 +181,30 @@ class TritonBackend(Backend):
 
         The path depends only on M (a host-side shape), so nothing synchronizes.
         """
-        import torch
-
         from quantdispatch.ops import op_view
 
+        if fmt == "nvfp4" and len(meta) == 2 and int(meta[0]) == MMA_LAYOUT_TAG:
+            from quantdispatch.kernels import fp4_mma
+
+            words, scales, global_scale = tensors[0], tensors[1], tensors[2]
+            packed_for = torch.bfloat16 if int(meta[1]) else torch.float16
+            if x.dtype != packed_for:
+                raise InputError(
+                    format_error(
+                        f"input is {x.dtype} but this weight was repacked for {packed_for}",
+                        "the mma16x64 layout places the codes for one 16-bit format",
+                        f"pass {packed_for} activations (QuantLinear checks this itself)",
+                    )
+                )
+            if x.shape[0] <= MMA_MAX_M:
+                return fp4_mma.mma_linear(x, words, scales, global_scale, bias)
+            from quantdispatch.kernels.dequant_gemm import dequant_gemm
+
+            def mma_rows(a: int, b: int, out: torch.Tensor) -> None:
+                fp4_mma.mma_dequant_rows(words, scales, global_scale, a, b, out)
+
+            n = words.shape[0] * fp4_mma.TILE_N
+            return dequant_gemm(x, n, x.shape[1], mma_rows, bias)
         large = use_dequant_gemm(x.shape[0], tensors[0].shape[0], x.shape[1])
         if fmt in ("nvfp4", "mxfp4"):
             scale_format = "e4m3" if fmt == "nvfp4" else "e8m0"

@@ -1,0 +1,109 @@
+"""Check and time the mma16x64 NVFP4 kernels (kernels/fp4_mma.py) on the GPU, per config.
+
+Every (shape, M, config) is first checked against the float64 reference (relative error
+< BOUND) and only then timed (CUDA-graph replays, weights rotated past L2), next to what the
+triton backend ran before (fused tl.dot kernel / dequant + cuBLAS) and bf16 cuBLAS. Also checks
+and times the layout's dequantize pass (the large-M path) and fp16 activations.
+Usage: python benchmarks/mma_sweep.py [--shapes qkv,o,gate_up,down] [--ms 1,16,64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import linear as L  # benchmarks/linear.py: Problem, timing, reference
+
+from quantdispatch.kernels import fp4_mma
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="qkv,o,gate_up,down")
+    ap.add_argument("--ms", default="1,4,16,32,64,128")
+    ap.add_argument("--configs", default="1x8x2,1x4x2,2x4x2,4x2x2,4x4x1,8x1x2")  # WTxWKxU
+    args = ap.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    bw = L.copy_bandwidth()
+    tbps = max(bw.values())
+    L.log(f"bandwidth copy {bw['copy'] / 1e12:.2f} TB/s, sm {bw['sm_elementwise'] / 1e12:.2f} TB/s")
+    cfgs = [tuple(map(int, c.split("x"))) for c in args.configs.split(",")]
+    for name in args.shapes.split(","):
+        n, k = SHAPES[name]
+        p = L.Problem(n, k, gen)
+        t0 = time.time()
+        packs = {}
+        for dtype in (torch.bfloat16, torch.float16):
+            packs[dtype] = [fp4_mma.repack(pk, sc.view(torch.uint8), dtype) for pk, sc in p.nv[:2]]
+        rot = [fp4_mma.repack(pk, sc.view(torch.uint8), torch.bfloat16) for pk, sc in p.nv]
+        torch.cuda.synchronize()
+        L.log(f"{name} {n}x{k}: repack {time.time() - t0:.1f}s for {len(rot)} copies")
+        w64 = p.w64["nvfp4"]
+        # dequantize pass (large-M path): exactness and bandwidth
+        for dtype in (torch.bfloat16, torch.float16):
+            words, scales = packs[dtype][0]
+            rows = min(n, 2048)
+            out = torch.full((rows, k), float("nan"), dtype=dtype, device="cuda")
+            fp4_mma.mma_dequant_rows(words, scales, p.gscale, 0, rows, out)
+            err = L.rel_err(out, w64[:rows])
+            exact = torch.equal(out, w64[:rows].to(dtype))
+            L.log(f"  dequant {dtype}: rel_err {err:.2e}, equal to f64->16-bit rounding: {exact}")
+        out = torch.empty((n, k), dtype=torch.bfloat16, device="cuda")
+        calls = [
+            (
+                lambda w=w, p=p, n=n, out=out: fp4_mma.mma_dequant_rows(
+                    w[0], w[1], p.gscale, 0, n, out
+                )
+            )
+            for w in rot
+        ]
+        us = L.time_calls(calls, 10)
+        L.log(f"  dequant full weight: {us:.1f} us, {(n * k * (0.5625 + 2)) / us / 1e6:.2f} TB/s")
+        for m in map(int, args.ms.split(",")):
+            floor = (n * k * 0.5625 + 2 * m * (n + k)) / tbps * 1e6
+            line = [f"  M={m:5d} floor {floor:6.1f}"]
+            for kernel in ("bf16", "nvfp4_auto"):
+                t, err = L.checked_time(p, kernel, m, gen)
+                line.append(f"{kernel} {t:7.1f}" if t else f"{kernel} FAIL {err:.1e}")
+            for dtype in (torch.bfloat16, torch.float16):
+                x = torch.randn(m, k, generator=gen, device="cuda").to(dtype)
+                words, scales = packs[dtype][1]
+                y = fp4_mma.mma_linear(x, words, scales, p.gscale)
+                err = L.rel_err(y, x.double() @ w64.T)
+                line.append(f"err[{str(dtype)[6:]}] {err:.1e}")
+                if not err < L.BOUND:
+                    line.append("FAILED")
+            xs = p.xs(m, len(rot), gen)
+            best = None
+            for wt, w, u in cfgs:
+                nt = fp4_mma._config(n // 16, k // 64, m)[0]
+                cfg = (nt, wt, w, u)
+                y = fp4_mma.mma_linear(xs[0], *rot[0], p.gscale, config=cfg)
+                err = L.rel_err(y, xs[0].double() @ w64.T)
+                if not err < L.BOUND:
+                    line.append(f"{wt}x{w}x{u} BAD {err:.1e}")
+                    continue
+                calls = [
+                    (lambda x=x, r=r, cfg=cfg, p=p: fp4_mma.mma_linear(x, *r, p.gscale, config=cfg))
+                    for x, r in zip(xs, rot, strict=True)
+                ]
+                t = L.time_calls(L.graph_calls(calls, m), L.replays_for(m))
+                line.append(f"{wt}x{w}x{u} {t:6.1f}")
+                if best is None or t < best[0]:
+                    best = (t, f"{wt}x{w}x{u}")
+            if best:
+                line.append(f"| best {best[1]} {best[0]:.1f} = {best[0] / floor:.2f}x floor")
+            L.log(" ".join(line))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,801 @@
+"""NVFP4 weight-only GEMM for small M on tensor cores, with the decode written in PTX.
+
+Why this exists: the tl.dot kernels in :mod:`.fp4_linear` spend ~6 instructions per weight
+(static SASS count, benchmarks/NOTES.md) on decode, layout moves and byte extraction, which
+makes them instruction-issue bound at ~1.5 TB/s on the H200 (the budget at the 4.2 TB/s
+floor is ~4.4 per weight). Here the weights are repacked once (``prepare``, same bytes) so that
+each lane of a warp loads its ``mma.m16n8k16`` A fragments for 64 K with one 16-byte load,
+and turns every 32-bit word (8 codes) into the four 16-bit A registers with 11 integer ops
+(no byte extraction, no conversion), one 16-bit FMA per two weights for the block scale, then
+``mma.sync`` with the activations as the 8-column B operand. Everything per lane is inline PTX
+inside a Triton program whose tensors hold exactly one element per thread, so Triton only
+launches, loops and reduces across warps: the kernel needs nothing but torch and triton.
+
+Layout ("mma16x64"; N a multiple of 16, K of 64), for tile ``T`` (rows 16T..16T+15), chunk
+``c`` (K columns 64c..64c+63) and lane ``l = 4g + t``:
+
+* ``words[T, c, l, j]`` (int32, j = 0..3): the 8 codes of rows 16T+g and 16T+g+8 at K
+  columns ``64c + 16t + 4j + {0, 1, 2, 3}``. Within each word the code bits sit where the
+  decode table below reads them (:data:`DECODE_TABLES`), so that a rotate and a mask (two
+  rotates for two of the four registers) put sign and magnitude straight into the 16-bit
+  exponent/mantissa fields.
+* ``scales[T, c, l, 0 / 1]`` (uint8): the block scales of rows 16T+g / 16T+g+8 for group
+  ``4c + t``, re-encoded as ``u = ((E + 9) << 3) | m`` for the scale value ``2^E (1 + m/8)``
+  (every E4M3 value, subnormals included, is such a normal number with E in -9..8), so that one
+  integer multiply-add yields the scale times a power of two as a 16-bit pair. A zero scale
+  zeroes its block's codes instead (the block decodes to 0 either way).
+
+The K permutation (MMA slot 2t + i <-> logical column 16t + 4j + i) is applied identically to
+the activations, so each lane's B fragments for a chunk are 32 contiguous bytes of a row of x
+(two 16-byte loads), and each lane's four MMA steps of a chunk share one scale per row.
+
+Numerics: the 16-bit A values are ``e2m1 * scale * 2^-8`` exactly (bf16: code as e2m1 * 2^-126
+times scale * 2^118; fp16: e2m1 * 2^-14 times scale * 2^6, subnormal products exact), the MMA
+accumulates in fp32, and ``2^8 * global_scale`` and the bias are applied to the fp32 sums.
+
+The decode emulation (:func:`decode_emulated`) repeats the exact bit operations in torch, so
+the layout contract is tested on the CPU; the kernels themselves need an SM 8.0+ GPU (PTX).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from quantdispatch.errors import WeightFormatError, format_error
+
+__all__ = [
+    "DECODE_TABLES",
+    "LAYOUT",
+    "decode_emulated",
+    "encode_scales",
+    "mma_dequant_rows",
+    "mma_linear",
+    "mma_supported_shape",
+    "repack",
+    "unpack",
+]
+
+LAYOUT = "mma16x64"
+TILE_N = 16
+CHUNK_K = 64
+MAX_TOKENS_PER_PROGRAM = 64  # 8 MMA column tiles of 8 tokens
+
+
+@dataclass(frozen=True)
+class DecodeTable:
+    """Where a 16-bit format wants an E2M1 code, and how each A register is extracted.
+
+    ``sign_bit`` / ``mag_top`` are the bit positions (low half) of the sign and of the top
+    magnitude bit (e1; then e0, m below it) in the 16-bit pattern whose value is
+    ``e2m1 * 2^-bias_log2``. ``rotations[r] = (a, b)``: register r is
+    ``(rotl(q, a) & SIGN) | (rotl(q, b) & MAG)`` (one rotate + mask when a == b).
+    """
+
+    sign_bit: int
+    mag_top: int
+    rotations: tuple[tuple[int, int], ...]
+
+    @property
+    def sign_mask(self) -> int:
+        return (1 << self.sign_bit) | (1 << (self.sign_bit + 16))
+
+    @property
+    def mag_mask(self) -> int:
+        low = 0b111 << (self.mag_top - 2)
+        return low | (low << 16)
+
+    def positions(self, reg: int, half: int) -> tuple[int, tuple[int, int, int]]:
+        """Word bit positions of (sign, (e1, e0, m)) of the code in register ``reg``, ``half``."""
+        a, b = self.rotations[reg]
+        sign = (self.sign_bit + 16 * half - a) % 32
+        mag = tuple((self.mag_top - i + 16 * half - b) % 32 for i in range(3))
+        return sign, mag  # type: ignore[return-value]
+
+
+# Found by exhaustive search over rotate/mask decodes (11 ops per word for both; four rotate +
+# mask registers cannot tile 32 bits for either pattern).
+DECODE_TABLES: dict[torch.dtype, DecodeTable] = {
+    torch.bfloat16: DecodeTable(
+        sign_bit=15, mag_top=8, rotations=((0, 1), (15, 10), (4, 4), (14, 14))
+    ),
+    torch.float16: DecodeTable(
+        sign_bit=15, mag_top=11, rotations=((0, 4), (15, 7), (1, 1), (14, 14))
+    ),
+}
+
+
+def _check_tables() -> None:
+    for dtype, table in DECODE_TABLES.items():
+        seen = sorted(
+            p
+            for r in range(4)
+            for h in range(2)
+            for p in (table.positions(r, h)[0], *table.positions(r, h)[1])
+        )
+        if seen != list(range(32)):  # pragma: no cover - a broken table is a programming error
+            raise AssertionError(f"decode table for {dtype} does not tile a 32-bit word")
+
+
+_check_tables()
+
+# register r holds rows (g, g+8)[r % 2], columns 4j + 2 * (r // 2) + {0, 1}
+_REG_ROW = (0, 1, 0, 1)
+_REG_COL = (0, 0, 2, 2)
+
+# e4m3 subnormal mantissa (value mm * 2^-9) -> u = ((E + 9) << 3) | m
+_SUBNORMAL_U = (0, 0, 8, 12, 16, 18, 20, 22)
+
+
+def mma_supported_shape(n: int, k: int) -> bool:
+    return n % TILE_N == 0 and k % CHUNK_K == 0 and n > 0 and k > 0
+
+
+def encode_scales(block_scale_u8: torch.Tensor) -> torch.Tensor:
+    """E4M3 scale codes -> the layout's u codes (any shape; uint8). 0 stays 0 (see module)."""
+    b = block_scale_u8.to(torch.int32)
+    if bool(((b & 0x80) != 0).any()) or bool(((b & 0x7F) == 0x7F).any()):
+        raise WeightFormatError(
+            format_error(
+                "block scales contain negative or NaN E4M3 codes",
+                "NVFP4 block scales are finite and non-negative",
+                "check the checkpoint (the loaders reject these; this is a direct call)",
+            )
+        )
+    table = torch.tensor(_SUBNORMAL_U, dtype=torch.int32, device=b.device)
+    normal = (b >> 3) > 0
+    u = torch.where(normal, b + 16, table[(b & 7).long()])
+    return u.to(torch.uint8)
+
+
+def _decode_scales(u: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`encode_scales` for non-zero scales (u -> e4m3 code)."""
+    u = u.to(torch.int32)
+    e = (u >> 3) - 9  # value 2^e (1 + m/8)
+    m = u & 7
+    normal = e >= -6
+    code_normal = u - 16
+    inv = {v: i for i, v in enumerate(_SUBNORMAL_U) if i > 0}
+    lut = torch.zeros(32, dtype=torch.int32, device=u.device)
+    for v, i in inv.items():
+        lut[v] = i
+    code_sub = lut[torch.clamp(u, 0, 31).long()]
+    del m
+    return torch.where(normal, code_normal, code_sub).to(torch.uint8)
+
+
+def _codes(packed: torch.Tensor) -> torch.Tensor:
+    """[N, K/2] packed bytes -> [N, K] codes (low nibble = even element)."""
+    p = packed.to(torch.int32)
+    return torch.stack((p & 0xF, p >> 4), dim=-1).reshape(packed.shape[0], -1)
+
+
+def repack(
+    packed: torch.Tensor, block_scale_u8: torch.Tensor, act_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checkpoint layout (packed [N, K/2] uint8, scales [N, K/16] E4M3 codes) -> the mma layout.
+
+    Returns ``words`` int32 [N/16, K/64, 32, 4] and ``scales`` uint8 [N/16, K/64, 32, 2]: the
+    same number of bytes. Runs on the tensors' device, once, at load.
+    """
+    table = DECODE_TABLES[act_dtype]
+    n, k = packed.shape[0], packed.shape[1] * 2
+    if not mma_supported_shape(n, k) or block_scale_u8.shape != (n, k // 16):
+        raise WeightFormatError(
+            format_error(
+                f"weight {n}x{k} with scales {tuple(block_scale_u8.shape)}",
+                f"the {LAYOUT} layout needs N % {TILE_N} == 0, K % {CHUNK_K} == 0 and scales "
+                "[N, K/16]",
+                "use the checkpoint layout for this weight (the triton backend does so itself)",
+            )
+        )
+    tiles, chunks = n // TILE_N, k // CHUNK_K
+    u = encode_scales(block_scale_u8)  # [N, K/16]
+    codes = _codes(packed)  # [N, K]
+    zero_block = (block_scale_u8 == 0).repeat_interleave(16, dim=1)
+    codes = torch.where(zero_block, torch.zeros_like(codes), codes)
+    # codes[tile, rr, g, c, t, j, cc] with row = 16 tile + 8 rr + g, col = 64c + 16t + 4j + cc
+    c7 = codes.reshape(tiles, 2, 8, chunks, 4, 4, 4)
+    # -> [tile, c, g, t, j, rr, cc]
+    c7 = c7.permute(0, 3, 2, 4, 5, 1, 6)
+    words = torch.zeros(tiles, chunks, 8, 4, 4, dtype=torch.int64, device=packed.device)
+    for r in range(4):
+        for h in range(2):
+            code = c7[..., _REG_ROW[r], _REG_COL[r] + h].to(torch.int64)
+            sign_pos, mag_pos = table.positions(r, h)
+            words |= ((code >> 3) & 1) << sign_pos
+            for i, pos in enumerate(mag_pos):  # e1, e0, m = code bits 2, 1, 0
+                words |= ((code >> (2 - i)) & 1) << pos
+    words = words.reshape(tiles, chunks, 32, 4)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    # scales[tile, c, lane, rr] = u[16 tile + 8 rr + g, 4c + t]
+    s = u.reshape(tiles, 2, 8, chunks, 4).permute(0, 3, 2, 4, 1).reshape(tiles, chunks, 32, 2)
+    return words.contiguous(), s.contiguous()
+
+
+def _word_codes(words: torch.Tensor, table: DecodeTable) -> torch.Tensor:
+    """int32 [..., 4] words -> codes [..., 4 (j), 4 (reg), 2 (half)]."""
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    out = torch.zeros(*w.shape, 4, 2, dtype=torch.int64, device=w.device)
+    for r in range(4):
+        for h in range(2):
+            sign_pos, mag_pos = table.positions(r, h)
+            code = ((w >> sign_pos) & 1) << 3
+            for i, pos in enumerate(mag_pos):
+                code |= ((w >> pos) & 1) << (2 - i)
+            out[..., r, h] = code
+    return out
+
+
+def unpack(
+    words: torch.Tensor, scales: torch.Tensor, act_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mma layout back to (packed [N, K/2] uint8, E4M3 scale codes [N, K/16] uint8).
+
+    Exact except inside zero-scale blocks, whose codes :func:`repack` zeroed (their values are 0
+    either way)."""
+    table = DECODE_TABLES[act_dtype]
+    tiles, chunks = words.shape[0], words.shape[1]
+    codes = _word_codes(words.reshape(tiles, chunks, 8, 4, 4), table)  # [T, c, g, t, j, r, h]
+    full = torch.zeros(tiles, chunks, 8, 4, 4, 2, 4, dtype=torch.int64, device=words.device)
+    for r in range(4):
+        for h in range(2):
+            full[..., _REG_ROW[r], _REG_COL[r] + h] = codes[..., r, h]
+    # [T, c, g, t, j, rr, cc] -> [T, rr, g, c, t, j, cc]
+    full = full.permute(0, 5, 2, 1, 3, 4, 6).reshape(tiles * 16, chunks * 64)
+    packed = (full[:, 0::2] | (full[:, 1::2] << 4)).to(torch.uint8)
+    u = scales.reshape(tiles, chunks, 8, 4, 2).permute(0, 4, 2, 1, 3).reshape(tiles * 16, -1)
+    return packed, _decode_scales(u)
+
+
+def _bits_to(word16: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (word16.to(torch.int32) & 0xFFFF).to(torch.int16).view(dtype)
+
+
+def decode_emulated(
+    words: torch.Tensor, scales: torch.Tensor, act_dtype: torch.dtype
+) -> torch.Tensor:
+    """What the kernel's A registers hold, computed with the kernel's own bit operations.
+
+    Returns float64 [N, K] = 16-bit(pattern) * 16-bit(scale), i.e. ``e2m1 * scale * 2^-8``
+    (the epilogue multiplies by 2^8 * global_scale). For tests of the layout and the decode.
+    """
+    table = DECODE_TABLES[act_dtype]
+    tiles, chunks = words.shape[0], words.shape[1]
+    w = words.to(torch.int64).reshape(tiles, chunks, 8, 4, 4) & 0xFFFFFFFF
+    bf16 = act_dtype == torch.bfloat16
+    u = scales.to(torch.int64).reshape(tiles, chunks, 8, 4, 2)
+    s_bits = u * 16 + (236 << 7) if bf16 else u * 128 + (12 << 10)
+    scale = _bits_to(s_bits, act_dtype).to(torch.float64)  # [T, c, g, t, rr]
+
+    def rotl(x: torch.Tensor, n: int) -> torch.Tensor:
+        return ((x << n) | (x >> (32 - n))) & 0xFFFFFFFF if n else x
+
+    full = torch.zeros(tiles, chunks, 8, 4, 4, 2, 4, dtype=torch.float64, device=words.device)
+    for r in range(4):
+        a, b = table.rotations[r]
+        reg = (rotl(w, a) & table.sign_mask) | (rotl(w, b) & table.mag_mask)
+        for h in range(2):
+            v = _bits_to(reg >> (16 * h), act_dtype).to(torch.float64)
+            full[..., _REG_ROW[r], _REG_COL[r] + h] = v * scale[..., _REG_ROW[r]][..., None]
+    full = full.permute(0, 5, 2, 1, 3, 4, 6).reshape(tiles * 16, chunks * 64)
+    return full
+
+
+# --------------------------------------------------------------------------------------------
+# PTX pieces (one Triton element per thread: each asm block is one lane's work)
+# --------------------------------------------------------------------------------------------
+
+
+def _decode_ptx(table: DecodeTable, word: str, outs: list[str]) -> str:
+    """PTX turning the 32-bit ``word`` into the four A registers ``outs`` (before scaling)."""
+    lines = []
+    for r, out in enumerate(outs):
+        a, b = table.rotations[r]
+        src_s = word if a == 0 else f"%rs{r}"
+        src_m = word if b == 0 else f"%rm{r}"
+        if a and a != b:
+            lines.append(f"shf.l.wrap.b32 %rs{r}, {word}, {word}, {a};")
+        if b:
+            lines.append(f"shf.l.wrap.b32 %rm{r}, {word}, {word}, {b};")
+        if a == b:
+            lines.append(f"and.b32 {out}, {src_m}, {table.sign_mask | table.mag_mask};")
+        else:
+            lines.append(f"and.b32 %rm{r}, {src_m}, {table.mag_mask};")
+            # (src_s & SIGN) | rm : lut (a & c) | b with a=src_s, b=rm, c=SIGN -> 0xEC
+            lines.append(f"lop3.b32 {out}, {src_s}, %rm{r}, {table.sign_mask}, 0xEC;")
+    return "\n".join(lines)
+
+
+def _decode_asm(bf16: bool) -> str:
+    """One chunk of one lane: 4 words + 2 scale codes -> 16 scaled A registers.
+
+    Operands: $0..$15 the A registers (step j, register r at 4j + r), $16..$19 the words,
+    $20 the two scale codes (row g in bits 0..7, row g+8 in bits 8..15)."""
+    table = DECODE_TABLES[torch.bfloat16 if bf16 else torch.float16]
+    mul = 0x00100010 if bf16 else 0x00800080
+    add = ((236 << 7) | (236 << 23)) if bf16 else ((12 << 10) | (12 << 26))
+    fma = "fma.rn.bf16x2" if bf16 else "fma.rn.f16x2"
+    body = [
+        "{",
+        ".reg .b32 %rs<4>, %rm<4>, %su, %sg, %sg8, %neg0;",
+        "mov.b32 %neg0, 0x80008000;",
+        "and.b32 %su, $20, 255;",
+        f"mad.lo.u32 %sg, %su, {mul}, {add};",
+        "shr.u32 %su, $20, 8;",
+        "and.b32 %su, %su, 255;",
+        f"mad.lo.u32 %sg8, %su, {mul}, {add};",
+    ]
+    for j in range(4):
+        regs = [f"${4 * j + r}" for r in range(4)]
+        body.append(_decode_ptx(table, f"${16 + j}", regs))
+        for r in range(4):
+            s = "%sg" if _REG_ROW[r] == 0 else "%sg8"
+            body.append(f"{fma} {regs[r]}, {regs[r]}, {s}, %neg0;")
+    body.append("}")
+    return "\n".join(body)
+
+
+_MMA_PTX = (
+    "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+    "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};"
+)
+_DECODE_BF16 = tl.constexpr(_decode_asm(True))
+_DECODE_F16 = tl.constexpr(_decode_asm(False))
+_MMA_BF16 = tl.constexpr(_MMA_PTX)
+_MMA_F16 = tl.constexpr(_MMA_PTX.replace("bf16", "f16"))
+_MMA_CONSTRAINTS = tl.constexpr("=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
+
+
+_LOAD_W_ASM = tl.constexpr(
+    "{ .reg .pred p; setp.ne.b32 p, $5, 0;\n"
+    "mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0; mov.b32 $4, 0;\n"
+    "@p ld.global.nc.L1::no_allocate.v4.b32 {$0, $1, $2, $3}, [$6];\n"
+    "@p ld.global.nc.L1::no_allocate.u16 $4, [$7]; }"
+)
+_LOAD_W_ASM_ALL = tl.constexpr(
+    "ld.global.nc.L1::no_allocate.v4.b32 {$0, $1, $2, $3}, [$6];\n"
+    "ld.global.nc.L1::no_allocate.u16 $4, [$7];"
+)
+_LOAD_X_ASM_ALL = tl.constexpr(
+    "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$9];\nld.global.nc.v4.b32 {$4, $5, $6, $7}, [$9+16];"
+)
+_LOAD_X_ASM = tl.constexpr(
+    "{ .reg .pred p; setp.ne.b32 p, $8, 0;\n"
+    "mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0;\n"
+    "mov.b32 $4, 0; mov.b32 $5, 0; mov.b32 $6, 0; mov.b32 $7, 0;\n"
+    "@p ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$9];\n"
+    "@p ld.global.nc.v4.b32 {$4, $5, $6, $7}, [$9+16]; }"
+)
+
+
+@triton.jit
+def _load_w(w_ptrs, s_ptrs, ok, ALL: tl.constexpr):
+    """A lane's 16 bytes of codes and its 2 scale codes for one chunk (zeros where not ok;
+    ALL: every chunk exists, no predicate)."""
+    return tl.inline_asm_elementwise(
+        _LOAD_W_ASM_ALL if ALL else _LOAD_W_ASM,
+        "=r,=r,=r,=r,=r,r,l,l",
+        [ok.to(tl.int32), w_ptrs, s_ptrs],
+        dtype=(tl.int32, tl.int32, tl.int32, tl.int32, tl.int32),
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit
+def _load_x(x_ptrs, ok, ALL: tl.constexpr):
+    """A lane's B fragments for one chunk: 32 contiguous bytes of one activation row."""
+    return tl.inline_asm_elementwise(
+        _LOAD_X_ASM_ALL if ALL else _LOAD_X_ASM,
+        "=r,=r,=r,=r,=r,=r,=r,=r,r,l",
+        [ok.to(tl.int32), x_ptrs],
+        dtype=(tl.int32,) * 8,
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit
+def _decode_chunk(q0, q1, q2, q3, u, BF16: tl.constexpr):
+    return tl.inline_asm_elementwise(
+        _DECODE_BF16 if BF16 else _DECODE_F16,
+        "=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r",
+        [q0, q1, q2, q3, u],
+        dtype=(tl.int32,) * 16,
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit
+def _mma(acc0, acc1, acc2, acc3, a0, a1, a2, a3, b0, b1, BF16: tl.constexpr):
+    return tl.inline_asm_elementwise(
+        _MMA_BF16 if BF16 else _MMA_F16,
+        _MMA_CONSTRAINTS,
+        [a0, a1, a2, a3, b0, b1, acc0, acc1, acc2, acc3],
+        dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit(do_not_specialize=["M"])
+def _mma_gemv_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    gs_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    stride_xm,
+    stride_om,
+    CHUNKS: tl.constexpr,
+    NT: tl.constexpr,
+    WT: tl.constexpr,
+    WK: tl.constexpr,
+    UNROLL: tl.constexpr,
+    BF16: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    """One program = WT 16-row tiles x (8 * NT) tokens with WT * WK warps: warp (wt, wk) takes
+    tile wt and every WK-th chunk from wk (a K split summed at the end). The WT warps of one
+    wk read the same activation bytes at about the same time, so those loads hit in L1: at
+    M >= 16 the activations re-read per tile would otherwise outweigh the weights. Each step a
+    warp handles UNROLL chunks (wk + WK * i), and the weight loads of the next step are issued
+    before this step's math, so every warp keeps UNROLL * 512 bytes in flight.
+
+    Tensor shapes (one element per thread along the last axis, 32 * WARPS): per-lane values
+    [32W]; per-chunk [UNROLL, 32W]; per-chunk-and-token-tile [UNROLL, NT, 32W]."""
+    WARPS: tl.constexpr = WT * WK
+    m0 = tl.program_id(0) * (8 * NT)
+    idx = tl.arange(0, 32 * WARPS)
+    lane = idx % 32
+    warp = idx // 32
+    tile = tl.program_id(1) * WT + warp % WT
+    wk = warp // WT
+    g = lane // 4
+    t = lane % 4
+    # token rows of this lane's B fragments: past M they repeat row M - 1 (their output columns
+    # are never stored, and a repeated row is the same cache line for the whole warp)
+    tt = tl.arange(0, NT)[:, None]
+    rows = tl.minimum(m0 + 8 * tt + g[None, :], M - 1).to(tl.int64)
+    x_row = (x_ptr + rows * stride_xm + (16 * t)[None, :])[None, :, :]  # [1, NT, 32W]
+    w_base = (w_ptr + tile.to(tl.int64) * (CHUNKS * 128) + lane * 4)[None, :]  # [1, 32W]
+    s_base = (s_ptr + tile.to(tl.int64) * (CHUNKS * 32) + lane)[None, :]
+    chunk0 = tl.arange(0, UNROLL)[:, None] * WK + wk[None, :]  # [U, 32W]
+    STEP: tl.constexpr = WK * UNROLL
+    acc0 = tl.zeros((UNROLL, NT, 32 * WARPS), dtype=tl.float32)
+    acc1 = tl.zeros((UNROLL, NT, 32 * WARPS), dtype=tl.float32)
+    acc2 = tl.zeros((UNROLL, NT, 32 * WARPS), dtype=tl.float32)
+    acc3 = tl.zeros((UNROLL, NT, 32 * WARPS), dtype=tl.float32)
+    # EVEN (CHUNKS a multiple of STEP): no predicates; the prefetch past the end re-reads the
+    # last chunk instead of reading out of bounds
+    EVEN: tl.constexpr = CHUNKS % STEP == 0
+    q0, q1, q2, q3, u = _load_w(w_base + chunk0 * 128, s_base + chunk0 * 32, chunk0 < CHUNKS, EVEN)
+    for c0 in range(0, CHUNKS, STEP):
+        c = c0 + chunk0
+        nxt = tl.minimum(c + STEP, CHUNKS - 1) if EVEN else c + STEP
+        n0, n1, n2, n3, nu = _load_w(w_base + nxt * 128, s_base + nxt * 32, nxt < CHUNKS, EVEN)
+        ok = (c < CHUNKS)[:, None, :]
+        x0, x1, x2, x3, x4, x5, x6, x7 = _load_x(x_row + (c * 64)[:, None, :], ok, EVEN)
+        a = _decode_chunk(q0, q1, q2, q3, u, BF16)
+        acc0, acc1, acc2, acc3 = _mma(
+            acc0,
+            acc1,
+            acc2,
+            acc3,
+            a[0][:, None, :],
+            a[1][:, None, :],
+            a[2][:, None, :],
+            a[3][:, None, :],
+            x0,
+            x1,
+            BF16,
+        )
+        acc0, acc1, acc2, acc3 = _mma(
+            acc0,
+            acc1,
+            acc2,
+            acc3,
+            a[4][:, None, :],
+            a[5][:, None, :],
+            a[6][:, None, :],
+            a[7][:, None, :],
+            x2,
+            x3,
+            BF16,
+        )
+        acc0, acc1, acc2, acc3 = _mma(
+            acc0,
+            acc1,
+            acc2,
+            acc3,
+            a[8][:, None, :],
+            a[9][:, None, :],
+            a[10][:, None, :],
+            a[11][:, None, :],
+            x4,
+            x5,
+            BF16,
+        )
+        acc0, acc1, acc2, acc3 = _mma(
+            acc0,
+            acc1,
+            acc2,
+            acc3,
+            a[12][:, None, :],
+            a[13][:, None, :],
+            a[14][:, None, :],
+            a[15][:, None, :],
+            x6,
+            x7,
+            BF16,
+        )
+        q0, q1, q2, q3, u = n0, n1, n2, n3, nu
+    # sum the chunks in flight and the warps' K slices: [U, NT, WK, WT * 32] -> [NT, WT * 32]
+    r0 = tl.sum(tl.reshape(tl.sum(acc0, axis=0), (NT, WK, WT * 32)), axis=1)
+    r1 = tl.sum(tl.reshape(tl.sum(acc1, axis=0), (NT, WK, WT * 32)), axis=1)
+    r2 = tl.sum(tl.reshape(tl.sum(acc2, axis=0), (NT, WK, WT * 32)), axis=1)
+    r3 = tl.sum(tl.reshape(tl.sum(acc3, axis=0), (NT, WK, WT * 32)), axis=1)
+    lt = tl.arange(0, WT * 32)[None, :]  # (tile within the program, lane)
+    l32 = lt % 32
+    tok = m0 + 8 * tl.arange(0, NT)[:, None] + 2 * (l32 % 4)
+    n_lo = (tl.program_id(1) * WT + lt // 32) * 16 + l32 // 4
+    factor = tl.load(gs_ptr) * 256.0
+    _store_out(out_ptr, bias_ptr, r0, tok, n_lo, M, stride_om, factor, HAS_BIAS)
+    _store_out(out_ptr, bias_ptr, r1, tok + 1, n_lo, M, stride_om, factor, HAS_BIAS)
+    _store_out(out_ptr, bias_ptr, r2, tok, n_lo + 8, M, stride_om, factor, HAS_BIAS)
+    _store_out(out_ptr, bias_ptr, r3, tok + 1, n_lo + 8, M, stride_om, factor, HAS_BIAS)
+
+
+@triton.jit
+def _store_out(out_ptr, bias_ptr, acc, tok, n, M, stride_om, factor, HAS_BIAS: tl.constexpr):
+    y = acc * factor
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + n)
+    tl.store(
+        out_ptr + tok.to(tl.int64) * stride_om + n, y.to(out_ptr.dtype.element_ty), mask=tok < M
+    )
+
+
+def _rescale_asm(bf16: bool) -> str:
+    """16 A registers (16-bit pairs, e2m1 * scale * 2^-8) -> the same pairs times ``$32``
+    (fp32, 2^8 * global scale), rounded once to 16-bit. $0..$15 out, $16..$31 in."""
+    body = ["{", ".reg .f32 %lo, %hi;", ".reg .b16 %l16, %h16;"]
+    for i in range(16):
+        src, dst = f"${16 + i}", f"${i}"
+        if bf16:
+            body += [
+                f"shl.b32 %lo, {src}, 16;",
+                f"and.b32 %hi, {src}, 0xFFFF0000;",
+                "mul.rn.f32 %lo, %lo, $32;",
+                "mul.rn.f32 %hi, %hi, $32;",
+                f"cvt.rn.bf16x2.f32 {dst}, %hi, %lo;",
+            ]
+        else:
+            body += [
+                f"mov.b32 {{%l16, %h16}}, {src};",
+                "cvt.f32.f16 %lo, %l16;",
+                "cvt.f32.f16 %hi, %h16;",
+                "mul.rn.f32 %lo, %lo, $32;",
+                "mul.rn.f32 %hi, %hi, $32;",
+                f"cvt.rn.f16x2.f32 {dst}, %hi, %lo;",
+            ]
+    body.append("}")
+    return "\n".join(body)
+
+
+_RESCALE_BF16 = tl.constexpr(_rescale_asm(True))
+_RESCALE_F16 = tl.constexpr(_rescale_asm(False))
+_RESCALE_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 16 + ["r"] * 16 + ["f"]))
+# row g: registers 0, 2, 4, ..., 14 in column order; row g + 8: 1, 3, ..., 15
+_STORE_ROWS_CONSTRAINTS = tl.constexpr("=r,l,l," + ",".join(["r"] * 16))
+_STORE_ROWS_ASM = tl.constexpr(
+    "st.global.v4.b32 [$1], {$3, $5, $7, $9};\n"
+    "st.global.v4.b32 [$1+16], {$11, $13, $15, $17};\n"
+    "st.global.v4.b32 [$2], {$4, $6, $8, $10};\n"
+    "st.global.v4.b32 [$2+16], {$12, $14, $16, $18};\n"
+    "mov.b32 $0, 0;"
+)
+
+
+@triton.jit
+def _mma_dequant_kernel(
+    w_ptr,
+    s_ptr,
+    gs_ptr,
+    out_ptr,
+    tile0,
+    stride_o,
+    CHUNKS: tl.constexpr,
+    WARPS: tl.constexpr,
+    BF16: tl.constexpr,
+):
+    """Dequantize tiles tile0.. of the mma layout into 16-bit rows (the large-M path's slab):
+    each thread decodes one lane's 32 weights with the GEMV kernel's own PTX, rescales them in
+    fp32 by 2^8 * global scale, and writes 2 x 32 contiguous bytes (rows g and g + 8)."""
+    tile = tile0 + tl.program_id(1)
+    idx = tl.arange(0, 32 * WARPS)
+    lane = idx % 32
+    c = tl.program_id(0) * WARPS + idx // 32
+    ok = c < CHUNKS
+    cc = tl.minimum(c, CHUNKS - 1)
+    w = w_ptr + (tile.to(tl.int64) * CHUNKS + cc) * 128 + lane * 4
+    s = s_ptr + (tile.to(tl.int64) * CHUNKS + cc) * 32 + lane
+    # chunks past the end (last program) re-decode the last chunk and store the same values
+    q0, q1, q2, q3, u = _load_w(w, s, ok, True)
+    a = _decode_chunk(q0, q1, q2, q3, u, BF16)
+    factor = tl.load(gs_ptr) * 256.0 + tl.zeros((32 * WARPS,), dtype=tl.float32)
+    r = tl.inline_asm_elementwise(
+        _RESCALE_BF16 if BF16 else _RESCALE_F16,
+        _RESCALE_CONSTRAINTS,
+        [
+            a[0],
+            a[1],
+            a[2],
+            a[3],
+            a[4],
+            a[5],
+            a[6],
+            a[7],
+            a[8],
+            a[9],
+            a[10],
+            a[11],
+            a[12],
+            a[13],
+            a[14],
+            a[15],
+            factor,
+        ],
+        dtype=(tl.int32,) * 16,
+        is_pure=True,
+        pack=1,
+    )
+    row = (tile - tile0) * 16 + lane // 4
+    col = cc * 64 + 16 * (lane % 4)
+    p_lo = out_ptr + row.to(tl.int64) * stride_o + col
+    p_hi = p_lo + 8 * stride_o
+    tl.inline_asm_elementwise(
+        _STORE_ROWS_ASM,
+        _STORE_ROWS_CONSTRAINTS,
+        [
+            p_lo,
+            p_hi,
+            r[0],
+            r[1],
+            r[2],
+            r[3],
+            r[4],
+            r[5],
+            r[6],
+            r[7],
+            r[8],
+            r[9],
+            r[10],
+            r[11],
+            r[12],
+            r[13],
+            r[14],
+            r[15],
+        ],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# host side
+# --------------------------------------------------------------------------------------------
+
+
+def _config(tiles: int, chunks: int, m: int) -> tuple[int, int, int, int]:
+    """(NT, WT, WK, UNROLL) for a call: token tiles per program from M; tiles per program
+    (activation reuse through L1); K split; chunks in flight per warp. From the H200 sweep
+    (benchmarks/results/mma-sweep-h200-*.log)."""
+    nt = 1
+    while nt * 8 < min(m, MAX_TOKENS_PER_PROGRAM):
+        nt *= 2
+    big = tiles >= 1024  # e.g. a fused 28672-row gate_up: enough programs without a K split
+    if nt == 1:
+        wt, wk, unroll = (1, 4, 2) if big else ((1, 8, 4) if chunks >= 128 else (1, 8, 2))
+    elif nt == 2:
+        wt, wk, unroll = (8, 2, 1) if big else (1, 8, 2)
+    elif nt == 4:
+        wt, wk, unroll = (8, 1, 2) if big else (1, 4, 2)
+    else:
+        wt, wk, unroll = (8, 1, 2) if big else ((4, 2, 2) if tiles >= 384 else (2, 4, 2))
+    while wk > 1 and wk > chunks:  # a power of two (Triton's num_warps) no larger than needed
+        wk //= 2
+    while wt > 1 and tiles % wt:
+        wt //= 2
+    return nt, wt, wk, unroll
+
+
+def mma_linear(
+    x: torch.Tensor,
+    words: torch.Tensor,
+    scales: torch.Tensor,
+    global_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    config: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` for a weight in the mma layout; x [M, K] fp16/bf16, out [M, N].
+
+    Any M works (programs of up to 64 tokens side by side; the weight tile stays in L2 for
+    the programs that share it), but it is meant for small M: the backend sends large M to
+    dequantize + cuBLAS. ``config`` = (NT, WT, WK, UNROLL) overrides the heuristic (tuning);
+    WT must divide N/16."""
+    tiles, chunks = words.shape[0], words.shape[1]
+    n, k = tiles * TILE_N, chunks * CHUNK_K
+    m = x.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    if x.stride(0) % 8 or x.data_ptr() % 16:  # 16-byte loads of x rows
+        x = x.clone(memory_format=torch.contiguous_format)
+    nt, wt, wk, unroll = config or _config(tiles, chunks, m)
+    if tiles % wt:
+        raise ValueError(f"WT={wt} does not divide the {tiles} tiles")
+    grid = (triton.cdiv(m, 8 * nt), tiles // wt)
+    _mma_gemv_kernel[grid](
+        x,
+        words,
+        scales.view(torch.int16),
+        global_scale,
+        bias if bias is not None else global_scale,
+        out,
+        m,
+        n,
+        x.stride(0),
+        out.stride(0),
+        CHUNKS=chunks,
+        NT=nt,
+        WT=wt,
+        WK=wk,
+        UNROLL=unroll,
+        BF16=x.dtype == torch.bfloat16,
+        HAS_BIAS=bias is not None,
+        num_warps=wt * wk,
+        num_stages=1,
+    )
+    del k
+    return out
+
+
+def mma_dequant_rows(
+    words: torch.Tensor,
+    scales: torch.Tensor,
+    global_scale: torch.Tensor,
+    row_a: int,
+    row_b: int,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Rows ``row_a .. row_b`` (multiples of 16) of the weight, dequantized into ``out``
+    [row_b - row_a, K] (bf16 or fp16, the dtype the layout was packed for)."""
+    if row_a % TILE_N or row_b % TILE_N:
+        raise ValueError(f"rows {row_a}..{row_b} are not whole {TILE_N}-row tiles")
+    chunks = words.shape[1]
+    warps = 4
+    grid = (triton.cdiv(chunks, warps), (row_b - row_a) // TILE_N)
+    _mma_dequant_kernel[grid](
+        words,
+        scales.view(torch.int16),
+        global_scale,
+        out,
+        row_a // TILE_N,
+        out.stride(0),
+        CHUNKS=chunks,
+        WARPS=warps,
+        BF16=out.dtype == torch.bfloat16,
+        num_warps=warps,
+    )
+    return out

@@ -1,0 +1,131 @@
+"""GPU tests of the mma16x64 NVFP4 kernels (quantdispatch.kernels.fp4_mma): GEMV / small-M
+GEMM and the layout's dequantize pass, against float64 from the format definitions.
+
+Bounds as in test_kernels_gpu.py (bf16 1e-2, fp16 2e-3: the decode is exact, only the output
+cast rounds). Outputs are NaN-poisoned so an unwritten element fails.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from tests.gpu.test_kernels_gpu import BOUND, check, fp4_w64, gen, nvfp4_weights
+
+pytestmark = pytest.mark.gpu
+
+LLAMA = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+OTHER = [(4096, 2048), (2048, 768), (2880, 2880), (48, 192)]  # Qwen3, gpt-oss, tiny (N != K)
+MS = [1, 2, 7, 8, 9, 16, 33, 64, 65, 100]
+
+
+@pytest.fixture(scope="module")
+def mma():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("TRITON_INTERPRET=1 in this process: run tests/gpu in its own process")
+    if torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("the mma16x64 kernels need SM 8.0+ (mma.sync m16n8k16 bf16)")
+    from quantdispatch.kernels import fp4_mma
+
+    return fp4_mma
+
+
+@pytest.fixture(autouse=True)
+def poisoned(monkeypatch, request):
+    if "mma" not in request.fixturenames:
+        return
+    real_empty = torch.empty
+
+    def empty(*shape, **kw):
+        out = real_empty(*shape, **kw)
+        if out.is_floating_point():
+            out.fill_(math.nan)
+        return out
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("shape", LLAMA + OTHER, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_mma_linear_real_shapes(mma, shape, dtype):
+    n, kk = shape
+    g = gen(n + kk)
+    packed, sbits, gs = nvfp4_weights(n, kk, g)
+    w64 = fp4_w64(packed, sbits, 16, False, 2.5e-3)
+    words, scales = mma.repack(packed, sbits, dtype)
+    bias = torch.randn(n, generator=g, device="cuda")
+    for m in MS:
+        x = torch.randn(m, kk, generator=g, device="cuda").to(dtype)
+        out = mma.mma_linear(x, words, scales, gs)
+        check(out, x.double() @ w64.T, dtype)
+        out = mma.mma_linear(x, words, scales, gs, bias)
+        check(out, x.double() @ w64.T + bias.double(), dtype)
+
+
+@pytest.mark.parametrize(
+    "cfg", [(1, 1, 1, 1), (1, 1, 4, 4), (2, 2, 8, 2), (8, 4, 2, 1), (4, 1, 2, 4), (2, 8, 1, 2)]
+)
+def test_every_config_and_uneven_k_split(mma, cfg):
+    """Configs whose K split does not divide the chunks (predicated tail) and M tiles past M."""
+    n, kk = 2048, 2880 + 64  # 46 chunks
+    g = gen(5)
+    packed, sbits, gs = nvfp4_weights(n, kk, g)
+    w64 = fp4_w64(packed, sbits, 16, False, 2.5e-3)
+    words, scales = mma.repack(packed, sbits, torch.bfloat16)
+    for m in (1, 5, 8 * cfg[0] + 3):
+        x = torch.randn(m, kk, generator=g, device="cuda").to(torch.bfloat16)
+        check(mma.mma_linear(x, words, scales, gs, config=cfg), x.double() @ w64.T, torch.bfloat16)
+
+
+def test_strided_and_misaligned_activations(mma):
+    n, kk = 4096, 4096
+    g = gen(6)
+    packed, sbits, gs = nvfp4_weights(n, kk, g)
+    w64 = fp4_w64(packed, sbits, 16, False, 2.5e-3)
+    words, scales = mma.repack(packed, sbits, torch.bfloat16)
+    big = torch.randn(5, kk + 3, generator=g, device="cuda").to(torch.bfloat16)
+    for x in (big[:, :kk], big[:, 1 : kk + 1], big.view(-1)[1 : 1 + 4 * kk].view(4, kk)):
+        check(mma.mma_linear(x, words, scales, gs), x.double() @ w64.T, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_dequant_rows_is_the_rounded_reference(mma, dtype):
+    """The large-M slab: every weight exactly float64(w) rounded once to 16-bit."""
+    n, kk = 1024, 2880 + 64
+    g = gen(7)
+    packed, sbits, gs = nvfp4_weights(n, kk, g)
+    w64 = fp4_w64(packed, sbits, 16, False, 2.5e-3)
+    words, scales = mma.repack(packed, sbits, dtype)
+    out = torch.full((n - 32, kk), math.nan, dtype=dtype, device="cuda")
+    mma.mma_dequant_rows(words, scales, gs, 16, n - 16, out)
+    assert torch.equal(out, w64[16 : n - 16].to(dtype))
+
+
+def test_cuda_graph_replay_equals_eager(mma):
+    n, kk = 4096, 4096
+    g = gen(8)
+    packed, sbits, gs = nvfp4_weights(n, kk, g)
+    words, scales = mma.repack(packed, sbits, torch.bfloat16)
+    for m in (1, 16, 64):
+        static_x = torch.randn(m, kk, generator=g, device="cuda").to(torch.bfloat16)
+        mma.mma_linear(static_x, words, scales, gs)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = mma.mma_linear(static_x, words, scales, gs)
+        for _ in range(2):
+            static_x.copy_(torch.randn(m, kk, generator=g, device="cuda").to(torch.bfloat16))
+            gs.mul_(1.5)  # the global scale is read on the device
+            graph.replay()
+            torch.testing.assert_close(
+                static_out, mma.mma_linear(static_x, words, scales, gs), rtol=0, atol=0
+            )
+
+
+def test_bounds_are_the_shared_ones():
+    assert BOUND[torch.bfloat16] == 1e-2 and BOUND[torch.float16] == 2e-3

@@ -1,0 +1,113 @@
+"""The mma16x64 layout contract (quantdispatch.kernels.fp4_mma), on the CPU.
+
+The GPU kernels are PTX and cannot run under the Triton interpreter; what can be proven here
+is that (a) repack/unpack is a bijection on the checkpoint tensors, (b) the kernel's own bit
+operations (rotate, mask, 16-bit multiply by the integer-built scale), replayed in torch, give
+e2m1 * scale * 2^-8 exactly against the independent float64 decoders, for every code and
+every E4M3 scale (subnormals and 448 included), for both activation dtypes. The kernels
+themselves are checked against the reference in tests/gpu.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quantdispatch.errors import WeightFormatError
+from quantdispatch.kernels import fp4_mma
+from tests.numerics.ref64 import e2m1_from_bits, e4m3_from_bits, unpack_low_first
+
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+def _random_weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    packed = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.int32).to(torch.uint8)
+    # every finite non-negative E4M3 code, subnormals (1..7) and 448 (0x7E) included, and zero
+    codes = torch.randint(0, 0x7F, (n, k // 16), generator=g, dtype=torch.int32)
+    codes[0, 0], codes[0, 1], codes[1, 0] = 0x7E, 1, 0
+    return packed, codes.to(torch.uint8)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tables_tile_a_word(dtype: torch.dtype) -> None:
+    table = fp4_mma.DECODE_TABLES[dtype]
+    bits = sorted(
+        p
+        for r in range(4)
+        for h in range(2)
+        for p in (table.positions(r, h)[0], *table.positions(r, h)[1])
+    )
+    assert bits == list(range(32))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("n", "k"), [(16, 64), (48, 192), (32, 1024)])
+def test_repack_unpack_round_trip(dtype: torch.dtype, n: int, k: int) -> None:
+    packed, scales = _random_weight(n, k, seed=n + k)
+    scales[scales == 0] = 1  # zero-scale blocks lose their codes (tested below)
+    words, s = fp4_mma.repack(packed, scales, dtype)
+    assert words.dtype == torch.int32 and words.shape == (n // 16, k // 64, 32, 4)
+    assert s.dtype == torch.uint8 and s.shape == (n // 16, k // 64, 32, 2)
+    assert words.numel() * 4 + s.numel() == packed.numel() + scales.numel()  # same bytes
+    back_packed, back_scales = fp4_mma.unpack(words, s, dtype)
+    assert torch.equal(back_packed, packed)
+    assert torch.equal(back_scales, scales)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_emulated_decode_is_exact(dtype: torch.dtype) -> None:
+    n, k = 48, 256
+    packed, scales = _random_weight(n, k, seed=7)
+    words, s = fp4_mma.repack(packed, scales, dtype)
+    got = fp4_mma.decode_emulated(words, s, dtype)
+    want = (
+        e2m1_from_bits(unpack_low_first(packed))
+        * e4m3_from_bits(scales).repeat_interleave(16, dim=1)
+        * 2.0**-8
+    )
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_scale_code_and_every_e2m1_code(dtype: torch.dtype) -> None:
+    """All 127 finite scale codes x all 16 E2M1 codes, in one weight."""
+    scale_codes = torch.arange(0, 0x7F, dtype=torch.int32)
+    n, k = 128, 16 * 16  # 16 groups per row; 127 scale codes spread over rows/groups
+    reps = -(-n * (k // 16) // scale_codes.numel())
+    scales = scale_codes.repeat(reps)[: n * (k // 16)].reshape(n, k // 16)
+    codes = torch.arange(16, dtype=torch.int32).repeat(n, k // 16)
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
+    words, s = fp4_mma.repack(packed, scales.to(torch.uint8), dtype)
+    got = fp4_mma.decode_emulated(words, s, dtype)
+    want = (
+        e2m1_from_bits(codes.to(torch.uint8))
+        * e4m3_from_bits(scales.to(torch.uint8)).repeat_interleave(16, dim=1)
+        * 2.0**-8
+    )
+    assert torch.equal(got, want)
+
+
+def test_zero_scale_blocks_decode_to_zero() -> None:
+    packed, scales = _random_weight(16, 64, seed=3)
+    scales[:, 1] = 0
+    words, s = fp4_mma.repack(packed, scales, torch.bfloat16)
+    got = fp4_mma.decode_emulated(words, s, torch.bfloat16)
+    assert torch.count_nonzero(got[:, 16:32]) == 0
+    assert torch.count_nonzero(got[:, :16]) > 0
+
+
+@pytest.mark.parametrize(("n", "k"), [(24, 64), (16, 48), (16, 96)])
+def test_unsupported_shapes_are_refused(n: int, k: int) -> None:
+    packed, scales = _random_weight(n, k, seed=1)
+    assert not fp4_mma.mma_supported_shape(n, k)
+    with pytest.raises(WeightFormatError, match="N % 16 == 0, K % 64 == 0"):
+        fp4_mma.repack(packed, scales, torch.bfloat16)
+
+
+@pytest.mark.parametrize("bad", [0x7F, 0x80 | 0x38])
+def test_nan_or_negative_scale_codes_are_refused(bad: int) -> None:
+    packed, scales = _random_weight(16, 64, seed=2)
+    scales[3, 2] = bad
+    with pytest.raises(WeightFormatError, match="negative or NaN"):
+        fp4_mma.repack(packed, scales, torch.bfloat16)
