@@ -176,19 +176,20 @@ class Problem:
         self.bf16_copies = max(2, math.ceil(ROTATE_BYTES / (2 * n * k)))
         self.bf16s = [self.bf16.clone() for _ in range(self.bf16_copies)]
 
-    def prepared_nvfp4(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[int]]:
-        """The rotated NVFP4 copies in the layout TritonBackend.prepare makes on this GPU
-        (mma16x64 on SM 8.0+ for bf16, else the checkpoint layout), and its meta."""
+    def prepared_nvfp4(self) -> tuple[list[tuple[torch.Tensor, ...]], list[int]]:
+        """The rotated NVFP4 copies as TritonBackend.prepare lays them out on this GPU (the
+        kernel tensors before the global scale), and its meta."""
         if getattr(self, "_prepared", None) is None:
-            from quantdispatch.backends.triton import MMA_LAYOUT_TAG, mma_layout_eligible
-            from quantdispatch.kernels.fp4_mma import repack
+            from quantdispatch.backends.triton import TritonBackend
+            from quantdispatch.formats.nvfp4 import Nvfp4Weight
+            from quantdispatch.request import Request
 
-            cap = torch.cuda.get_device_capability() if DEVICE == "cuda" else None
-            if mma_layout_eligible("nvfp4", self.n, self.k, torch.bfloat16, cap):
-                ws = [repack(pk, sc.view(torch.uint8), torch.bfloat16) for pk, sc in self.nv]
-                self._prepared = (ws, [MMA_LAYOUT_TAG, 1])
-            else:
-                self._prepared = (list(self.nv), [])
+            request = Request.make("nvfp4", "linear", torch.bfloat16, n=self.n, k=self.k)
+            prepared = [
+                TritonBackend().prepare(Nvfp4Weight(pk, sc, self.gscale), request)
+                for pk, sc in self.nv
+            ]
+            self._prepared = ([w.tensors[:2] for w in prepared], list(prepared[0].meta))
         return self._prepared
 
     def xs(self, m: int, count: int, gen: torch.Generator) -> list[torch.Tensor]:

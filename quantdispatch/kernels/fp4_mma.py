@@ -155,7 +155,6 @@ def _decode_scales(u: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`encode_scales` for non-zero scales (u -> e4m3 code)."""
     u = u.to(torch.int32)
     e = (u >> 3) - 9  # value 2^e (1 + m/8)
-    m = u & 7
     normal = e >= -6
     code_normal = u - 16
     inv = {v: i for i, v in enumerate(_SUBNORMAL_U) if i > 0}
@@ -163,7 +162,6 @@ def _decode_scales(u: torch.Tensor) -> torch.Tensor:
     for v, i in inv.items():
         lut[v] = i
     code_sub = lut[torch.clamp(u, 0, 31).long()]
-    del m
     return torch.where(normal, code_normal, code_sub).to(torch.uint8)
 
 
@@ -423,6 +421,25 @@ def _mma(acc0, acc1, acc2, acc3, a0, a1, a2, a3, b0, b1, BF16: tl.constexpr):
     )
 
 
+@triton.jit
+def _mma_step(acc0, acc1, acc2, acc3, a, J: tl.constexpr, b0, b1, BF16: tl.constexpr):
+    """MMA step J of a chunk: A registers 4J..4J+3 (one per thread, broadcast over the token
+    tiles), B fragments (b0, b1) per token tile."""
+    return _mma(
+        acc0,
+        acc1,
+        acc2,
+        acc3,
+        a[4 * J][:, None, :],
+        a[4 * J + 1][:, None, :],
+        a[4 * J + 2][:, None, :],
+        a[4 * J + 3][:, None, :],
+        b0,
+        b1,
+        BF16,
+    )
+
+
 @triton.jit(do_not_specialize=["M"])
 def _mma_gemv_kernel(
     x_ptr,
@@ -485,58 +502,10 @@ def _mma_gemv_kernel(
         ok = (c < CHUNKS)[:, None, :]
         x0, x1, x2, x3, x4, x5, x6, x7 = _load_x(x_row + (c * 64)[:, None, :], ok, EVEN)
         a = _decode_chunk(q0, q1, q2, q3, u, BF16)
-        acc0, acc1, acc2, acc3 = _mma(
-            acc0,
-            acc1,
-            acc2,
-            acc3,
-            a[0][:, None, :],
-            a[1][:, None, :],
-            a[2][:, None, :],
-            a[3][:, None, :],
-            x0,
-            x1,
-            BF16,
-        )
-        acc0, acc1, acc2, acc3 = _mma(
-            acc0,
-            acc1,
-            acc2,
-            acc3,
-            a[4][:, None, :],
-            a[5][:, None, :],
-            a[6][:, None, :],
-            a[7][:, None, :],
-            x2,
-            x3,
-            BF16,
-        )
-        acc0, acc1, acc2, acc3 = _mma(
-            acc0,
-            acc1,
-            acc2,
-            acc3,
-            a[8][:, None, :],
-            a[9][:, None, :],
-            a[10][:, None, :],
-            a[11][:, None, :],
-            x4,
-            x5,
-            BF16,
-        )
-        acc0, acc1, acc2, acc3 = _mma(
-            acc0,
-            acc1,
-            acc2,
-            acc3,
-            a[12][:, None, :],
-            a[13][:, None, :],
-            a[14][:, None, :],
-            a[15][:, None, :],
-            x6,
-            x7,
-            BF16,
-        )
+        acc0, acc1, acc2, acc3 = _mma_step(acc0, acc1, acc2, acc3, a, 0, x0, x1, BF16)
+        acc0, acc1, acc2, acc3 = _mma_step(acc0, acc1, acc2, acc3, a, 1, x2, x3, BF16)
+        acc0, acc1, acc2, acc3 = _mma_step(acc0, acc1, acc2, acc3, a, 2, x4, x5, BF16)
+        acc0, acc1, acc2, acc3 = _mma_step(acc0, acc1, acc2, acc3, a, 3, x6, x7, BF16)
         q0, q1, q2, q3, u = n0, n1, n2, n3, nu
     # sum the chunks in flight and the warps' K slices: [U, NT, WK, WT * 32] -> [NT, WT * 32]
     r0 = tl.sum(tl.reshape(tl.sum(acc0, axis=0), (NT, WK, WT * 32)), axis=1)
@@ -735,7 +704,7 @@ def mma_linear(
     dequantize + cuBLAS. ``config`` = (NT, WT, WK, UNROLL) overrides the heuristic (tuning);
     WT must divide N/16."""
     tiles, chunks = words.shape[0], words.shape[1]
-    n, k = tiles * TILE_N, chunks * CHUNK_K
+    n = tiles * TILE_N
     m = x.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
@@ -767,7 +736,6 @@ def mma_linear(
         num_warps=wt * wk,
         num_stages=1,
     )
-    del k
     return out
 
 
