@@ -90,7 +90,21 @@ class TritonBackend(Backend):
         return self.min_sm_reasons(profile, request, fp16_min=(7, 5), bf16_min=(8, 0))
 
     def variant(self, request: Request, profile: DeviceProfile) -> str | None:
-        if request.op is not Op.LINEAR or request.format != "nvfp4":
+        if request.format != "nvfp4":
+            return None
+        if request.op is Op.MOE:
+            if profile.capability is None or profile.capability < (8, 0):
+                return "fused tl.dot kernels on the checkpoint layout"
+            try:
+                from quantdispatch.kernels.fused_moe import MMA_MAX_TOKENS_PER_EXPERT as tpe
+            except ImportError:  # no triton here: say it without the number
+                tpe = None
+            few = f"<= {tpe}" if tpe is not None else "few"
+            return (
+                f"{few} tokens per expert: mma.sync kernels with PTX decode on the checkpoint "
+                "layout (gated activations, I and H multiples of 64); more: fused tl.dot kernels"
+            )
+        if request.op is not Op.LINEAR:
             return None
         n = request.n if request.n is not None else 16
         k = request.k if request.k is not None else 64

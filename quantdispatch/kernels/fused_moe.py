@@ -37,6 +37,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import triton
@@ -51,6 +52,9 @@ from quantdispatch.kernels.decode import (
     e8m0_to_f32_scaled,
 )
 from quantdispatch.moe_math import get_activation
+
+if TYPE_CHECKING:
+    from quantdispatch.kernels.fp4_mma_ckpt import MmaMoeConfig
 
 __all__ = ["MoeConfig", "MoeGemmConfig", "fused_moe", "moe_align", "moe_config"]
 
@@ -534,20 +538,56 @@ def _narrow_n(n: int, blocks: int, sms: int, start: int) -> int:
     return bn
 
 
+#: NVFP4 with at most this many tokens per expert (M * top_k / E) runs the mma.sync kernels of
+#: kernels/fp4_mma_ckpt.py (SM 8.0+, gated, I and H multiples of 64) on 8-pair blocks; with more
+#: tokens per expert the tl.dot kernels reuse each decoded tile across more rows and win (H200:
+#: Qwen3 M=16 (1 per expert) 127 vs 147 us, DeepSeek-V3 M=256 (8 per expert) 3878 vs 3364 us;
+#: benchmarks/results/moe-h200-*.md).
+MMA_MAX_TOKENS_PER_EXPERT = 4
+
+
+def _mma_capable(fmt: str, gated: bool, inter: int, hidden: int, device: torch.device) -> bool:
+    from quantdispatch.kernels.fp4_mma_ckpt import mma_moe_supported
+
+    if fmt != "nvfp4" or device.type != "cuda" or _interpreting():
+        return False
+    return mma_moe_supported(inter, hidden, gated, torch.cuda.get_device_capability(device))
+
+
 def moe_config(
-    m: int, top_k: int, experts: int, inter: int, hidden: int, fmt: str, device: torch.device
-) -> MoeConfig:
+    m: int,
+    top_k: int,
+    experts: int,
+    inter: int,
+    hidden: int,
+    fmt: str,
+    device: torch.device,
+    *,
+    gated: bool = True,
+    allow_mma: bool = True,
+) -> MoeConfig | MmaMoeConfig:
     """Tiles from the static sizes only (so graphs and compile see no data dependence).
 
-    Tokens per expert ``tpe = M * top_k / E`` picks the regime: <= 12 small 16-row blocks with
-    narrow N tiles (memory bound: cover every SM) and long K steps; then 32, 64, 128-row blocks
-    with wider tiles (compute bound: reuse each decoded weight tile across more rows).
+    Tokens per expert ``tpe = M * top_k / E`` picks the regime. NVFP4 on SM 8.0+ with
+    ``tpe <= MMA_MAX_TOKENS_PER_EXPERT``: the mma.sync kernels on single pairs (``direct``)
+    or 8-pair blocks (:func:`.fp4_mma_ckpt.mma_moe_config`). Otherwise tl.dot kernels: <= 12
+    small 16-row blocks with narrow N tiles (memory bound: cover every SM) and long K steps;
+    then 32, 64, 128-row blocks with wider tiles (compute bound: reuse each decoded weight tile
+    across more rows).
     ``direct`` when pairs are so few (4 * pairs <= E) that experts rarely repeat.
     """
     pairs = m * top_k
     tpe = pairs / max(experts, 1)
     sms = _num_sms(device)
     fp8 = fmt == "fp8"
+    if (
+        allow_mma
+        and tpe <= MMA_MAX_TOKENS_PER_EXPERT
+        and _mma_capable(fmt, gated, inter, hidden, device)
+    ):
+        from quantdispatch.kernels.fp4_mma_ckpt import mma_moe_config
+
+        return mma_moe_config(pairs, experts, inter, hidden, direct=4 * pairs <= experts)
     if tpe <= 12:
         direct = 4 * pairs <= experts
         blocks = pairs if direct else min(pairs, experts)
@@ -667,7 +707,7 @@ def fused_moe(
     activation: str,
     params: list[float],
     meta: list[int],
-    config: MoeConfig | None = None,
+    config: MoeConfig | MmaMoeConfig | None = None,
 ) -> torch.Tensor:
     """Routed experts on packed stacked weights: [M, H] in x.dtype (see the module docstring).
 
@@ -734,7 +774,28 @@ def fused_moe(
     ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
     tw = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
     pairs = m * top_k
-    cfg = config or moe_config(m, top_k, e, inter, hidden, fmt, x.device)
+    mma_ok = _mma_capable(fmt, spec.gated, inter, hidden, x.device) and all(
+        t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 and t.stride(1) % 16 == 0
+        for t in (c13, c2)
+    )
+    cfg = config or moe_config(
+        m, top_k, e, inter, hidden, fmt, x.device, gated=spec.gated, allow_mma=mma_ok
+    )
+    alpha, limit = 0.0, 0.0
+    if spec.name == "swiglu_oai":
+        alpha, limit = (tuple(params) or spec.default_params)[:2]
+    if not isinstance(cfg, MoeConfig):
+        if not mma_ok:
+            _fail(
+                f"an mma config for {fmt} {activation} I={inter} H={hidden} on {x.device}",
+                "the mma kernels need NVFP4, a gated activation, SM 8.0+, I and H multiples "
+                "of 64 and 16-byte aligned weight rows",
+                "leave config=None (the heuristic picks the tl.dot kernels then)",
+                InputError,
+            )
+        _run_mma(x, ids, tw, (c13, s13, g13), (c2, s2, g2), w13_bias, w2_bias, spec.code,
+                 alpha, limit, cfg, out)  # fmt: skip
+        return out
     bm = cfg.block_m
     if cfg.direct:
         n_blocks = pairs
@@ -747,9 +808,6 @@ def fused_moe(
 
     fcode = _FMT[fmt]
     group = _GROUP[fmt]
-    alpha, limit = 0.0, 0.0
-    if spec.name == "swiglu_oai":
-        alpha, limit = (tuple(params) or spec.default_params)[:2]
     bsn, bsk = (int(meta[1]), int(meta[2])) if fmt == "fp8" and len(meta) >= 3 else (1, 1)
     dot_f32 = _interpreting()
     bf16 = x.dtype == torch.bfloat16
@@ -796,9 +854,55 @@ def fused_moe(
         num_warps=cfg.gemm2.num_warps, num_stages=cfg.gemm2.num_stages,
     )  # fmt: skip
 
+    _reduce(y, ids, out, e)
+    return out
+
+
+def _reduce(y: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, experts: int) -> None:
+    """out[t] = the sum of token t's valid slot rows of y (step 4)."""
+    m, hidden = out.shape
+    top_k = ids.shape[1]
     bnr = min(1024, triton.next_power_of_2(hidden))
     _moe_reduce_kernel[(m, triton.cdiv(hidden, bnr))](
-        y, ids, out, hidden, e, top_k, y.stride(0), out.stride(0),
+        y, ids, out, hidden, experts, top_k, y.stride(0), out.stride(0),
         TOPK_P=triton.next_power_of_2(max(top_k, 2)), BN=bnr, num_warps=4,
     )  # fmt: skip
-    return out
+
+
+def _run_mma(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    tw: torch.Tensor,
+    w13: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+    w2: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+    b13: torch.Tensor | None,
+    b2: torch.Tensor | None,
+    act_code: int,
+    alpha: float,
+    limit: float,
+    cfg: MmaMoeConfig,
+    out: torch.Tensor,
+) -> None:
+    """Steps 1-4 with the mma.sync gate/up and down kernels of :mod:`.fp4_mma_ckpt`."""
+    from quantdispatch.kernels.fp4_mma_ckpt import mma_moe_gemms
+
+    m, hidden = x.shape
+    top_k = ids.shape[1]
+    pairs = m * top_k
+    e, inter = w13[0].shape[0], w13[0].shape[1] // 2
+    if x.stride(0) % 8 or x.data_ptr() % 16:  # 16-byte activation loads
+        x = x.clone(memory_format=torch.contiguous_format)
+    if cfg.direct:
+        n_blocks = pairs
+        a = empty((pairs, inter), x.dtype, x.device)
+        sorted_ids = block_expert = num_blocks = ids  # unused by the direct kernels
+    else:
+        sorted_ids, block_expert, num_blocks = moe_align(ids, e, cfg.block_m)
+        n_blocks = block_expert.shape[0]
+        a = empty((n_blocks * cfg.block_m, inter), x.dtype, x.device)
+    y = empty((pairs, hidden), x.dtype, x.device)
+    mma_moe_gemms(
+        x, ids, sorted_ids, block_expert, num_blocks, tw, n_blocks, w13, w2, b13, b2, a, y,
+        top_k=top_k, act_code=act_code, alpha=alpha, limit=limit, cfg=cfg,
+    )  # fmt: skip
+    _reduce(y, ids, out, e)
