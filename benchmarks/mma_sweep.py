@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import linear as L  # benchmarks/linear.py: Problem, timing, reference
 
-from quantdispatch.kernels import fp4_mma
+from quantdispatch.kernels import fp4_mma, fp4_mma_ckpt
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 
@@ -31,6 +31,8 @@ def main() -> None:
     ap.add_argument("--shapes", default="qkv,o,gate_up,down")
     ap.add_argument("--ms", default="1,4,16,32,64,128")
     ap.add_argument("--configs", default="1x8x2,1x4x2,2x4x2,4x2x2,4x4x1,8x1x2")  # WTxWKxU
+    ap.add_argument("--ckpt", action="store_true", help="also the checkpoint-layout kernel")
+    ap.add_argument("--no-dequant", action="store_true", help="skip the dequantize pass")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     bw = L.copy_bandwidth()
@@ -48,26 +50,31 @@ def main() -> None:
         torch.cuda.synchronize()
         L.log(f"{name} {n}x{k}: repack {time.time() - t0:.1f}s for {len(rot)} copies")
         w64 = p.w64["nvfp4"]
-        # dequantize pass (large-M path): exactness and bandwidth
-        for dtype in (torch.bfloat16, torch.float16):
-            words, scales = packs[dtype][0]
-            rows = min(n, 2048)
-            out = torch.full((rows, k), float("nan"), dtype=dtype, device="cuda")
-            fp4_mma.mma_dequant_rows(words, scales, p.gscale, 0, rows, out)
-            err = L.rel_err(out, w64[:rows])
-            exact = torch.equal(out, w64[:rows].to(dtype))
-            L.log(f"  dequant {dtype}: rel_err {err:.2e}, equal to f64->16-bit rounding: {exact}")
-        out = torch.empty((n, k), dtype=torch.bfloat16, device="cuda")
-        calls = [
-            (
-                lambda w=w, p=p, n=n, out=out: fp4_mma.mma_dequant_rows(
-                    w[0], w[1], p.gscale, 0, n, out
+        if not args.no_dequant:
+            # dequantize pass (large-M path): exactness and bandwidth
+            for dtype in (torch.bfloat16, torch.float16):
+                words, scales = packs[dtype][0]
+                rows = min(n, 2048)
+                out = torch.full((rows, k), float("nan"), dtype=dtype, device="cuda")
+                fp4_mma.mma_dequant_rows(words, scales, p.gscale, 0, rows, out)
+                err = L.rel_err(out, w64[:rows])
+                exact = torch.equal(out, w64[:rows].to(dtype))
+                L.log(
+                    f"  dequant {dtype}: rel_err {err:.2e}, equal to f64->16-bit rounding: {exact}"
                 )
+            out = torch.empty((n, k), dtype=torch.bfloat16, device="cuda")
+            calls = [
+                (
+                    lambda w=w, p=p, n=n, out=out: fp4_mma.mma_dequant_rows(
+                        w[0], w[1], p.gscale, 0, n, out
+                    )
+                )
+                for w in rot
+            ]
+            us = L.time_calls(calls, 10)
+            L.log(
+                f"  dequant full weight: {us:.1f} us, {(n * k * (0.5625 + 2)) / us / 1e6:.2f} TB/s"
             )
-            for w in rot
-        ]
-        us = L.time_calls(calls, 10)
-        L.log(f"  dequant full weight: {us:.1f} us, {(n * k * (0.5625 + 2)) / us / 1e6:.2f} TB/s")
         for m in map(int, args.ms.split(",")):
             floor = (n * k * 0.5625 + 2 * m * (n + k)) / tbps * 1e6
             line = [f"  M={m:5d} floor {floor:6.1f}"]
@@ -102,6 +109,35 @@ def main() -> None:
                     best = (t, f"{wt}x{w}x{u}")
             if best:
                 line.append(f"| best {best[1]} {best[0]:.1f} = {best[0] / floor:.2f}x floor")
+            if args.ckpt:  # the same configs on the checkpoint layout (kernels/fp4_mma_ckpt.py)
+                best = None
+                for wt, w, u in cfgs:
+                    nt = fp4_mma._config(n // 16, k // 64, m)[0]
+                    cfg = (nt, wt, w, u)
+                    pk, sc = p.nv[0]
+                    y = fp4_mma_ckpt.mma_ckpt_linear(
+                        xs[0], pk, sc.view(torch.uint8), p.gscale, config=cfg
+                    )
+                    err = L.rel_err(y, xs[0].double() @ w64.T)
+                    if not err < L.BOUND:
+                        line.append(f"ckpt {wt}x{w}x{u} BAD {err:.1e}")
+                        continue
+                    calls = [
+                        (
+                            lambda x=x, r=r, cfg=cfg, p=p: fp4_mma_ckpt.mma_ckpt_linear(
+                                x, r[0], r[1].view(torch.uint8), p.gscale, config=cfg
+                            )
+                        )
+                        for x, r in zip(xs, p.nv, strict=False)
+                    ]
+                    t = L.time_calls(L.graph_calls(calls, m), L.replays_for(m))
+                    line.append(f"ckpt {wt}x{w}x{u} {t:6.1f}")
+                    if best is None or t < best[0]:
+                        best = (t, f"{wt}x{w}x{u}")
+                if best:
+                    line.append(
+                        f"| ckpt best {best[1]} {best[0]:.1f} = {best[0] / floor:.2f}x floor"
+                    )
             L.log(" ".join(line))
 
 

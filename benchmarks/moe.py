@@ -51,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from quantdispatch.backends.reference import ReferenceBackend
 from quantdispatch.kernels import fused_moe as fm
+from quantdispatch.kernels.fp4_mma_ckpt import MmaGemmConfig, MmaMoeConfig
 
 MODELS: dict[str, tuple[int, int, int, int]] = {
     "qwen3-30b-a3b": (128, 8, 2048, 768),
@@ -253,13 +254,25 @@ def distinct_experts(ids: torch.Tensor) -> int:
 # ---- main ------------------------------------------------------------------------------------
 
 
-def config_dict(cfg: fm.MoeConfig) -> dict:
+def config_dict(cfg: fm.MoeConfig | MmaMoeConfig) -> dict:
     return {
+        "kernel": "mma" if isinstance(cfg, MmaMoeConfig) else "tl.dot",
         "block_m": cfg.block_m,
         "direct": cfg.direct,
         "gemm1": vars(cfg.gemm1).copy(),
         "gemm2": vars(cfg.gemm2).copy(),
     }
+
+
+def config_label(c: dict) -> str:
+    direct = " direct" if c.get("direct") else ""
+    g1, g2 = c.get("gemm1", {}), c.get("gemm2", {})
+    if c.get("kernel") == "mma":
+        return (
+            f"mma BM{c.get('block_m')}{direct} wk{g1.get('wk')}x{g1.get('unroll')}/"
+            f"{g2.get('wk')}x{g2.get('unroll')}"
+        )
+    return f"BM{c.get('block_m')}{direct} n{g1.get('block_n')}/{g2.get('block_n')}"
 
 
 def run_point(layer: Layer, name: str, m: int, gen, bw: float, graphs: bool) -> list[dict]:
@@ -270,13 +283,21 @@ def run_point(layer: Layer, name: str, m: int, gen, bw: float, graphs: bool) -> 
     x0, ids0, w0 = inputs[0]
     ref = layer.reference(x0, ids0, w0)
     cfg = fm.moe_config(m, layer.top_k, layer.e, layer.i, layer.h, "nvfp4", x0.device)
+    # where the heuristic takes the mma kernels, also time the tl.dot kernels it passed over
+    dot_cfg = fm.moe_config(
+        m, layer.top_k, layer.e, layer.i, layer.h, "nvfp4", x0.device, allow_mma=False
+    )
+    kernels = ["nvfp4", "nvfp4_dot", "bf16"] if isinstance(cfg, MmaMoeConfig) else ["nvfp4", "bf16"]
     rows = []
-    for kern in ("nvfp4", "bf16"):
-        fn = layer.nvfp4 if kern == "nvfp4" else layer.bf16
+    for kern in kernels:
+        if kern == "nvfp4_dot":
+            fn = lambda a, b, c: layer.nvfp4(a, b, c, dot_cfg)
+        else:
+            fn = layer.nvfp4 if kern == "nvfp4" else layer.bf16
         row = {"model": name, "M": m, "kernel": kern, "us": None, "rel_err": math.nan,
                "floor_us": floor, "experts_touched": touched}  # fmt: skip
-        if kern == "nvfp4":
-            row["config"] = config_dict(cfg)
+        if kern.startswith("nvfp4"):
+            row["config"] = config_dict(cfg if kern == "nvfp4" else dot_cfg)
         else:
             row["path"] = "grouped_mm" if layer.grouped else "per-expert loop (eager)"
         try:
@@ -284,7 +305,7 @@ def run_point(layer: Layer, name: str, m: int, gen, bw: float, graphs: bool) -> 
             row["rel_err"] = err
             if err < BOUND:
                 calls = [lambda a=a, b=b, c=c, fn=fn: fn(a, b, c) for a, b, c in inputs]
-                use_graph = graphs and (kern == "nvfp4" or layer.grouped)
+                use_graph = graphs and (kern != "bf16" or layer.grouped)
                 row["us"] = (
                     time_graph(calls) if use_graph else time_eager(calls, 5 if graphs else 1)
                 )
@@ -295,11 +316,12 @@ def run_point(layer: Layer, name: str, m: int, gen, bw: float, graphs: bool) -> 
             row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             log(f"  {name} M={m} {kern}: {row['error']}")
         rows.append(row)
-    nv, bf = rows
+    nv, bf = rows[0], rows[-1]
     ratio = f"{bf['us'] / nv['us']:.2f}x" if nv["us"] and bf["us"] else "-"
     vs_floor = f"{nv['us'] / floor:.2f}x" if nv["us"] and floor == floor else "-"
+    dot = f" (tl.dot {fmt_us(rows[1]['us'])})" if len(rows) == 3 else ""
     log(
-        f"{name} M={m}: nvfp4 {fmt_us(nv['us'])} (e={nv['rel_err']:.1e}) "
+        f"{name} M={m}: nvfp4 {fmt_us(nv['us'])}{dot} (e={nv['rel_err']:.1e}) "
         f"bf16 {fmt_us(bf['us'])} (e={bf['rel_err']:.1e}) floor {floor:.1f} | "
         f"bf16/nvfp4 {ratio} nvfp4/floor {vs_floor}"
     )
@@ -324,9 +346,9 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         f"{meta['bf16_path']}. Targets: M <= 16: bf16/nvfp4 >= 2 and nvfp4/floor <= 2; "
         "M = 4096: nvfp4/bf16 <= 1.5.",
         "",
-        "| model | E, top-k, H, I | M | experts touched | nvfp4 | bf16 | floor | bf16/nvfp4 "
-        "| nvfp4/floor | err nvfp4 | config |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | E, top-k, H, I | M | experts touched | nvfp4 | nvfp4 tl.dot | bf16 | floor "
+        "| bf16/nvfp4 | nvfp4/floor | err nvfp4 | config |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, dims in meta["models"].items():
         for m in meta["ms"]:
@@ -337,26 +359,39 @@ def markdown(meta: dict, rows: list[dict]) -> str:
             r1 = f"{bf['us'] / nv['us']:.2f}x" if ok else "-"
             fl = nv["floor_us"]
             r2 = f"{nv['us'] / fl:.2f}x" if nv["us"] and fl == fl else "-"
-            c = nv.get("config") or {}
-            cs = (
-                f"BM{c.get('block_m')}{' direct' if c.get('direct') else ''} "
-                f"n{c.get('gemm1', {}).get('block_n')}/{c.get('gemm2', {}).get('block_n')}"
-            )
+            dot = by.get((name, m, "nvfp4_dot"))
             out.append(
                 f"| {name} | {', '.join(map(str, dims))} | {m} | {nv['experts_touched']:.1f} | "
-                f"{fmt_us(nv['us'])} | {fmt_us(bf['us'])} | {fl:.1f} | {r1} | {r2} | "
-                f"{nv['rel_err']:.1e} | {cs} |"
+                f"{fmt_us(nv['us'])} | {fmt_us(dot['us']) if dot else '-'} | {fmt_us(bf['us'])} "
+                f"| {fl:.1f} | {r1} | {r2} | {nv['rel_err']:.1e} | "
+                f"{config_label(nv.get('config') or {})} |"
             )
     return "\n".join(out) + "\n"
 
 
-SWEEP_POINTS = [("qwen3-30b-a3b", 1), ("qwen3-30b-a3b", 16), ("qwen3-30b-a3b", 4096),
-                ("deepseek-v3", 16), ("mixtral-8x7b", 4096)]  # fmt: skip
+SWEEP_POINTS = [("qwen3-30b-a3b", 1), ("qwen3-30b-a3b", 16), ("qwen3-30b-a3b", 256),
+                ("mixtral-8x7b", 1), ("mixtral-8x7b", 16), ("deepseek-v3", 1),
+                ("deepseek-v3", 16), ("deepseek-v3", 256)]  # fmt: skip
 
 
-def sweep_configs(m: int, top_k: int, e: int) -> list[fm.MoeConfig]:
+MMA_SWEEP = [((1, 8, 2), (1, 4, 1)), ((1, 4, 2), (1, 4, 2)), ((1, 2, 2), (1, 2, 2)),
+             ((1, 1, 2), (1, 8, 2)), ((2, 2, 1), (2, 2, 1)), ((1, 4, 1), (1, 8, 1))]  # fmt: skip
+
+
+def sweep_configs(m: int, top_k: int, e: int) -> list[fm.MoeConfig | MmaMoeConfig]:
     g = fm.MoeGemmConfig
-    if m * top_k / e <= 12:
+    tpe = m * top_k / e
+    if tpe <= fm.MMA_MAX_TOKENS_PER_EXPERT * 2:  # the mma kernels, around the heuristic's pick
+        mg = MmaGemmConfig
+        out: list[fm.MoeConfig | MmaMoeConfig] = []
+        paths = [(True, 1), (False, 1)] if 4 * m * top_k <= e else [(False, 1), (False, 2)]
+        if tpe > 8:
+            paths.append((False, 4))
+        for direct, nt in paths:
+            for g1, g2 in MMA_SWEEP:
+                out.append(MmaMoeConfig(nt, mg(*g1), mg(*g2), direct))
+        return out
+    if tpe <= 12:
         out = []
         for direct in [True, False] if 4 * m * top_k <= e else [False]:
             for bn1, bn2, bk, st in [(16, 32, 256, 3), (32, 32, 256, 3), (16, 16, 512, 2),

@@ -30,6 +30,6 @@ TAIL=25 step gpu-tests "${GPU_TEST_S:-240}" python3 -m pytest -q -p no:cacheprov
 TAIL=26 step dequant-sweep 90 python3 benchmarks/dequant_sweep.py
 TAIL=40 step mma-sweep "${MMA_S:-300}" python3 benchmarks/mma_sweep.py ${MMA_ARGS:-}
 step bench-linear "${LINEAR_S:-200}" python3 benchmarks/linear.py --out "$OUT"
-step bench-moe "${MOE_S:-150}" python3 benchmarks/moe.py --out "$OUT"
+step bench-moe "${MOE_S:-150}" python3 benchmarks/moe.py --out "$OUT" ${MOE_ARGS:-}
 ls -la "$OUT"
 tar czf "$DEST/results.tgz" -C "$OUT" .
