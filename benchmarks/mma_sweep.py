@@ -30,7 +30,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="qkv,o,gate_up,down")
     ap.add_argument("--ms", default="1,4,16,32,64,128")
-    ap.add_argument("--configs", default="1x8x2,1x4x2,2x4x2,4x2x2,4x4x1,8x1x2")  # WTxWKxU
+    ap.add_argument("--configs", default="1x8x2,1x4x2,2x4x2,4x2x2,4x4x1,8x1x2")  # WTxWKxU[xR]
     ap.add_argument("--ckpt", action="store_true", help="also the checkpoint-layout kernel")
     ap.add_argument("--no-dequant", action="store_true", help="skip the dequantize pass")
     args = ap.parse_args()
@@ -38,7 +38,7 @@ def main() -> None:
     bw = L.copy_bandwidth()
     tbps = max(bw.values())
     L.log(f"bandwidth copy {bw['copy'] / 1e12:.2f} TB/s, sm {bw['sm_elementwise'] / 1e12:.2f} TB/s")
-    cfgs = [tuple(map(int, c.split("x"))) for c in args.configs.split(",")]
+    cfgs = [(*map(int, c.split("x")), 1)[:4] for c in args.configs.split(",")]
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
         p = L.Problem(n, k, gen)
@@ -91,27 +91,32 @@ def main() -> None:
                     line.append("FAILED")
             xs = p.xs(m, len(rot), gen)
             best = None
-            for wt, w, u in cfgs:
+            for wt, w, u, r in cfgs:
                 nt = fp4_mma._config(n // 16, k // 64, m)[0]
-                cfg = (nt, wt, w, u)
+                cfg = (nt, wt, w, u, r)
+                label = f"{wt}x{w}x{u}" + (f"x{r}" if r > 1 else "")
+                if (n // 16) % (wt * r):
+                    continue
                 y = fp4_mma.mma_linear(xs[0], *rot[0], p.gscale, config=cfg)
                 err = L.rel_err(y, xs[0].double() @ w64.T)
                 if not err < L.BOUND:
-                    line.append(f"{wt}x{w}x{u} BAD {err:.1e}")
+                    line.append(f"{label} BAD {err:.1e}")
                     continue
                 calls = [
                     (lambda x=x, r=r, cfg=cfg, p=p: fp4_mma.mma_linear(x, *r, p.gscale, config=cfg))
                     for x, r in zip(xs, rot, strict=True)
                 ]
                 t = L.time_calls(L.graph_calls(calls, m), L.replays_for(m))
-                line.append(f"{wt}x{w}x{u} {t:6.1f}")
+                line.append(f"{label} {t:6.1f}")
                 if best is None or t < best[0]:
-                    best = (t, f"{wt}x{w}x{u}")
+                    best = (t, label)
             if best:
                 line.append(f"| best {best[1]} {best[0]:.1f} = {best[0] / floor:.2f}x floor")
             if args.ckpt:  # the same configs on the checkpoint layout (kernels/fp4_mma_ckpt.py)
                 best = None
-                for wt, w, u in cfgs:
+                for wt, w, u, r in cfgs:
+                    if r > 1:  # the checkpoint-layout kernel has no R
+                        continue
                     nt = fp4_mma._config(n // 16, k // 64, m)[0]
                     cfg = (nt, wt, w, u)
                     pk, sc = p.nv[0]

@@ -38,9 +38,18 @@ LARGE_WEIGHT_ELEMENTS = 2**26
 #: Meta tag of an NVFP4 weight repacked into the mma16x64 layout (kernels/fp4_mma.py).
 MMA_LAYOUT_TAG = 1
 #: Up to this many rows, an mma16x64 weight runs the PTX mma kernel; above, dequantize + cuBLAS.
-#: From the H200 sweep (benchmarks/results/mma-sweep-h200-*.log): at M = 64 the kernel beats
-#: dequantize + cuBLAS on every Llama shape (e.g. gate_up 132 vs ~170 us), at M = 128 it loses.
+#: From the H200 sweeps (benchmarks/results/mma-sweep-h200-*.log): at M = 64 the kernel beats
+#: dequantize + cuBLAS on every Llama shape (e.g. gate_up 100 vs ~170 us); at M = 128 only on
+#: weights of at least MMA_LARGE_WEIGHT_ELEMENTS (gate_up 156 vs 185, down 88 vs 103 us; qkv
+#: 60 vs 41, o 42 vs 29 the other way).
 MMA_MAX_M = 64
+MMA_MAX_M_LARGE_WEIGHT = 128
+MMA_LARGE_WEIGHT_ELEMENTS = 2**25
+
+
+def mma_max_m(n: int, k: int) -> int:
+    """The largest M that runs the mma kernel for an N x K weight."""
+    return MMA_MAX_M_LARGE_WEIGHT if n * k >= MMA_LARGE_WEIGHT_ELEMENTS else MMA_MAX_M
 
 
 def mma_layout_eligible(
@@ -110,7 +119,7 @@ class TritonBackend(Backend):
         k = request.k if request.k is not None else 64
         if mma_layout_eligible("nvfp4", n, k, request.act_dtype, profile.capability):
             return (
-                f"M <= {MMA_MAX_M}: mma.sync kernel with PTX decode on a repacked weight "
+                f"M <= {mma_max_m(n, k)}: mma.sync kernel with PTX decode on a repacked weight "
                 "(mma16x64, same bytes); larger M: dequantized slabs + cuBLAS"
             )
         return "tl.dot kernels on the checkpoint layout; large M: dequantized slabs + cuBLAS"
@@ -210,14 +219,14 @@ class TritonBackend(Backend):
                         f"pass {packed_for} activations (QuantLinear checks this itself)",
                     )
                 )
-            if x.shape[0] <= MMA_MAX_M:
+            n = words.shape[0] * fp4_mma.TILE_N
+            if x.shape[0] <= mma_max_m(n, x.shape[1]):
                 return fp4_mma.mma_linear(x, words, scales, global_scale, bias)
             from quantdispatch.kernels.dequant_gemm import dequant_gemm
 
             def mma_rows(a: int, b: int, out: torch.Tensor) -> None:
                 fp4_mma.mma_dequant_rows(words, scales, global_scale, a, b, out)
 
-            n = words.shape[0] * fp4_mma.TILE_N
             return dequant_gemm(x, n, x.shape[1], mma_rows, bias)
         large = use_dequant_gemm(x.shape[0], tensors[0].shape[0], x.shape[1])
         if fmt in ("nvfp4", "mxfp4"):

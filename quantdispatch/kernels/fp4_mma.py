@@ -440,6 +440,31 @@ def _mma_step(acc0, acc1, acc2, acc3, a, J: tl.constexpr, b0, b1, BF16: tl.const
     )
 
 
+@triton.jit
+def _mma_step_tiles(acc0, acc1, acc2, acc3, a, J: tl.constexpr, b0, b1, BF16: tl.constexpr):
+    """MMA step J for R tiles at once: A registers [R, U, 32W] (broadcast over the token tiles),
+    B fragments [U, NT, 32W] (broadcast over the R tiles: loaded once, used R times)."""
+    return _mma(
+        acc0,
+        acc1,
+        acc2,
+        acc3,
+        a[4 * J][:, :, None, :],
+        a[4 * J + 1][:, :, None, :],
+        a[4 * J + 2][:, :, None, :],
+        a[4 * J + 3][:, :, None, :],
+        b0[None, :, :, :],
+        b1[None, :, :, :],
+        BF16,
+    )
+
+
+@triton.jit
+def _tile_sum(acc, R: tl.constexpr, NT: tl.constexpr, WK: tl.constexpr, WT: tl.constexpr):
+    """[R, U, NT, WK * WT * 32] partial sums -> [R, NT, WT * 32] (chunks in flight, K split)."""
+    return tl.sum(tl.reshape(tl.sum(acc, axis=1), (R, NT, WK, WT * 32)), axis=2)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _mma_gemv_kernel(
     x_ptr,
@@ -457,24 +482,28 @@ def _mma_gemv_kernel(
     WT: tl.constexpr,
     WK: tl.constexpr,
     UNROLL: tl.constexpr,
+    R: tl.constexpr,
     BF16: tl.constexpr,
     HAS_BIAS: tl.constexpr,
 ):
-    """One program = WT 16-row tiles x (8 * NT) tokens with WT * WK warps: warp (wt, wk) takes
-    tile wt and every WK-th chunk from wk (a K split summed at the end). The WT warps of one
-    wk read the same activation bytes at about the same time, so those loads hit in L1: at
-    M >= 16 the activations re-read per tile would otherwise outweigh the weights. Each step a
-    warp handles UNROLL chunks (wk + WK * i), and the weight loads of the next step are issued
-    before this step's math, so every warp keeps UNROLL * 512 bytes in flight.
+    """One program = WT * R 16-row tiles x (8 * NT) tokens with WT * WK warps: warp (wt, wk)
+    takes R consecutive tiles and every WK-th chunk from wk (a K split summed at the end). Its
+    activation fragments are loaded once per chunk and used by all R tiles (at M >= 16 the
+    activation loads, not the weights, fill L1: ncu on the H200 shows L1 ~72% busy at M = 16
+    and 64 with R = 1); the WT warps of one wk read the same activation bytes at about the same
+    time, so those loads hit in L1. Each step a warp handles UNROLL chunks (wk + WK * i), and
+    the weight loads of the next step are issued before this step's math, so every warp keeps
+    R * UNROLL * 512 bytes in flight.
 
     Tensor shapes (one element per thread along the last axis, 32 * WARPS): per-lane values
-    [32W]; per-chunk [UNROLL, 32W]; per-chunk-and-token-tile [UNROLL, NT, 32W]."""
+    [32W]; weights per tile and chunk [R, U, 32W]; activations per chunk and token tile
+    [U, NT, 32W]; accumulators [R, U, NT, 32W]."""
     WARPS: tl.constexpr = WT * WK
     m0 = tl.program_id(0) * (8 * NT)
     idx = tl.arange(0, 32 * WARPS)
     lane = idx % 32
     warp = idx // 32
-    tile = tl.program_id(1) * WT + warp % WT
+    tile = ((tl.program_id(1) * WT + warp % WT) * R).to(tl.int64)  # first tile of the warp
     wk = warp // WT
     g = lane // 4
     t = lane % 4
@@ -483,39 +512,45 @@ def _mma_gemv_kernel(
     tt = tl.arange(0, NT)[:, None]
     rows = tl.minimum(m0 + 8 * tt + g[None, :], M - 1).to(tl.int64)
     x_row = (x_ptr + rows * stride_xm + (16 * t)[None, :])[None, :, :]  # [1, NT, 32W]
-    w_base = (w_ptr + tile.to(tl.int64) * (CHUNKS * 128) + lane * 4)[None, :]  # [1, 32W]
-    s_base = (s_ptr + tile.to(tl.int64) * (CHUNKS * 32) + lane)[None, :]
-    chunk0 = tl.arange(0, UNROLL)[:, None] * WK + wk[None, :]  # [U, 32W]
+    rr = tl.arange(0, R)[:, None, None]
+    w_base = w_ptr + (tile[None, None, :] + rr) * (CHUNKS * 128) + (lane * 4)[None, None, :]
+    s_base = s_ptr + (tile[None, None, :] + rr) * (CHUNKS * 32) + lane[None, None, :]
+    cx = tl.arange(0, UNROLL)[:, None] * WK + wk[None, :]  # [U, 32W] chunk of each slot
+    cw = cx[None, :, :]  # [1, U, 32W]
     STEP: tl.constexpr = WK * UNROLL
-    acc0 = tl.zeros((UNROLL, NT, 32 * WARPS), dtype=tl.float32)
-    acc1 = tl.zeros((UNROLL, NT, 32 * WARPS), dtype=tl.float32)
-    acc2 = tl.zeros((UNROLL, NT, 32 * WARPS), dtype=tl.float32)
-    acc3 = tl.zeros((UNROLL, NT, 32 * WARPS), dtype=tl.float32)
+    acc0 = tl.zeros((R, UNROLL, NT, 32 * WARPS), dtype=tl.float32)
+    acc1 = tl.zeros((R, UNROLL, NT, 32 * WARPS), dtype=tl.float32)
+    acc2 = tl.zeros((R, UNROLL, NT, 32 * WARPS), dtype=tl.float32)
+    acc3 = tl.zeros((R, UNROLL, NT, 32 * WARPS), dtype=tl.float32)
     # EVEN (CHUNKS a multiple of STEP): no predicates; the prefetch past the end re-reads the
     # last chunk instead of reading out of bounds
     EVEN: tl.constexpr = CHUNKS % STEP == 0
-    q0, q1, q2, q3, u = _load_w(w_base + chunk0 * 128, s_base + chunk0 * 32, chunk0 < CHUNKS, EVEN)
+    every_tile = rr >= 0  # [R, 1, 1]: broadcasts the chunk masks over the tiles
+    q0, q1, q2, q3, u = _load_w(
+        w_base + cw * 128, s_base + cw * 32, (cw < CHUNKS) & every_tile, EVEN
+    )
     for c0 in range(0, CHUNKS, STEP):
-        c = c0 + chunk0
+        c = c0 + cw
         nxt = tl.minimum(c + STEP, CHUNKS - 1) if EVEN else c + STEP
-        n0, n1, n2, n3, nu = _load_w(w_base + nxt * 128, s_base + nxt * 32, nxt < CHUNKS, EVEN)
-        ok = (c < CHUNKS)[:, None, :]
-        x0, x1, x2, x3, x4, x5, x6, x7 = _load_x(x_row + (c * 64)[:, None, :], ok, EVEN)
+        n0, n1, n2, n3, nu = _load_w(
+            w_base + nxt * 128, s_base + nxt * 32, (nxt < CHUNKS) & every_tile, EVEN
+        )
+        ok = (c0 + cx < CHUNKS)[:, None, :]
+        x0, x1, x2, x3, x4, x5, x6, x7 = _load_x(x_row + ((c0 + cx) * 64)[:, None, :], ok, EVEN)
         a = _decode_chunk(q0, q1, q2, q3, u, BF16)
-        acc0, acc1, acc2, acc3 = _mma_step(acc0, acc1, acc2, acc3, a, 0, x0, x1, BF16)
-        acc0, acc1, acc2, acc3 = _mma_step(acc0, acc1, acc2, acc3, a, 1, x2, x3, BF16)
-        acc0, acc1, acc2, acc3 = _mma_step(acc0, acc1, acc2, acc3, a, 2, x4, x5, BF16)
-        acc0, acc1, acc2, acc3 = _mma_step(acc0, acc1, acc2, acc3, a, 3, x6, x7, BF16)
+        acc0, acc1, acc2, acc3 = _mma_step_tiles(acc0, acc1, acc2, acc3, a, 0, x0, x1, BF16)
+        acc0, acc1, acc2, acc3 = _mma_step_tiles(acc0, acc1, acc2, acc3, a, 1, x2, x3, BF16)
+        acc0, acc1, acc2, acc3 = _mma_step_tiles(acc0, acc1, acc2, acc3, a, 2, x4, x5, BF16)
+        acc0, acc1, acc2, acc3 = _mma_step_tiles(acc0, acc1, acc2, acc3, a, 3, x6, x7, BF16)
         q0, q1, q2, q3, u = n0, n1, n2, n3, nu
-    # sum the chunks in flight and the warps' K slices: [U, NT, WK, WT * 32] -> [NT, WT * 32]
-    r0 = tl.sum(tl.reshape(tl.sum(acc0, axis=0), (NT, WK, WT * 32)), axis=1)
-    r1 = tl.sum(tl.reshape(tl.sum(acc1, axis=0), (NT, WK, WT * 32)), axis=1)
-    r2 = tl.sum(tl.reshape(tl.sum(acc2, axis=0), (NT, WK, WT * 32)), axis=1)
-    r3 = tl.sum(tl.reshape(tl.sum(acc3, axis=0), (NT, WK, WT * 32)), axis=1)
-    lt = tl.arange(0, WT * 32)[None, :]  # (tile within the program, lane)
+    r0 = _tile_sum(acc0, R, NT, WK, WT)
+    r1 = _tile_sum(acc1, R, NT, WK, WT)
+    r2 = _tile_sum(acc2, R, NT, WK, WT)
+    r3 = _tile_sum(acc3, R, NT, WK, WT)
+    lt = tl.arange(0, WT * 32)[None, None, :]  # (warp within the program, lane)
     l32 = lt % 32
-    tok = m0 + 8 * tl.arange(0, NT)[:, None] + 2 * (l32 % 4)
-    n_lo = (tl.program_id(1) * WT + lt // 32) * 16 + l32 // 4
+    tok = m0 + 8 * tl.arange(0, NT)[None, :, None] + 2 * (l32 % 4)  # [1, NT, WT * 32]
+    n_lo = ((tl.program_id(1) * WT + lt // 32) * R + rr) * 16 + l32 // 4  # [R, 1, WT * 32]
     factor = tl.load(gs_ptr) * 256.0
     _store_out(out_ptr, bias_ptr, r0, tok, n_lo, M, stride_om, factor, HAS_BIAS)
     _store_out(out_ptr, bias_ptr, r1, tok + 1, n_lo, M, stride_om, factor, HAS_BIAS)
@@ -665,27 +700,36 @@ def _mma_dequant_kernel(
 # --------------------------------------------------------------------------------------------
 
 
-def _config(tiles: int, chunks: int, m: int) -> tuple[int, int, int, int]:
-    """(NT, WT, WK, UNROLL) for a call: token tiles per program from M; tiles per program
-    (activation reuse through L1); K split; chunks in flight per warp. From the H200 sweep
-    (benchmarks/results/mma-sweep-h200-*.log)."""
+def _config(tiles: int, chunks: int, m: int) -> tuple[int, int, int, int, int]:
+    """(NT, WT, WK, UNROLL, R) for a call: token tiles per program from M; warps side by side
+    (activation reuse through L1); K split; chunks in flight per warp; tiles per warp
+    (activation reuse in registers). From the H200 sweeps (benchmarks/results/
+    mma-sweep-h200-*.log; R from the ``-tiles`` one: it pays only with 64+ tokens per program,
+    e.g. gate_up M=64 100 vs 132 us, M=128 156 vs 193 us, down M=128 88 vs 118 us)."""
     nt = 1
     while nt * 8 < min(m, MAX_TOKENS_PER_PROGRAM):
         nt *= 2
     big = tiles >= 1024  # e.g. a fused 28672-row gate_up: enough programs without a K split
+    r = 1
     if nt == 1:
         wt, wk, unroll = (1, 4, 2) if big else ((1, 8, 4) if chunks >= 128 else (1, 8, 2))
     elif nt == 2:
         wt, wk, unroll = (8, 2, 1) if big else (1, 8, 2)
     elif nt == 4:
         wt, wk, unroll = (8, 1, 2) if big else (1, 4, 2)
+    elif big:
+        wt, wk, unroll, r = (8, 1, 1, 2) if m <= 64 else (4, 1, 1, 4)
+    elif m > 64 and chunks >= 128:  # a long-K weight (down) at two token blocks
+        wt, wk, unroll, r = 1, 4, 2, 2
     else:
-        wt, wk, unroll = (8, 1, 2) if big else ((4, 2, 2) if tiles >= 384 else (2, 4, 2))
+        wt, wk, unroll = (4, 2, 2) if tiles >= 384 else (2, 4, 2)
     while wk > 1 and wk > chunks:  # a power of two (Triton's num_warps) no larger than needed
         wk //= 2
-    while wt > 1 and tiles % wt:
+    while r > 1 and tiles % r:
+        r //= 2
+    while wt > 1 and tiles % (wt * r):
         wt //= 2
-    return nt, wt, wk, unroll
+    return nt, wt, wk, unroll, r
 
 
 def mma_linear(
@@ -695,14 +739,14 @@ def mma_linear(
     global_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
     *,
-    config: tuple[int, int, int, int] | None = None,
+    config: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for a weight in the mma layout; x [M, K] fp16/bf16, out [M, N].
 
     Any M works (programs of up to 64 tokens side by side; the weight tile stays in L2 for
     the programs that share it), but it is meant for small M: the backend sends large M to
-    dequantize + cuBLAS. ``config`` = (NT, WT, WK, UNROLL) overrides the heuristic (tuning);
-    WT must divide N/16."""
+    dequantize + cuBLAS. ``config`` = (NT, WT, WK, UNROLL[, R]) overrides the heuristic
+    (tuning); WT * R must divide N/16."""
     tiles, chunks = words.shape[0], words.shape[1]
     n = tiles * TILE_N
     m = x.shape[0]
@@ -711,10 +755,10 @@ def mma_linear(
         return out
     if x.stride(0) % 8 or x.data_ptr() % 16:  # 16-byte loads of x rows
         x = x.clone(memory_format=torch.contiguous_format)
-    nt, wt, wk, unroll = config or _config(tiles, chunks, m)
-    if tiles % wt:
-        raise ValueError(f"WT={wt} does not divide the {tiles} tiles")
-    grid = (triton.cdiv(m, 8 * nt), tiles // wt)
+    nt, wt, wk, unroll, r = (*(config or _config(tiles, chunks, m)), 1)[:5]
+    if tiles % (wt * r):
+        raise ValueError(f"WT={wt} x R={r} does not divide the {tiles} tiles")
+    grid = (triton.cdiv(m, 8 * nt), tiles // (wt * r))
     _mma_gemv_kernel[grid](
         x,
         words,
@@ -731,6 +775,7 @@ def mma_linear(
         WT=wt,
         WK=wk,
         UNROLL=unroll,
+        R=r,
         BF16=x.dtype == torch.bfloat16,
         HAS_BIAS=bias is not None,
         num_warps=wt * wk,

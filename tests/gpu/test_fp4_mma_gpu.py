@@ -68,10 +68,23 @@ def test_mma_linear_real_shapes(mma, shape, dtype):
 
 
 @pytest.mark.parametrize(
-    "cfg", [(1, 1, 1, 1), (1, 1, 4, 4), (2, 2, 8, 2), (8, 4, 2, 1), (4, 1, 2, 4), (2, 8, 1, 2)]
+    "cfg",
+    [
+        (1, 1, 1, 1),
+        (1, 1, 4, 4),
+        (2, 2, 8, 2),
+        (8, 4, 2, 1),
+        (4, 1, 2, 4),
+        (2, 8, 1, 2),
+        (2, 4, 1, 1, 4),
+        (1, 1, 8, 2, 2),
+        (8, 4, 2, 1, 2),
+        (4, 2, 2, 2, 4),
+    ],
 )
 def test_every_config_and_uneven_k_split(mma, cfg):
-    """Configs whose K split does not divide the chunks (predicated tail) and M tiles past M."""
+    """Configs whose K split does not divide the chunks (predicated tail), M tiles past M, and
+    R tiles per warp sharing the activation fragments."""
     n, kk = 2048, 2880 + 64  # 46 chunks
     g = gen(5)
     packed, sbits, gs = nvfp4_weights(n, kk, g)

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Profile the mma kernels with Nsight Compute where the device has it (device tool, carry .whl):
+#   bash benchmarks/profile_h200.sh "mma gate_up 16" "moe - 1" ...   (kernel shape M)
+# Writes $OUT/ncu-<kernel>-<shape>-<M>.txt and prints the headline metrics.
+set -u
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1
+export PYTHONPATH=/tmp/site:$PWD
+OUT=${OUT:-$PWD/device-out}
+mkdir -p "$OUT"
+NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+echo "ncu: ${NCU:-none}"
+for spec in "$@"; do
+  set -- $spec
+  shape=$2; [ "$shape" = "-" ] && shape=gate_up
+  python3 benchmarks/profile_mma.py --kernel "$1" --shape "$shape" --m "$3" 2>&1 | tail -1
+  [ -n "$NCU" ] || continue
+  f="$OUT/ncu-$1-$shape-$3.txt"
+  timeout 150 "$NCU" --kernel-name regex:_mma --launch-skip 3 --launch-count 1 \
+    --section SpeedOfLight --section WarpStateStats --section LaunchStats --section Occupancy \
+    --section MemoryWorkloadAnalysis --section SchedulerStats \
+    python3 benchmarks/profile_mma.py --kernel "$1" --shape "$shape" --m "$3" >"$f" 2>&1
+  grep -E "Duration|Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Issue Slots|Stall|Hit Rate|ERR|Warp Cycles Per Issued|No Eligible|Active Warps Per|Eligible Warps" "$f" | head -40
+done

@@ -1,0 +1,78 @@
+"""A few calls of one NVFP4 kernel for a profiler to capture (Nsight Compute), e.g.
+
+    ncu --kernel-name regex:_mma --launch-skip 3 --launch-count 1 --set full \
+        python benchmarks/profile_mma.py --shape gate_up --m 64
+
+``--kernel mma`` is the repacked mma16x64 linear kernel, ``ckpt`` the checkpoint-layout one,
+``moe`` the fused MoE on Qwen3-30B-A3B experts (M tokens, top 8 of 128). Prints the time of
+the last call so a run without the profiler is a quick check too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+
+from quantdispatch.kernels import fp4_mma, fp4_mma_ckpt, fused_moe
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kernel", default="mma", choices=["mma", "ckpt", "moe"])
+    ap.add_argument("--shape", default="gate_up", choices=list(SHAPES))
+    ap.add_argument("--m", type=int, default=1)
+    ap.add_argument("--config", default="", help="NT,WT,WK,UNROLL (linear kernels)")
+    ap.add_argument("--calls", type=int, default=5)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    cfg = tuple(int(v) for v in args.config.split(",")) if args.config else None
+    if args.kernel == "moe":
+        e, top_k, h, i = 128, 8, 2048, 768
+
+        def stack(n: int, k: int) -> list[torch.Tensor]:
+            packed = torch.randint(0, 256, (e, n, k // 2), generator=g, device=dev).to(torch.uint8)
+            bits = torch.randint(0x28, 0x48, (e, n, k // 16), generator=g, device=dev)
+            gs = torch.full((e,), 1 / (3 * math.sqrt(k)), device=dev)
+            return [packed, bits.to(torch.uint8).view(torch.float8_e4m3fn), gs]
+
+        w13, w2 = stack(2 * i, h), stack(h, i)
+        x = torch.randn(args.m, h, generator=g, device=dev).to(torch.bfloat16)
+        ids = torch.randn(args.m, e, generator=g, device=dev).topk(top_k, -1).indices.int()
+        tw = torch.full((args.m, top_k), 1 / top_k, device=dev)
+
+        def call() -> torch.Tensor:
+            return fused_moe.fused_moe(x, ids, tw, w13, w2, None, None, fmt="nvfp4",
+                                       activation="silu", params=[], meta=[0])  # fmt: skip
+    else:
+        n, k = SHAPES[args.shape]
+        packed = torch.randint(0, 256, (n, k // 2), generator=g, device=dev).to(torch.uint8)
+        bits = torch.randint(0x28, 0x48, (n, k // 16), generator=g, device=dev).to(torch.uint8)
+        gs = torch.tensor(1e-2, device=dev)
+        x = torch.randn(args.m, k, generator=g, device=dev).to(torch.bfloat16)
+        if args.kernel == "mma":
+            words, scales = fp4_mma.repack(packed, bits, torch.bfloat16)
+
+            def call() -> torch.Tensor:
+                return fp4_mma.mma_linear(x, words, scales, gs, config=cfg)
+        else:
+
+            def call() -> torch.Tensor:
+                return fp4_mma_ckpt.mma_ckpt_linear(x, packed, bits, gs, config=cfg)
+
+    for _ in range(args.calls):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+    torch.cuda.synchronize()
+    us = start.elapsed_time(end) * 1e3
+    print(f"{args.kernel} {args.shape} M={args.m}: last call {us:.1f} us")
+
+
+if __name__ == "__main__":
+    main()
