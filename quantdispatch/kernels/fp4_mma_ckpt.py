@@ -485,12 +485,12 @@ def _aligned(t: torch.Tensor) -> bool:
 
 
 def linear_config(tiles: int, chunks: int, m: int) -> tuple[int, int, int, int]:
-    """(NT, WT, WK, UNROLL) for a linear call: token tiles of 8 per program from M (up to 8);
-    then as the repacked kernel's heuristic (:func:`.fp4_mma._config`), which it matches in
-    structure."""
+    """(NT, WT, WK, UNROLL) for a linear call: the repacked kernel's heuristic
+    (:func:`.fp4_mma._config`) without its tiles-per-warp R (this kernel has none)."""
     from quantdispatch.kernels.fp4_mma import _config
 
-    return _config(tiles, chunks, m)
+    nt, wt, wk, unroll, _ = _config(tiles, chunks, m)
+    return nt, wt, wk, unroll
 
 
 def mma_ckpt_linear(
