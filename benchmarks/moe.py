@@ -4,8 +4,11 @@
 Models (experts, top-k, hidden, intermediate): Qwen3-30B-A3B (128, 8, 2048, 768), Mixtral-8x7B
 (8, 2, 4096, 14336), DeepSeek-V3 (256, 8, 7168, 2048); M = 1 ... 4096 tokens. Columns:
 
-* ``nvfp4``: quantdispatch's Triton fused MoE on packed NVFP4 experts (align + gate/up GEMM
-  with fused SiLU + down GEMM + top-k reduction: the whole op);
+* ``nvfp4``: what quantdispatch's triton backend runs on packed NVFP4 experts, the whole op
+  (align + gate/up GEMM with fused SiLU + down GEMM + top-k reduction): the mma.sync kernels
+  with few tokens per expert, the fused tl.dot kernels in between, dequantize + grouped GEMM
+  with very many (the ``config`` column says which);
+* ``nvfp4 tl.dot``: where another path was picked, the fused tl.dot kernels it passed over;
 * ``bf16``: the same experts dequantized to bf16, run with ``torch._grouped_mm`` on tokens
   sorted by expert (sort, gather, two grouped GEMMs, SiLU, weighted sum), i.e. what a user
   gets from an unquantized MoE; a per-expert loop (eager timing, it synchronizes) where this
@@ -254,7 +257,9 @@ def distinct_experts(ids: torch.Tensor) -> int:
 # ---- main ------------------------------------------------------------------------------------
 
 
-def config_dict(cfg: fm.MoeConfig | MmaMoeConfig) -> dict:
+def config_dict(cfg: fm.MoeConfig | MmaMoeConfig | fm.DequantMoeConfig) -> dict:
+    if isinstance(cfg, fm.DequantMoeConfig):
+        return {"kernel": "dequant+grouped_mm"}
     return {
         "kernel": "mma" if isinstance(cfg, MmaMoeConfig) else "tl.dot",
         "block_m": cfg.block_m,
@@ -267,6 +272,8 @@ def config_dict(cfg: fm.MoeConfig | MmaMoeConfig) -> dict:
 def config_label(c: dict) -> str:
     direct = " direct" if c.get("direct") else ""
     g1, g2 = c.get("gemm1", {}), c.get("gemm2", {})
+    if c.get("kernel") == "dequant+grouped_mm":
+        return "dequant + grouped_mm"
     if c.get("kernel") == "mma":
         return (
             f"mma BM{c.get('block_m')}{direct} wk{g1.get('wk')}x{g1.get('unroll')}/"
@@ -283,11 +290,13 @@ def run_point(layer: Layer, name: str, m: int, gen, bw: float, graphs: bool) -> 
     x0, ids0, w0 = inputs[0]
     ref = layer.reference(x0, ids0, w0)
     cfg = fm.moe_config(m, layer.top_k, layer.e, layer.i, layer.h, "nvfp4", x0.device)
-    # where the heuristic takes the mma kernels, also time the tl.dot kernels it passed over
+    # where the heuristic takes another path, also time the tl.dot kernels it passed over
     dot_cfg = fm.moe_config(
-        m, layer.top_k, layer.e, layer.i, layer.h, "nvfp4", x0.device, allow_mma=False
-    )
-    kernels = ["nvfp4", "nvfp4_dot", "bf16"] if isinstance(cfg, MmaMoeConfig) else ["nvfp4", "bf16"]
+        m, layer.top_k, layer.e, layer.i, layer.h, "nvfp4", x0.device, allow_mma=False,
+        allow_dequant=False,
+    )  # fmt: skip
+    other = not isinstance(cfg, fm.MoeConfig)
+    kernels = ["nvfp4", "nvfp4_dot", "bf16"] if other else ["nvfp4", "bf16"]
     rows = []
     for kern in kernels:
         if kern == "nvfp4_dot":

@@ -546,6 +546,31 @@ def _narrow_n(n: int, blocks: int, sms: int, start: int) -> int:
 MMA_MAX_TOKENS_PER_EXPERT = 4
 
 
+#: NVFP4 / MXFP4 with at least this many tokens per expert, on SM 9.0+ with torch._grouped_mm,
+#: dequantizes each GEMM's experts to a 16-bit buffer and runs torch._grouped_mm: at that many
+#: tokens the GEMMs are compute bound, and cuBLAS-class grouped GEMMs beat the tl.dot kernels by
+#: more than the dequantization pass costs (H200, Mixtral M=4096 with 1024 tokens per expert:
+#: tl.dot 9.6 ms against 6.2 ms for bf16 experts). Fewer tokens per expert do not amortize the
+#: pass (Mixtral M=1024: 256 per expert; benchmarks/results/moe-h200-*.md).
+DEQUANT_MIN_TOKENS_PER_EXPERT = 512
+#: ... as long as the transient 16-bit copy of one GEMM's experts stays below this (bytes).
+DEQUANT_MAX_BUFFER_BYTES = 4 * 2**30
+
+
+@dataclass(frozen=True)
+class DequantMoeConfig:
+    """Dequantize each GEMM's experts to 16-bit, then torch._grouped_mm (see the constant)."""
+
+    block_m: int = 0
+    direct: bool = False
+
+
+def _grouped_mm_capable(device: torch.device) -> bool:
+    if device.type != "cuda" or _interpreting() or not hasattr(torch, "_grouped_mm"):
+        return False
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
 def _mma_capable(fmt: str, gated: bool, inter: int, hidden: int, device: torch.device) -> bool:
     from quantdispatch.kernels.fp4_mma_ckpt import mma_moe_supported
 
@@ -565,7 +590,8 @@ def moe_config(
     *,
     gated: bool = True,
     allow_mma: bool = True,
-) -> MoeConfig | MmaMoeConfig:
+    allow_dequant: bool = True,
+) -> MoeConfig | MmaMoeConfig | DequantMoeConfig:
     """Tiles from the static sizes only (so graphs and compile see no data dependence).
 
     Tokens per expert ``tpe = M * top_k / E`` picks the regime. NVFP4 on SM 8.0+ with
@@ -580,6 +606,15 @@ def moe_config(
     tpe = pairs / max(experts, 1)
     sms = _num_sms(device)
     fp8 = fmt == "fp8"
+    buffer = experts * max((2 * inter if gated else inter) * hidden, hidden * inter) * 2
+    if (
+        allow_dequant
+        and fmt in ("nvfp4", "mxfp4")
+        and tpe >= DEQUANT_MIN_TOKENS_PER_EXPERT
+        and buffer <= DEQUANT_MAX_BUFFER_BYTES
+        and _grouped_mm_capable(device)
+    ):
+        return DequantMoeConfig()
     if (
         allow_mma
         and tpe <= MMA_MAX_TOKENS_PER_EXPERT
@@ -707,7 +742,7 @@ def fused_moe(
     activation: str,
     params: list[float],
     meta: list[int],
-    config: MoeConfig | MmaMoeConfig | None = None,
+    config: MoeConfig | MmaMoeConfig | DequantMoeConfig | None = None,
 ) -> torch.Tensor:
     """Routed experts on packed stacked weights: [M, H] in x.dtype (see the module docstring).
 
@@ -784,6 +819,17 @@ def fused_moe(
     alpha, limit = 0.0, 0.0
     if spec.name == "swiglu_oai":
         alpha, limit = (tuple(params) or spec.default_params)[:2]
+    if isinstance(cfg, DequantMoeConfig):
+        if fmt not in ("nvfp4", "mxfp4") or not _grouped_mm_capable(x.device):
+            _fail(
+                f"a dequantize + grouped-GEMM config for {fmt} on {x.device}",
+                "that path needs NVFP4 or MXFP4 and torch._grouped_mm on an SM 9.0+ GPU",
+                "leave config=None (the heuristic picks the Triton kernels then)",
+                InputError,
+            )
+        _run_dequant(x, ids, tw, fmt, (c13, s13, g13), (c2, s2, g2), w13_bias, w2_bias,
+                     activation, params, out)  # fmt: skip
+        return out
     if not isinstance(cfg, MoeConfig):
         if not mma_ok:
             _fail(
@@ -867,6 +913,102 @@ def _reduce(y: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, experts: int)
         y, ids, out, hidden, experts, top_k, y.stride(0), out.stride(0),
         TOPK_P=triton.next_power_of_2(max(top_k, 2)), BN=bnr, num_warps=4,
     )  # fmt: skip
+
+
+@triton.jit
+def _act_rows_kernel(h_ptr, a_ptr, e_ptr, bias_ptr, inter, stride_h, stride_a, stride_be,
+                     alpha, limit, ACT: tl.constexpr, GATED: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, BN: tl.constexpr):  # fmt: skip
+    """a[row] = act(h[row, :inter] (+ bias), h[row, inter:] (+ bias)) in fp32, stored 16-bit (the
+    dequantize path's activation: one pass over the first GEMM's output)."""
+    row = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    ok = n < inter
+    g = tl.load(h_ptr + row * stride_h + n, mask=ok, other=0.0).to(tl.float32)
+    u = g
+    if GATED:
+        u = tl.load(h_ptr + row * stride_h + inter + n, mask=ok, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        b = bias_ptr + tl.load(e_ptr + row).to(tl.int64) * stride_be
+        g += tl.load(b + n, mask=ok, other=0.0)
+        if GATED:
+            u += tl.load(b + inter + n, mask=ok, other=0.0)
+    a = _activation(g, u, alpha, limit, ACT)
+    tl.store(a_ptr + row * stride_a + n, a.to(a_ptr.dtype.element_ty), mask=ok)
+
+
+def _dequant_experts(
+    fmt: str, codes: torch.Tensor, scales: torch.Tensor, gs: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """All experts of one stacked FP4 weight as 16-bit [E, N, K] (each value rounded once)."""
+    from quantdispatch.kernels.dequant_gemm import dequant_fp4_rows
+
+    e, n, k = codes.shape[0], codes.shape[1], codes.shape[2] * 2
+    out = empty((e, n, k), dtype, codes.device)
+    for i in range(e):
+        dequant_fp4_rows(
+            codes[i],
+            scales[i],
+            gs[i] if gs is not None else None,
+            out[i],
+            scale_format="e4m3" if fmt == "nvfp4" else "e8m0",
+        )
+    return out
+
+
+def _run_dequant(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    tw: torch.Tensor,
+    fmt: str,
+    w13: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+    w2: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+    b13: torch.Tensor | None,
+    b2: torch.Tensor | None,
+    activation: str,
+    params: list[float],
+    out: torch.Tensor,
+) -> None:
+    """Many tokens per expert: pairs sorted by expert (device-side, no host sync), each GEMM's
+    experts dequantized to x.dtype and run as one torch._grouped_mm, activation and biases in
+    fp32, routing weights applied and the slots summed in fp32. Pairs whose id this layer does
+    not hold run through expert 0 with weight 0 (finite, so they add exactly 0)."""
+    spec = get_activation(activation)
+    m, hidden = x.shape
+    top_k = ids.shape[1]
+    e = w13[0].shape[0]
+    flat = ids.reshape(-1).long()
+    valid = (flat >= 0) & (flat < e)
+    key = torch.where(valid, flat, 0)
+    weight = torch.where(valid, tw.reshape(-1), 0.0)
+    order = torch.argsort(key, stable=True)
+    counts = torch.zeros(e, dtype=torch.int32, device=x.device)
+    counts.index_add_(0, key, torch.ones_like(key, dtype=torch.int32))
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    sorted_expert = key[order]
+    xs = x.index_select(0, order // top_k)
+    w = _dequant_experts(fmt, w13[0], w13[1], w13[2], x.dtype)
+    h = torch._grouped_mm(xs, w.transpose(1, 2), offs=offs)
+    del w
+    inter = h.shape[1] // 2 if spec.gated else h.shape[1]
+    a = empty((h.shape[0], inter), x.dtype, x.device)
+    alpha, limit = (tuple(params) or spec.default_params or (0.0, 0.0))[:2]
+    bn = min(1024, triton.next_power_of_2(inter))
+    _act_rows_kernel[(h.shape[0], triton.cdiv(inter, bn))](
+        h, a, sorted_expert, b13 if b13 is not None else h, inter, h.stride(0), a.stride(0),
+        b13.stride(0) if b13 is not None else 0, float(alpha), float(limit),
+        ACT=spec.code, GATED=spec.gated, HAS_BIAS=b13 is not None, BN=bn, num_warps=4,
+    )  # fmt: skip
+    del h
+    w = _dequant_experts(fmt, w2[0], w2[1], w2[2], x.dtype)
+    ys = torch._grouped_mm(a, w.transpose(1, 2), offs=offs).float()
+    del w
+    if b2 is not None:
+        ys = ys + b2[sorted_expert]
+    ys = ys * weight[order][:, None]
+    y = torch.empty_like(ys)
+    y[order] = ys
+    out.copy_(y.view(m, top_k, hidden).sum(1))
 
 
 def _run_mma(

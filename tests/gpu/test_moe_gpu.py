@@ -163,6 +163,21 @@ def test_mixtral_like_slice_matches_float64(m, dtype):
     assert rel(layer(x, logits), moe64("nvfp4", x, ids, w, w13, w2)) < BOUND[dtype]
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_many_tokens_per_expert_dequantize_and_grouped_mm(fmt):
+    """8 experts, top 2, M = 2600 (650 tokens per expert): on SM 9.0+ the heuristic
+    dequantizes each GEMM's experts and runs torch._grouped_mm; checked against float64."""
+    from quantdispatch.kernels import fused_moe as fm
+
+    cfg = fm.moe_config(2600, 2, 8, 1792, 1024, fmt, DEV)
+    if torch.cuda.get_device_capability() >= (9, 0):
+        assert isinstance(cfg, fm.DequantMoeConfig), cfg
+    layer, w13, w2, gen = layer_and_weights(fmt, 8, 2, 1024, 1792, seed=21, renormalize=True)
+    x, logits = inputs(2600, 1024, 8, gen, torch.bfloat16)
+    ids, w = layer.route(logits)
+    assert rel(layer(x, logits), moe64(fmt, x, ids, w, w13, w2)) < BOUND[torch.bfloat16]
+
+
 def test_mxfp4_swiglu_biases_and_fp8_block_scales():
     """gpt-oss-like: 32 experts, top 4, hidden = intermediate = 2880, biases, clamped SwiGLU;
     then FP8 with 128x128 block scales and an intermediate (640) that is not a block multiple."""

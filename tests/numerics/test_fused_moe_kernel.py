@@ -251,3 +251,55 @@ def test_bad_inputs():
         fused_moe(x, ids, w, [*w13[:2], w13[2][:1]], w2, None, None, **kw)
     with pytest.raises(WeightFormatError, match="expert biases are float32"):
         fused_moe(x, ids, w, w13, w2, torch.zeros(2, 63), None, **kw)
+
+
+# ---- many tokens per expert: dequantize + torch._grouped_mm -----------------------------------
+
+
+def run_dequant(ex, x, ids, w, activation="silu", params=(), b13=None, b2=None, **kw):
+    """The dequantize path called directly (the heuristic only takes it on SM 9.0+ GPUs)."""
+    w13, w2, meta = stacked(ex, activation=activation, **kw)
+    c13, s13, g13, *_ = fm._unpack_weights(ex.fmt, w13, "w13", meta)
+    c2, s2, g2, *_ = fm._unpack_weights(ex.fmt, w2, "w2", meta)
+    out = torch.empty(x.shape, dtype=x.dtype)
+    fm._run_dequant(x, ids, w, ex.fmt, (c13, s13, g13), (c2, s2, g2), b13, b2, activation,
+                    list(params), out)  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dequant_grouped_mm_path_with_foreign_ids_and_idle_experts(dtype):
+    """Experts 1 and 4 get no token, ids -1 and E contribute nothing, M = 37."""
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("this torch has no _grouped_mm")
+    ex = make_experts("nvfp4", 6, 64, 32, seed=40)
+    ids, w = routing(37, 6, 2, seed=41, choices=[0, 2, 3, 5])
+    ids[0, 1], ids[9, 0] = -1, 6
+    x = rand_x(37, 64, dtype, seed=42)
+    out = run_dequant(ex, x, ids, w)
+    assert rel_err(out, moe64(x, ids, w, ex.w13, ex.w2)) < BOUND[dtype]
+
+
+def test_dequant_grouped_mm_path_mxfp4_biases_swiglu_and_relu2():
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("this torch has no _grouped_mm")
+    ex = make_experts("mxfp4", 4, 64, 64, seed=43)
+    g = torch.Generator().manual_seed(44)
+    b13, b2 = torch.randn(4, 128, generator=g), torch.randn(4, 64, generator=g)
+    ids, w = routing(9, 4, 2, seed=45)
+    x = rand_x(9, 64, torch.bfloat16, seed=46)
+    out = run_dequant(ex, x, ids, w, "swiglu_oai", (1.5, 1.0), b13, b2)
+    ref = moe64(x, ids, w, ex.w13, ex.w2, b13, b2, "swiglu_oai", (1.5, 1.0))
+    assert rel_err(out, ref) < BOUND[torch.bfloat16]
+    ex = make_experts("nvfp4", 3, 64, 32, seed=47, gated=False)
+    out = run_dequant(ex, x, ids % 3, w, "relu2")
+    assert rel_err(out, moe64(x, ids % 3, w, ex.w13, ex.w2, activation="relu2")) < 3e-2
+
+
+def test_dequant_path_is_gpu_only_and_named_in_errors():
+    ex = make_experts("nvfp4", 2, 64, 32, seed=48)
+    ids, w = routing(3, 2, 1, seed=49)
+    assert not isinstance(fm.moe_config(8192, 2, 8, 14336, 4096, "nvfp4", torch.device("cpu")),
+                          fm.DequantMoeConfig)  # fmt: skip
+    with pytest.raises(InputError, match="grouped-GEMM config"):
+        run(ex, rand_x(3, 64, torch.bfloat16, 50), ids, w, config=fm.DequantMoeConfig())
