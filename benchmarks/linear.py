@@ -364,7 +364,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         "",
         "NVFP4 = the fused tl.dot Triton kernels on the checkpoint layout; NVFP4 deq = dequantize "
         "slabs + cuBLAS; NVFP4 auto = what QuantLinear runs: the weight as the triton backend "
-        "prepares it on this GPU (mma16x64 on SM 8.0+), M <= 64 the mma.sync PTX kernel, larger "
+        "prepares it on this GPU (mma16x64 on SM 8.0+), the mma.sync PTX kernel up to M = 64 "
+        "(128 for weights of 2^25+ elements: gate_up, down), larger "
         "M dequantized slabs + cuBLAS.",
         "",
         "| shape | N x K | M | NVFP4 | NVFP4 deq | NVFP4 auto | MXFP4 | FP8 W8A16 | FP8 native "
