@@ -341,7 +341,7 @@ def _store_down(y_ptr, bias_ptr, tw_ptr, e64, stride_be, acc, n, pair, ok, strid
 
 
 @triton.jit(do_not_specialize=["T"])
-def _mma_moe_kernel(
+def _mma_ckpt_kernel(
     x_ptr, ids_ptr, sorted_ptr, bexp_ptr, nvalid_ptr, tw_ptr,
     w_ptr, s_ptr, gs_ptr, bias_ptr, out_ptr,
     T, E, top_k, up_off,
@@ -524,7 +524,7 @@ def mma_ckpt_linear(
     if tiles % wt:
         raise ValueError(f"WT={wt} does not divide the {tiles} tiles")
     grid = (triton.cdiv(m, 8 * nt), tiles // wt)
-    _mma_moe_kernel[grid](
+    _mma_ckpt_kernel[grid](
         x, x, x, x, x, global_scale,
         packed, block_scale_u8, global_scale, bias if bias is not None else global_scale, out,
         m, 1, 1, 0,
@@ -603,7 +603,7 @@ def _launch(cfg: MmaGemmConfig, blocks: int, tiles: int, **kw: object) -> None:
     if tiles % cfg.wt:
         raise ValueError(f"WT={cfg.wt} does not divide the {tiles} tiles")
     grid = (blocks, tiles // cfg.wt)
-    _mma_moe_kernel[grid](
+    _mma_ckpt_kernel[grid](
         **kw, WT=cfg.wt, WK=cfg.wk, UNROLL=cfg.unroll, num_warps=cfg.wt * cfg.wk, num_stages=1
     )
 

@@ -27,6 +27,12 @@ is CUDA-graph capturable and opaque to torch.compile (it runs behind a custom op
 4. **Reduce**: out[t] = the fp32 sum of its valid slots' rows (deterministic: no atomics),
    cast to x.dtype. Slots with ids outside [0, E) are skipped, so their rows are never read.
 
+Which kernels run is :func:`moe_config`'s choice from the static sizes: NVFP4 with few tokens
+per expert on SM 8.0+ runs steps 2-3 as the ``mma.sync`` kernels of :mod:`.fp4_mma_ckpt`
+(8-pair blocks or single pairs); very many tokens per expert on SM 9.0+ dequantize each GEMM's
+experts and run ``torch._grouped_mm`` (:func:`_run_dequant`); everything else takes the tl.dot
+kernels below.
+
 Tiles: few tokens per expert take 16-row blocks, narrow N tiles (enough programs to cover
 the GPU) and long K steps; many tokens per expert take 64/128-row blocks. K and N need not be
 multiples of the tiles (masked K tail, clamped N rows).
