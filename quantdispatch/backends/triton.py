@@ -105,14 +105,19 @@ class TritonBackend(Backend):
             if profile.capability is None or profile.capability < (8, 0):
                 return "fused tl.dot kernels on the checkpoint layout"
             try:
-                from quantdispatch.kernels.fused_moe import MMA_MAX_TOKENS_PER_EXPERT as tpe
-            except ImportError:  # no triton here: say it without the number
-                tpe = None
-            few = f"<= {tpe}" if tpe is not None else "few"
-            return (
+                from quantdispatch.kernels import fused_moe
+
+                few = f"<= {fused_moe.MMA_MAX_TOKENS_PER_EXPERT}"
+                many = f"{fused_moe.DEQUANT_MIN_TOKENS_PER_EXPERT}+"
+            except ImportError:  # no triton here: say it without the numbers
+                few, many = "few", "very many"
+            text = (
                 f"{few} tokens per expert: mma.sync kernels with PTX decode on the checkpoint "
                 "layout (gated activations, I and H multiples of 64); more: fused tl.dot kernels"
             )
+            if profile.capability >= (9, 0):
+                text += f"; {many}: experts dequantized per GEMM + torch._grouped_mm"
+            return text
         if request.op is not Op.LINEAR:
             return None
         n = request.n if request.n is not None else 16

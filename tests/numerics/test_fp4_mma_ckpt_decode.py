@@ -90,3 +90,14 @@ def test_configs_split_k_by_work_and_the_cpu_keeps_tl_dot() -> None:
     assert (deepseek.gemm1.wk, deepseek.gemm2.wk) == (2, 2)
     assert isinstance(fm.moe_config(1, 8, 128, 768, 2048, "nvfp4", torch.device("cpu")),
                       fm.MoeConfig)  # fmt: skip
+
+
+def test_moe_configs_keep_16_chunks_per_warp() -> None:
+    for pairs in (1, 8, 32, 128, 1024):
+        for experts in (8, 128, 256):
+            for inter, hidden in ((768, 2048), (14336, 4096), (2048, 7168), (2880, 2880)):
+                cfg = mm.mma_moe_config(pairs, experts, inter, hidden, direct=4 * pairs <= experts)
+                for g, chunks in ((cfg.gemm1, hidden // 64), (cfg.gemm2, inter // 64)):
+                    assert g.wt == 1 and g.wk in (1, 2, 4)
+                    assert g.wk == 1 or chunks >= 16 * g.wk
+                    assert g.unroll in (1, 2)

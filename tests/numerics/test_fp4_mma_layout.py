@@ -111,3 +111,18 @@ def test_nan_or_negative_scale_codes_are_refused(bad: int) -> None:
     scales[3, 2] = bad
     with pytest.raises(WeightFormatError, match="negative or NaN"):
         fp4_mma.repack(packed, scales, torch.bfloat16)
+
+
+def test_configs_are_launchable_for_every_shape_and_m() -> None:
+    """The heuristic's (NT, WT, WK, UNROLL, R): WT * R divides the tiles (the grid is whole),
+    warps are a power of two Triton accepts, the K split never exceeds the chunks, and the token
+    tiles cover M up to the 64 a program holds."""
+    for tiles in (1, 3, 12, 48, 180, 256, 384, 1792):
+        for chunks in (1, 3, 12, 45, 64, 224):
+            for m in (1, 2, 7, 8, 9, 16, 33, 64, 65, 128, 1000):
+                nt, wt, wk, unroll, r = fp4_mma._config(tiles, chunks, m)
+                assert tiles % (wt * r) == 0, (tiles, chunks, m)
+                warps = wt * wk
+                assert warps in (1, 2, 4, 8, 16, 32) and wk <= max(1, chunks)
+                assert 8 * nt >= min(m, fp4_mma.MAX_TOKENS_PER_PROGRAM) and nt <= 8
+                assert unroll in (1, 2, 4) and r in (1, 2, 4)

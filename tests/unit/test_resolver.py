@@ -226,3 +226,23 @@ def test_scheme_defaults_follow_the_format():
     assert Request.make("nvfp4").scheme is Scheme.WEIGHT_ACT
     assert Request.make("mxfp4").scheme is Scheme.WEIGHT_ONLY
     assert Request.make("nvfp4", scheme="weight_only").scheme_label == "W4A16"
+
+
+@pytest.mark.parametrize(
+    ("preset", "op", "says", "not_says"),
+    [
+        ("h200", "linear", "mma.sync kernel", "tl.dot kernels on the checkpoint"),
+        ("h200", "moe", "torch._grouped_mm", None),
+        ("a100", "moe", "mma.sync kernels", "torch._grouped_mm"),  # no _grouped_mm path < SM 9.0
+        ("t4", "moe", "fused tl.dot kernels", "mma.sync"),  # no bf16 mma.sync before SM 8.0
+        ("t4", "linear", "tl.dot kernels on the checkpoint layout", "mma16x64"),
+    ],
+)
+def test_triton_names_the_nvfp4_kernel_family_it_runs(preset, op, says, not_says):
+    """doctor's bracketed variant: which of the triton backend's kernels this GPU gets."""
+    profile = preset_profile(preset)
+    request = Request.make("nvfp4", op, "fp16", "weight_only", n=4096, k=4096)
+    text = get_backend("triton").variant(request, profile)
+    assert text is not None and says in text
+    if not_says:
+        assert not_says not in text
