@@ -62,7 +62,14 @@ from quantdispatch.moe_math import get_activation
 if TYPE_CHECKING:
     from quantdispatch.kernels.fp4_mma_ckpt import MmaMoeConfig
 
-__all__ = ["MoeConfig", "MoeGemmConfig", "fused_moe", "moe_align", "moe_config"]
+__all__ = [
+    "DequantMoeConfig",
+    "MoeConfig",
+    "MoeGemmConfig",
+    "fused_moe",
+    "moe_align",
+    "moe_config",
+]
 
 _FMT = {"nvfp4": 0, "mxfp4": 1, "fp8": 2}
 _GROUP = {"nvfp4": 16, "mxfp4": 32, "fp8": 1}
@@ -556,8 +563,9 @@ MMA_MAX_TOKENS_PER_EXPERT = 4
 #: dequantizes each GEMM's experts to a 16-bit buffer and runs torch._grouped_mm: at that many
 #: tokens the GEMMs are compute bound, and cuBLAS-class grouped GEMMs beat the tl.dot kernels by
 #: more than the dequantization pass costs (H200, Mixtral M=4096 with 1024 tokens per expert:
-#: tl.dot 9.6 ms against 6.2 ms for bf16 experts). Fewer tokens per expert do not amortize the
-#: pass (Mixtral M=1024: 256 per expert; benchmarks/results/moe-h200-*.md).
+#: tl.dot 9.5 ms, this path 6.4 ms, bf16 experts 6.1 ms; benchmarks/results/moe-h200-*.md).
+#: Below it the pass is not expected to pay (estimate, not measured: Mixtral M=1024, 256 per
+#: expert, ~1.3 ms of dequantization plus a ~1.9 ms grouped GEMM against 2.9 ms for tl.dot).
 DEQUANT_MIN_TOKENS_PER_EXPERT = 512
 #: ... as long as the transient 16-bit copy of one GEMM's experts stays below this (bytes).
 DEQUANT_MAX_BUFFER_BYTES = 4 * 2**30
