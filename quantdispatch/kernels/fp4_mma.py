@@ -753,7 +753,7 @@ def mma_linear(
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    if x.stride(0) % 8 or x.data_ptr() % 16:  # 16-byte loads of x rows
+    if x.stride(0) % 8 or x.data_ptr() % 16 or x.stride(1) != 1:  # 16-byte loads of x rows
         x = x.clone(memory_format=torch.contiguous_format)
     nt, wt, wk, unroll, r = (*(config or _config(tiles, chunks, m)), 1)[:5]
     if tiles % (wt * r):

@@ -44,6 +44,7 @@ import triton.language as tl
 
 from quantdispatch.kernels.fp4_mma import (
     DecodeTable,
+    _config,
     _load_x,
     _mma_step,
 )
@@ -58,6 +59,7 @@ __all__ = [
     "mma_ckpt_supported_shape",
     "mma_moe_config",
     "mma_moe_supported",
+    "rows_aligned",
     "x_perm_columns",
 ]
 
@@ -479,16 +481,14 @@ def mma_ckpt_supported_shape(n: int, k: int) -> bool:
     return n > 0 and k > 0 and n % 16 == 0 and k % 64 == 0
 
 
-def _aligned(t: torch.Tensor) -> bool:
-    """8-byte code loads per row: rows 16-byte aligned (data pointer and row stride)."""
+def rows_aligned(t: torch.Tensor) -> bool:
+    """8-byte code loads per row: rows 16-byte aligned (data pointer and row strides)."""
     return t.data_ptr() % 16 == 0 and all(s % 16 == 0 for s in t.stride()[:-1])
 
 
 def linear_config(tiles: int, chunks: int, m: int) -> tuple[int, int, int, int]:
     """(NT, WT, WK, UNROLL) for a linear call: the repacked kernel's heuristic
     (:func:`.fp4_mma._config`) without its tiles-per-warp R (this kernel has none)."""
-    from quantdispatch.kernels.fp4_mma import _config
-
     nt, wt, wk, unroll, _ = _config(tiles, chunks, m)
     return nt, wt, wk, unroll
 
@@ -508,7 +508,7 @@ def mma_ckpt_linear(
     Meant for small M (the backend routes larger M elsewhere). ``config`` = (NT, WT, WK,
     UNROLL) overrides the heuristic (tuning); WT must divide N/16."""
     n, k = packed.shape[0], packed.shape[1] * 2
-    if not mma_ckpt_supported_shape(n, k) or not _aligned(packed):
+    if not mma_ckpt_supported_shape(n, k) or not rows_aligned(packed):
         raise ValueError(
             f"weight {n}x{k} (strides {packed.stride()}) is not whole 16x64 tiles with 16-byte "
             "aligned rows; use fp4_linear"
@@ -518,7 +518,7 @@ def mma_ckpt_linear(
     if m == 0:
         return out
     if x.stride(0) % 8 or x.data_ptr() % 16 or x.stride(1) != 1:  # 16-byte loads of x rows
-        x = x.contiguous() if x.stride(1) != 1 else x.clone(memory_format=torch.contiguous_format)
+        x = x.clone(memory_format=torch.contiguous_format)
     tiles, chunks = n // 16, k // 64
     nt, wt, wk, unroll = config or linear_config(tiles, chunks, m)
     if tiles % wt:

@@ -575,14 +575,17 @@ DEQUANT_MAX_BUFFER_BYTES = 4 * 2**30
 class DequantMoeConfig:
     """Dequantize each GEMM's experts to 16-bit, then torch._grouped_mm (see the constant)."""
 
-    block_m: int = 0
-    direct: bool = False
-
 
 def _grouped_mm_capable(device: torch.device) -> bool:
     if device.type != "cuda" or _interpreting() or not hasattr(torch, "_grouped_mm"):
         return False
     return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def _rows_aligned(*weights: torch.Tensor) -> bool:
+    from quantdispatch.kernels.fp4_mma_ckpt import rows_aligned
+
+    return all(rows_aligned(t) for t in weights)
 
 
 def _mma_capable(fmt: str, gated: bool, inter: int, hidden: int, device: torch.device) -> bool:
@@ -823,12 +826,10 @@ def fused_moe(
     ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
     tw = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
     pairs = m * top_k
-    mma_ok = _mma_capable(fmt, spec.gated, inter, hidden, x.device) and all(
-        t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 and t.stride(1) % 16 == 0
-        for t in (c13, c2)
-    )
+    # the mma kernels load 8 bytes per weight row (moe_config checks format, GPU and shapes)
+    aligned = fmt == "nvfp4" and _rows_aligned(c13, c2)
     cfg = config or moe_config(
-        m, top_k, e, inter, hidden, fmt, x.device, gated=spec.gated, allow_mma=mma_ok
+        m, top_k, e, inter, hidden, fmt, x.device, gated=spec.gated, allow_mma=aligned
     )
     alpha, limit = 0.0, 0.0
     if spec.name == "swiglu_oai":
@@ -842,10 +843,10 @@ def fused_moe(
                 InputError,
             )
         _run_dequant(x, ids, tw, fmt, (c13, s13, g13), (c2, s2, g2), w13_bias, w2_bias,
-                     activation, params, out)  # fmt: skip
+                     spec.code, spec.gated, alpha, limit, out)  # fmt: skip
         return out
     if not isinstance(cfg, MoeConfig):
-        if not mma_ok:
+        if not (aligned and _mma_capable(fmt, spec.gated, inter, hidden, x.device)):
             _fail(
                 f"an mma config for {fmt} {activation} I={inter} H={hidden} on {x.device}",
                 "the mma kernels need NVFP4, a gated activation, SM 8.0+, I and H multiples "
@@ -979,15 +980,16 @@ def _run_dequant(
     w2: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
     b13: torch.Tensor | None,
     b2: torch.Tensor | None,
-    activation: str,
-    params: list[float],
+    act_code: int,
+    gated: bool,
+    alpha: float,
+    limit: float,
     out: torch.Tensor,
 ) -> None:
     """Many tokens per expert: pairs sorted by expert (device-side, no host sync), each GEMM's
     experts dequantized to x.dtype and run as one torch._grouped_mm, activation and biases in
     fp32, routing weights applied and the slots summed in fp32. Pairs whose id this layer does
     not hold run through expert 0 with weight 0 (finite, so they add exactly 0)."""
-    spec = get_activation(activation)
     m, hidden = x.shape
     top_k = ids.shape[1]
     e = w13[0].shape[0]
@@ -1004,14 +1006,13 @@ def _run_dequant(
     w = _dequant_experts(fmt, w13[0], w13[1], w13[2], x.dtype)
     h = torch._grouped_mm(xs, w.transpose(1, 2), offs=offs)
     del w
-    inter = h.shape[1] // 2 if spec.gated else h.shape[1]
+    inter = h.shape[1] // 2 if gated else h.shape[1]
     a = empty((h.shape[0], inter), x.dtype, x.device)
-    alpha, limit = (tuple(params) or spec.default_params or (0.0, 0.0))[:2]
     bn = min(1024, triton.next_power_of_2(inter))
     _act_rows_kernel[(h.shape[0], triton.cdiv(inter, bn))](
         h, a, sorted_expert, b13 if b13 is not None else h, inter, h.stride(0), a.stride(0),
         b13.stride(0) if b13 is not None else 0, float(alpha), float(limit),
-        ACT=spec.code, GATED=spec.gated, HAS_BIAS=b13 is not None, BN=bn, num_warps=4,
+        ACT=act_code, GATED=gated, HAS_BIAS=b13 is not None, BN=bn, num_warps=4,
     )  # fmt: skip
     del h
     w = _dequant_experts(fmt, w2[0], w2[1], w2[2], x.dtype)

@@ -256,14 +256,15 @@ def test_bad_inputs():
 # ---- many tokens per expert: dequantize + torch._grouped_mm -----------------------------------
 
 
-def run_dequant(ex, x, ids, w, activation="silu", params=(), b13=None, b2=None, **kw):
+def run_dequant(ex, x, ids, w, activation="silu", params=(0.0, 0.0), b13=None, b2=None, **kw):
     """The dequantize path called directly (the heuristic only takes it on SM 9.0+ GPUs)."""
     w13, w2, meta = stacked(ex, activation=activation, **kw)
     c13, s13, g13, *_ = fm._unpack_weights(ex.fmt, w13, "w13", meta)
     c2, s2, g2, *_ = fm._unpack_weights(ex.fmt, w2, "w2", meta)
+    spec = fm.get_activation(activation)
     out = torch.empty(x.shape, dtype=x.dtype)
-    fm._run_dequant(x, ids, w, ex.fmt, (c13, s13, g13), (c2, s2, g2), b13, b2, activation,
-                    list(params), out)  # fmt: skip
+    fm._run_dequant(x, ids, w, ex.fmt, (c13, s13, g13), (c2, s2, g2), b13, b2, spec.code,
+                    spec.gated, *params, out)  # fmt: skip
     return out
 
 
@@ -294,6 +295,16 @@ def test_dequant_grouped_mm_path_mxfp4_biases_swiglu_and_relu2():
     ex = make_experts("nvfp4", 3, 64, 32, seed=47, gated=False)
     out = run_dequant(ex, x, ids % 3, w, "relu2")
     assert rel_err(out, moe64(x, ids % 3, w, ex.w13, ex.w2, activation="relu2")) < 3e-2
+
+
+def test_forced_mma_config_off_an_sm80_gpu_says_why():
+    from quantdispatch.kernels.fp4_mma_ckpt import MmaGemmConfig, MmaMoeConfig
+
+    ex = make_experts("nvfp4", 2, 64, 64, seed=51)
+    ids, w = routing(3, 2, 1, seed=52)
+    cfg = MmaMoeConfig(1, MmaGemmConfig(), MmaGemmConfig(), direct=True)
+    with pytest.raises(InputError, match=r"mma kernels need NVFP4, a gated activation, SM 8\.0"):
+        run(ex, rand_x(3, 64, torch.bfloat16, 53), ids, w, config=cfg)
 
 
 def test_dequant_path_is_gpu_only_and_named_in_errors():
