@@ -364,9 +364,10 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         "",
         "NVFP4 = the fused tl.dot Triton kernels on the checkpoint layout; NVFP4 deq = dequantize "
         "slabs + cuBLAS; NVFP4 auto = what QuantLinear runs: the weight as the triton backend "
-        "prepares it on this GPU (mma16x64 on SM 8.0+), the mma.sync PTX kernel up to M = 64 "
-        "(128 for weights of 2^25+ elements: gate_up, down), larger "
-        "M dequantized slabs + cuBLAS.",
+        "prepares it on this GPU (mma16x64 on SM 8.0+); on SM 9.x the mma.sync PTX kernel up "
+        "to M = 32 (16 for weights of 2^25+ elements: gate_up, down), the tl.dot (wgmma) GEMM "
+        "decoding the same weight up to M = 512 (256 below 2^25 elements), larger M dequantized "
+        "slabs + cuBLAS (SM 8.x: the mma kernel up to M = 64 / 128, then dequantize).",
         "",
         "| shape | N x K | M | NVFP4 | NVFP4 deq | NVFP4 auto | MXFP4 | FP8 W8A16 | FP8 native "
         "| bf16 | floor | bf16/auto | auto/floor |",

@@ -47,9 +47,41 @@ MMA_MAX_M_LARGE_WEIGHT = 128
 MMA_LARGE_WEIGHT_ELEMENTS = 2**25
 
 
-def mma_max_m(n: int, k: int) -> int:
+#: On SM 9.x (wgmma), mid M runs the tl.dot GEMM on the same mma16x64 weight
+#: (kernels/fp4_mma_gemm.py) instead. From the H200 sweep (benchmarks/results/
+#: gemm-sweep-h200-*.log): it beats the mma kernel from 32 rows on weights of 2^25+ elements
+#: (gate_up M=32 46 vs 53 us, down 30 vs 34) and from 64 rows on smaller ones (qkv M=32 17.8 vs
+#: 17.4), and dequantize + cuBLAS up to 512 rows on weights of 2^25+ elements (M=512: gate_up
+#: 268 us, down 142; M=1024 the other way: 520 vs 429) and up to 256 on smaller ones (M=256:
+#: qkv 42 vs 46; M=512: qkv 81 vs ~65).
+GEMM_MAX_M = 256
+GEMM_MAX_M_LARGE_WEIGHT = 512
+
+
+def gemm_eligible(n: int, k: int, capability: tuple[int, int] | None) -> bool:
+    """Whether mid M runs the tl.dot GEMM (SM 9.x, where it was measured; others keep the mma
+    kernel and dequantize + cuBLAS)."""
+    from quantdispatch.kernels.fp4_mma_gemm import mma_gemm_supported
+
+    return capability is not None and capability[0] == 9 and mma_gemm_supported(n, k)
+
+
+def mma_max_m(n: int, k: int, capability: tuple[int, int] | None = None) -> int:
     """The largest M that runs the mma kernel for an N x K weight."""
-    return MMA_MAX_M_LARGE_WEIGHT if n * k >= MMA_LARGE_WEIGHT_ELEMENTS else MMA_MAX_M
+    large = n * k >= MMA_LARGE_WEIGHT_ELEMENTS
+    if gemm_eligible(n, k, capability):
+        return 16 if large else 32
+    return MMA_MAX_M_LARGE_WEIGHT if large else MMA_MAX_M
+
+
+def mma_path(m: int, n: int, k: int, capability: tuple[int, int] | None) -> str:
+    """Which kernel an mma16x64 weight runs for M rows: "mma", "gemm" or "dequant"."""
+    if m <= mma_max_m(n, k, capability):
+        return "mma"
+    large = n * k >= MMA_LARGE_WEIGHT_ELEMENTS
+    if m <= (GEMM_MAX_M_LARGE_WEIGHT if large else GEMM_MAX_M) and gemm_eligible(n, k, capability):
+        return "gemm"
+    return "dequant"
 
 
 def mma_layout_eligible(
@@ -123,10 +155,14 @@ class TritonBackend(Backend):
         n = request.n if request.n is not None else 16
         k = request.k if request.k is not None else 64
         if mma_layout_eligible("nvfp4", n, k, request.act_dtype, profile.capability):
-            return (
-                f"M <= {mma_max_m(n, k)}: mma.sync kernel with PTX decode on a repacked weight "
-                "(mma16x64, same bytes); larger M: dequantized slabs + cuBLAS"
+            text = (
+                f"M <= {mma_max_m(n, k, profile.capability)}: mma.sync kernel with PTX decode "
+                "on a repacked weight (mma16x64, same bytes)"
             )
+            if gemm_eligible(n, k, profile.capability):
+                top = GEMM_MAX_M_LARGE_WEIGHT if n * k >= MMA_LARGE_WEIGHT_ELEMENTS else GEMM_MAX_M
+                text += f"; M <= {top}: tl.dot (wgmma) GEMM decoding the same weight"
+            return text + "; larger M: dequantized slabs + cuBLAS"
         return "tl.dot kernels on the checkpoint layout; large M: dequantized slabs + cuBLAS"
 
     def shape_reasons(self, request: Request) -> list[str]:
@@ -224,9 +260,16 @@ class TritonBackend(Backend):
                         f"pass {packed_for} activations (QuantLinear checks this itself)",
                     )
                 )
+            from quantdispatch.kernels.configs import device_info
+
             n = words.shape[0] * fp4_mma.TILE_N
-            if x.shape[0] <= mma_max_m(n, x.shape[1]):
+            path = mma_path(x.shape[0], n, x.shape[1], device_info(x.device)[1])
+            if path == "mma":
                 return fp4_mma.mma_linear(x, words, scales, global_scale, bias)
+            if path == "gemm":
+                from quantdispatch.kernels.fp4_mma_gemm import mma_gemm
+
+                return mma_gemm(x, words, scales, global_scale, bias)
             from quantdispatch.kernels.dequant_gemm import dequant_gemm
 
             def mma_rows(a: int, b: int, out: torch.Tensor) -> None:

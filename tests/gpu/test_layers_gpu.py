@@ -101,12 +101,13 @@ def test_cuda_graph_replay_equals_eager():
     assert torch.equal(static_out, layer(static_x))
 
 
-def test_torch_compile_fullgraph_equals_eager():
+@pytest.mark.parametrize("tokens", [5, 40], ids=["mma", "gemm"])  # 120 rows: the mid-M GEMM
+def test_torch_compile_fullgraph_equals_eager(tokens):
     torch._dynamo.reset()
     a = QuantLinear(quantize_nvfp4(_w(2048, 1024, seed=5)), device=DEV)
     b = QuantLinear(quantize_mxfp4(_w(1024, 2048, seed=6)), device=DEV)
     model = torch.nn.Sequential(a, torch.nn.SiLU(), b)
-    x = torch.randn(3, 5, 1024, device=DEV).to(torch.bfloat16)
+    x = torch.randn(3, tokens, 1024, device=DEV).to(torch.bfloat16)
     assert torch.equal(torch.compile(model, fullgraph=True)(x), model(x))
 
 

@@ -1,0 +1,414 @@
+"""NVFP4 GEMM for mid and large M on the ``mma16x64`` layout, through ``tl.dot`` (wgmma on Hopper).
+
+Why this exists: the GEMV-style kernel of :mod:`.fp4_mma` issues one ``mma.sync`` per 8 tokens
+per decoded fragment and re-reads the activations per weight tile, so from ~32 tokens on it is
+latency and L1 bound (benchmarks/NOTES.md, Nsight Compute), and dequantizing whole slabs for
+cuBLAS moves 4.5x the weight bytes. Here each program decodes a [BLOCK_N, 64 * CHUNKS] weight
+tile once per K step, with the same PTX bit tricks as the GEMV kernel (11 integer ops and 4
+16-bit FMAs per 8 codes), and hands it to ``tl.dot`` as the *A* operand of ``out^T = W x^T``
+("swap AB"): the weight rows fill the 64-row MMA dimension, the tokens (up to 256) the N
+dimension, so the decode cost is shared by every token of the tile.
+
+The words of one lane decode to registers whose (row, column) are fixed by the layout
+(:mod:`.fp4_mma`: register r of word (T, c, g, t, j) holds row 16T + 8(r % 2) + g, columns
+64c + 16t + 4j + 2(r // 2) + {0, 1}); the joins and the permute below put every value at its
+logical place, so x and the output are read and written in their natural order.
+
+Numerics as in :mod:`.fp4_mma`: 16-bit operands ``e2m1 * scale * 2^-8`` (exact), fp32
+accumulation, ``2^8 * global_scale`` and the bias on the fp32 sums. ``DOT_F32`` (the CPU
+interpreter, which runs no PTX) decodes the same bits with Triton integer ops into fp32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from quantdispatch.kernels.fp4_mma import (
+    _REG_ROW,
+    CHUNK_K,
+    DECODE_TABLES,
+    TILE_N,
+    _decode_ptx,
+)
+
+__all__ = ["GemmTile", "kappa_order", "mma_gemm", "mma_gemm_config", "mma_gemm_supported"]
+
+
+def _decode_word_asm(bf16: bool) -> str:
+    """One word + its two scale codes -> the 4 scaled 16-bit pairs (A registers r = 0..3).
+
+    Used with ``pack=2`` on a tensor whose last dimension (the pair's half h) holds the same word
+    twice: operands $0..$3 the pairs, $4 / $5 the word, $6 / $7 the scale codes (row g in bits
+    0..7, row g + 8 in bits 8..15). Writing whole 32-bit pairs lets ptxas place them straight
+    into the wgmma A operand registers (16-bit outputs cost a copy and a wait per wgmma)."""
+    table = DECODE_TABLES[torch.bfloat16 if bf16 else torch.float16]
+    mul = 0x00100010 if bf16 else 0x00800080
+    add = ((236 << 7) | (236 << 23)) if bf16 else ((12 << 10) | (12 << 26))
+    fma = "fma.rn.bf16x2" if bf16 else "fma.rn.f16x2"
+    regs = [f"${r}" for r in range(4)]
+    body = [
+        "{",
+        ".reg .b32 %dqs<4>, %dqm<4>, %su, %sg, %sg8, %neg0;",
+        "mov.b32 %neg0, 0x80008000;",
+        "and.b32 %su, $6, 255;",
+        f"mad.lo.u32 %sg, %su, {mul}, {add};",
+        "bfe.u32 %su, $6, 8, 8;",
+        f"mad.lo.u32 %sg8, %su, {mul}, {add};",
+        # LLVM names 16-bit operands %rs<n>: rename the decode's scratch registers
+        _decode_ptx(table, "$4", regs).replace("%rs", "%dqs").replace("%rm", "%dqm"),
+    ]
+    for r in range(4):
+        s = "%sg" if _REG_ROW[r] == 0 else "%sg8"
+        body.append(f"{fma} {regs[r]}, {regs[r]}, {s}, %neg0;")
+    body.append("}")
+    return "\n".join(body)
+
+
+_DECODE_WORD_BF16 = tl.constexpr(_decode_word_asm(True))
+_DECODE_WORD_F16 = tl.constexpr(_decode_word_asm(False))
+_DECODE_WORD_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r,r,r,r,r")
+
+# the interpreter path repeats the decode with Triton integer ops (tables as constexprs)
+_ROT_BF16 = DECODE_TABLES[torch.bfloat16].rotations
+_ROT_F16 = DECODE_TABLES[torch.float16].rotations
+_SIGN_BF16 = tl.constexpr(DECODE_TABLES[torch.bfloat16].sign_mask)
+_MAG_BF16 = tl.constexpr(DECODE_TABLES[torch.bfloat16].mag_mask)
+_SIGN_F16 = tl.constexpr(DECODE_TABLES[torch.float16].sign_mask)
+_MAG_F16 = tl.constexpr(DECODE_TABLES[torch.float16].mag_mask)
+
+
+@triton.jit
+def _rotl(q, n: tl.constexpr):
+    if n == 0:
+        return q
+    else:
+        return (q << n) | (q >> (32 - n))
+
+
+@triton.jit
+def _bits16_to_f32(bits, BF16: tl.constexpr):
+    """Low 16 bits of a uint32 tensor, read as bf16 / fp16, to fp32 (exact)."""
+    if BF16:
+        return (bits << 16).to(tl.float32, bitcast=True)
+    else:
+        return (bits & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _decode_register_f32(q, a: tl.constexpr, b: tl.constexpr, scale, BF16: tl.constexpr):
+    if BF16:
+        reg = (_rotl(q, a) & _SIGN_BF16) | (_rotl(q, b) & _MAG_BF16)
+    else:
+        reg = (_rotl(q, a) & _SIGN_F16) | (_rotl(q, b) & _MAG_F16)
+    return _bits16_to_f32(reg & 0xFFFF, BF16) * scale, _bits16_to_f32(reg >> 16, BF16) * scale
+
+
+@triton.jit
+def _decode_word_f32(word, u, BF16: tl.constexpr):
+    """The interpreter's decode: the PTX's bit operations in Triton ops, products in fp32."""
+    q = word.to(tl.uint32, bitcast=True)
+    uu = u.to(tl.uint32)
+    if BF16:
+        s_g = _bits16_to_f32((uu & 255) * 16 + (236 << 7), BF16)
+        s_g8 = _bits16_to_f32(((uu >> 8) & 255) * 16 + (236 << 7), BF16)
+        v0, v1 = _decode_register_f32(q, 0, 1, s_g, BF16)
+        v2, v3 = _decode_register_f32(q, 15, 10, s_g8, BF16)
+        v4, v5 = _decode_register_f32(q, 4, 4, s_g, BF16)
+        v6, v7 = _decode_register_f32(q, 14, 14, s_g8, BF16)
+    else:
+        s_g = _bits16_to_f32((uu & 255) * 128 + (12 << 10), BF16)
+        s_g8 = _bits16_to_f32(((uu >> 8) & 255) * 128 + (12 << 10), BF16)
+        v0, v1 = _decode_register_f32(q, 0, 4, s_g, BF16)
+        v2, v3 = _decode_register_f32(q, 15, 7, s_g8, BF16)
+        v4, v5 = _decode_register_f32(q, 1, 1, s_g, BF16)
+        v6, v7 = _decode_register_f32(q, 14, 14, s_g8, BF16)
+    return v0, v1, v2, v3, v4, v5, v6, v7
+
+
+@triton.jit
+def _decode_word(word, u, BF16: tl.constexpr, DOT_F32: tl.constexpr):
+    """Words (and scale code pairs) [...] -> the 4 A registers r as [..., 2] (half h last)."""
+    if DOT_F32:
+        v0, v1, v2, v3, v4, v5, v6, v7 = _decode_word_f32(word, u, BF16)
+        return tl.join(v0, v1), tl.join(v2, v3), tl.join(v4, v5), tl.join(v6, v7)
+    else:
+        return tl.inline_asm_elementwise(
+            _DECODE_WORD_BF16 if BF16 else _DECODE_WORD_F16,
+            _DECODE_WORD_CONSTRAINTS,
+            [tl.join(word, word), tl.join(u, u)],
+            dtype=(tl.bfloat16 if BF16 else tl.float16,) * 4,
+            is_pure=True,
+            pack=2,
+        )
+
+
+@triton.jit
+def _weight_tile(
+    w_ptrs,
+    s_ptrs,
+    ok,
+    CK: tl.constexpr,
+    BF16: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    EVEN: tl.constexpr,
+):
+    """[BT, CK, 8, 4, 4] word pointers and [BT, CK, 8, 4, 1] scale pointers -> the
+    [16 BT, 64 CK] weight block, columns in the MMA's K order (chunks not ``ok`` read as 0)."""
+    if EVEN:
+        words = tl.load(w_ptrs)
+        u = tl.load(s_ptrs).to(tl.int32) & 0xFFFF
+    else:
+        words = tl.load(w_ptrs, mask=ok, other=0)
+        u = tl.load(s_ptrs, mask=ok, other=0).to(tl.int32) & 0xFFFF
+    u = tl.broadcast_to(u, words.shape)
+    a0, a1, a2, a3 = _decode_word(words, u, BF16, DOT_F32)
+    # register r = rr + 2 cc holds rows g + 8 rr, columns 16 t + 4 j + 2 cc + {0, 1} (h); in
+    # the MMA's K order (kappa = 16 j + 8 cc + 2 t + h within a chunk) these registers are
+    # already the A fragments of a 16-row slab, so the change to the dot operand layout is a
+    # renaming of registers (no shared memory round trip; checked in the SASS)
+    pair0 = tl.join(a0, a2)  # row g: [..., h, cc]
+    pair8 = tl.join(a1, a3)  # row g + 8
+    full = tl.join(pair0, pair8)  # [BT, CK, g, t, j, h, cc, rr]
+    full = tl.permute(full, (0, 7, 2, 1, 4, 6, 3, 5))  # [BT, rr, g, CK, j, cc, t, h]
+    return tl.reshape(full, (words.shape[0] * 16, 64 * CK))
+
+
+@triton.jit(do_not_specialize=["M"])
+def _mma_gemm_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    gs_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    stride_om,
+    CHUNKS: tl.constexpr,
+    PER_SPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    CK: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BF16: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    """One [BLOCK_N weight rows, BLOCK_M tokens] tile of out^T over one of SPLIT K ranges of
+    PER_SPLIT chunks (a multiple of CK, so no step crosses into the next range).
+
+    x is [M, K] contiguous with its columns already in the MMA's K order (:func:`kappa_order`).
+    M tiles of one weight tile run back to back (program id order), so the weight tile is read
+    from HBM once and from L2 after. With SPLIT > 1, ``out_ptr`` is an fp32 [SPLIT, M, N]
+    workspace of unscaled partial sums (summed by :func:`_split_sum_kernel`).
+    (Measured on the H200: TMA descriptors for these loads were slower, and ptxas serializes
+    the wgmma chain when Triton splits a register-operand dot for pipelining; see NOTES.)"""
+    num_m = tl.cdiv(M, BLOCK_M)
+    pid = tl.program_id(0)
+    pid_n = pid // num_m
+    pid_m = pid % num_m
+    split = tl.program_id(1)
+    BT: tl.constexpr = BLOCK_N // 16
+    BK: tl.constexpr = 64 * CK
+    EVEN: tl.constexpr = CHUNKS % CK == 0
+    K: tl.constexpr = CHUNKS * 64
+    c_lo = split * PER_SPLIT
+    c_hi = tl.minimum(c_lo + PER_SPLIT, CHUNKS)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    k = tl.arange(0, BK)
+    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * K + c_lo * 64 + k[None, :]
+    t = tl.arange(0, BT)[:, None, None, None, None]
+    c = tl.arange(0, CK)[None, :, None, None, None]
+    g = tl.arange(0, 8)[None, None, :, None, None]
+    q = tl.arange(0, 4)[None, None, None, :, None]  # t of the layout: the lane in its quad
+    j = tl.arange(0, 4)[None, None, None, None, :]
+    base = (pid_n * BT + t).to(tl.int64) * CHUNKS + c_lo + c
+    w_ptrs = w_ptr + base * 128 + g * 16 + q * 4 + j
+    s_ptrs = s_ptr + base * 32 + g * 4 + q
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for c0 in range(c_lo, c_hi, CK):
+        w = _weight_tile(w_ptrs, s_ptrs, c0 + c < CHUNKS, CK, BF16, DOT_F32, EVEN)
+        if EVEN:
+            x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+        else:
+            x = tl.load(x_ptrs, mask=m_ok[:, None] & (c0 * 64 + k < K)[None, :], other=0.0)
+        if DOT_F32:
+            acc = tl.dot(w, tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, tl.trans(x), acc)
+        w_ptrs += CK * 128
+        s_ptrs += CK * 32
+        x_ptrs += BK
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if SPLIT > 1:
+        out = out_ptr + (split * M + offs_m.to(tl.int64))[None, :] * stride_om + offs_n[:, None]
+        tl.store(out, acc, mask=m_ok[None, :])
+    else:
+        y = acc * (tl.load(gs_ptr) * 256.0)
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + offs_n).to(tl.float32)[:, None]
+        out = out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
+        tl.store(out, y.to(out_ptr.dtype.element_ty), mask=m_ok[None, :])
+
+
+@triton.jit
+def _split_sum_kernel(
+    ws_ptr,
+    gs_ptr,
+    bias_ptr,
+    out_ptr,
+    MN,
+    N,
+    SPLIT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """out = (sum of the SPLIT partial sums) * 2^8 * global scale (+ bias), in split order
+    (deterministic)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < MN
+    acc = tl.load(ws_ptr + offs, mask=ok, other=0.0)
+    for s in range(1, SPLIT):
+        acc += tl.load(ws_ptr + s * MN + offs, mask=ok, other=0.0)
+    y = acc * (tl.load(gs_ptr) * 256.0)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + offs % N, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def kappa_order(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] -> a contiguous copy whose columns follow the MMA's K order within each chunk of
+    64: column 16 j + 8 cc + 2 t + h holds x's column 16 t + 4 j + 2 cc + h."""
+    m, k = x.shape
+    return x.reshape(m, k // 64, 4, 4, 2, 2).permute(0, 1, 3, 4, 2, 5).reshape(m, k)
+
+
+@dataclass(frozen=True)
+class GemmTile:
+    """Weight rows and tokens per program, K chunks (of 64) per step, warps, pipeline stages,
+    K ranges (each summed in fp32 by a second pass when > 1)."""
+
+    block_n: int
+    block_m: int
+    chunks: int
+    warps: int
+    stages: int
+    split: int = 1
+
+    def label(self) -> str:
+        text = f"{self.block_n}x{self.block_m}x{64 * self.chunks}w{self.warps}s{self.stages}"
+        return text + (f"k{self.split}" if self.split > 1 else "")
+
+
+#: Weights from this many rows are wide enough to fill the H200 without a K split.
+WIDE_N = 16384
+#: Weights from this K on are long (down projections): fewer weight tiles, more K to split.
+LONG_K = 8192
+
+
+def mma_gemm_supported(n: int, k: int) -> bool:
+    """Shapes the kernel takes: whole 64-row weight tiles (one warpgroup's wgmma rows) of the
+    mma16x64 layout."""
+    return n > 0 and k > 0 and n % 64 == 0 and k % CHUNK_K == 0
+
+
+def mma_gemm_config(n: int, k: int, m: int) -> GemmTile:
+    """The tile for an [M, K] x [N, K]^T call: the fastest measured per M bucket on the
+    H200 (benchmarks/results/gemm-sweep-h200-*.log, Llama-3.1-8B shapes), generalized by the
+    weight's width (WIDE_N) and depth (LONG_K): narrow weights split K to fill the GPU."""
+    wide, long_k = n >= WIDE_N, k >= LONG_K
+    if m <= 32:
+        tile = GemmTile(128, 32, 2, 4, 4, 2) if wide else GemmTile(64, 32, 2, 4, 4, 4)
+    elif m <= 64:
+        if wide:
+            tile = GemmTile(128, 64, 2, 4, 4, 1)
+        elif n >= 6144 and not long_k:
+            tile = GemmTile(128, 64, 2, 8, 3, 2)
+        else:
+            tile = GemmTile(64, 64, 2, 4, 4, 4)
+    elif m <= 128:
+        if wide:
+            tile = GemmTile(128, 128, 2, 8, 3, 1)
+        elif long_k:
+            tile = GemmTile(128, 64, 2, 8, 3, 2)
+        elif n >= 6144:
+            tile = GemmTile(128, 128, 2, 8, 3, 2)
+        else:
+            tile = GemmTile(64, 64, 2, 4, 4, 1)
+    elif m <= 256 and (long_k or n < 6144):
+        tile = GemmTile(128, 128, 2, 8, 3, 2)
+    else:
+        tile = GemmTile(128, 128, 2, 8, 3, 1)
+    if n % tile.block_n:  # N a multiple of 64 only: one warpgroup, 64 rows per program
+        tile = GemmTile(64, tile.block_m, tile.chunks, 4, 4, tile.split)
+    return tile
+
+
+def mma_gemm(
+    x: torch.Tensor,
+    words: torch.Tensor,
+    scales: torch.Tensor,
+    global_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    tile: GemmTile | None = None,
+) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` for a weight in the mma16x64 layout (x [M, K] in the 16-bit dtype the
+    layout was packed for); out [M, N]."""
+    tiles, chunks = words.shape[0], words.shape[1]
+    n, k = tiles * TILE_N, chunks * CHUNK_K
+    m = x.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    if x.dtype not in (torch.bfloat16, torch.float16) or x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"x must be [M, {k}] bf16/fp16, got {x.dtype} {tuple(x.shape)}")
+    tile = tile or mma_gemm_config(n, k, m)
+    if n % tile.block_n or tile.block_n % 16:
+        raise ValueError(f"BLOCK_N={tile.block_n} does not divide N={n} in 16-row tiles")
+    xk = kappa_order(x)
+    ck = tile.chunks
+    per_split = triton.cdiv(triton.cdiv(chunks, max(1, tile.split)), ck) * ck
+    split = triton.cdiv(chunks, per_split)
+    target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(m, tile.block_m) * (n // tile.block_n), split)
+    _mma_gemm_kernel[grid](
+        xk,
+        words,
+        scales.view(torch.int16),
+        global_scale,
+        bias if bias is not None else global_scale,
+        target,
+        m,
+        n,
+        CHUNKS=chunks,
+        PER_SPLIT=per_split,
+        BLOCK_N=tile.block_n,
+        BLOCK_M=tile.block_m,
+        CK=ck,
+        SPLIT=split,
+        BF16=x.dtype == torch.bfloat16,
+        HAS_BIAS=bias is not None,
+        DOT_F32=x.device.type != "cuda",
+        num_warps=tile.warps,
+        num_stages=tile.stages,
+    )
+    if split > 1:
+        block = 1024
+        _split_sum_kernel[(triton.cdiv(m * n, block),)](
+            target,
+            global_scale,
+            bias if bias is not None else global_scale,
+            out,
+            m * n,
+            n,
+            SPLIT=split,
+            HAS_BIAS=bias is not None,
+            BLOCK=block,
+            num_warps=4,
+        )
+    return out

@@ -1,0 +1,124 @@
+"""GPU tests of the tl.dot GEMM on the mma16x64 layout (quantdispatch.kernels.fp4_mma_gemm):
+the mid-M NVFP4 path on SM 9.x, against float64 from the format definitions.
+
+Bounds are test_kernels_gpu.py's, through its ``check`` (bf16 1e-2, fp16 2e-3). Every float
+buffer the kernel allocates (the output and the K-range workspace) starts as NaN.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from tests.gpu.test_kernels_gpu import check, fp4_w64, gen, nvfp4_weights
+
+pytestmark = pytest.mark.gpu
+
+LLAMA = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+OTHER = [(4096, 2048), (2048, 768), (2880, 2880)]  # Qwen3, gpt-oss (45 chunks: a half step)
+MS = [17, 33, 64, 65, 100, 128, 200, 256, 300, 512]
+
+
+@pytest.fixture(scope="module")
+def mg():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("TRITON_INTERPRET=1 in this process: run tests/gpu in its own process")
+    if torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("the mma16x64 layout needs SM 8.0+")
+    from quantdispatch.kernels import fp4_mma_gemm
+
+    return fp4_mma_gemm
+
+
+@pytest.fixture(autouse=True)
+def poisoned(monkeypatch, request):
+    if "mg" not in request.fixturenames:
+        return
+    real_empty = torch.empty
+
+    def empty(*shape, **kw):
+        out = real_empty(*shape, **kw)
+        if out.is_floating_point():
+            out.fill_(math.nan)
+        return out
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+def _weights(n, kk, dtype, seed):
+    from quantdispatch.kernels import fp4_mma
+
+    g = gen(seed)
+    packed, sbits, gs = nvfp4_weights(n, kk, g)
+    w64 = fp4_w64(packed, sbits, 16, False, 2.5e-3)
+    words, scales = fp4_mma.repack(packed, sbits, dtype)
+    return g, words, scales, gs, w64
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("shape", LLAMA + OTHER, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_real_shapes_heuristic_tiles(mg, shape, dtype):
+    n, kk = shape
+    g, words, scales, gs, w64 = _weights(n, kk, dtype, n + kk)
+    bias = torch.randn(n, generator=g, device="cuda")
+    for m in MS:
+        x = torch.randn(m, kk, generator=g, device="cuda").to(dtype)
+        check(mg.mma_gemm(x, words, scales, gs), x.double() @ w64.T, dtype)
+        check(mg.mma_gemm(x, words, scales, gs, bias), x.double() @ w64.T + bias.double(), dtype)
+
+
+TILES = [
+    (64, 32, 2, 4, 4, 4),
+    (128, 32, 2, 4, 4, 2),
+    (64, 64, 2, 4, 4, 1),
+    (128, 64, 2, 8, 3, 2),
+    (128, 128, 2, 8, 3, 1),
+    (128, 128, 2, 8, 3, 3),  # 45 chunks in ranges of 16, 16, 13
+    (64, 128, 1, 4, 3, 5),
+    (64, 64, 2, 4, 1, 1),
+]
+
+
+@pytest.mark.parametrize("tile", TILES, ids=lambda t: "x".join(map(str, t)))
+def test_every_tile_and_uneven_ranges(mg, tile):
+    n, kk = 2048, 2880  # 45 chunks: a half step, uneven K ranges
+    g, words, scales, gs, w64 = _weights(n, kk, torch.bfloat16, 11)
+    for m in (1, 31, 64, 129):
+        x = torch.randn(m, kk, generator=g, device="cuda").to(torch.bfloat16)
+        out = mg.mma_gemm(x, words, scales, gs, tile=mg.GemmTile(*tile))
+        check(out, x.double() @ w64.T, torch.bfloat16)
+
+
+def test_cuda_graph_replay_equals_eager(mg):
+    n, kk = 4096, 4096
+    g, words, scales, gs, _ = _weights(n, kk, torch.bfloat16, 12)
+    for m in (33, 64, 300):  # one K range; two (o at M <= 64: split 4); 128-token tiles
+        static_x = torch.randn(m, kk, generator=g, device="cuda").to(torch.bfloat16)
+        mg.mma_gemm(static_x, words, scales, gs)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = mg.mma_gemm(static_x, words, scales, gs)
+        for _ in range(2):
+            static_x.copy_(torch.randn(m, kk, generator=g, device="cuda").to(torch.bfloat16))
+            gs.mul_(1.5)  # the global scale is read on the device
+            graph.replay()
+            torch.testing.assert_close(
+                static_out, mg.mma_gemm(static_x, words, scales, gs), rtol=0, atol=0
+            )
+
+
+def test_the_backend_takes_the_gemm_at_mid_m_on_sm90(mg):
+    from quantdispatch.backends import triton as tb
+
+    cap = torch.cuda.get_device_capability()
+    paths = [tb.mma_path(m, 4096, 4096, cap) for m in (16, 64, 256, 512)]
+    if cap[0] == 9:
+        assert paths == ["mma", "gemm", "gemm", "dequant"]
+    else:
+        assert "gemm" not in paths
