@@ -3,7 +3,8 @@
     ncu --kernel-name regex:_mma --launch-skip 3 --launch-count 1 --set full \
         python benchmarks/profile_mma.py --shape gate_up --m 64
 
-``--kernel mma`` is the repacked mma16x64 linear kernel, ``ckpt`` the checkpoint-layout one,
+``--kernel mma`` is the repacked mma16x64 linear kernel, ``gemm`` the wgmma GEMM on the same
+layout (its heuristic tile), ``ckpt`` the checkpoint-layout one,
 ``moe`` the fused MoE on Qwen3-30B-A3B experts (M tokens, top 8 of 128). Prints the time of
 the last call so a run without the profiler is a quick check too.
 """
@@ -15,14 +16,14 @@ import math
 
 import torch
 
-from quantdispatch.kernels import fp4_mma, fp4_mma_ckpt, fused_moe
+from quantdispatch.kernels import fp4_mma, fp4_mma_ckpt, fp4_mma_gemm, fused_moe
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--kernel", default="mma", choices=["mma", "ckpt", "moe"])
+    ap.add_argument("--kernel", default="mma", choices=["mma", "gemm", "ckpt", "moe"])
     ap.add_argument("--shape", default="gate_up", choices=list(SHAPES))
     ap.add_argument("--m", type=int, default=1)
     ap.add_argument("--config", default="", help="NT,WT,WK,UNROLL (linear kernels)")
@@ -59,6 +60,11 @@ def main() -> None:
 
             def call() -> torch.Tensor:
                 return fp4_mma.mma_linear(x, words, scales, gs, config=cfg)
+        elif args.kernel == "gemm":
+            words, scales = fp4_mma.repack(packed, bits, torch.bfloat16)
+
+            def call() -> torch.Tensor:
+                return fp4_mma_gemm.mma_gemm(x, words, scales, gs)
         else:
 
             def call() -> torch.Tensor:
