@@ -1,4 +1,4 @@
-"""NVFP4 GEMM for mid and large M on the ``mma16x64`` layout, through ``tl.dot`` (wgmma on Hopper).
+"""NVFP4 GEMM for mid M on the ``mma16x64`` layout, through ``tl.dot`` (wgmma on Hopper).
 
 Why this exists: the GEMV-style kernel of :mod:`.fp4_mma` issues one ``mma.sync`` per 8 tokens
 per decoded fragment and re-reads the activations per weight tile, so from ~32 tokens on it is
@@ -11,8 +11,11 @@ dimension, so the decode cost is shared by every token of the tile.
 
 The words of one lane decode to registers whose (row, column) are fixed by the layout
 (:mod:`.fp4_mma`: register r of word (T, c, g, t, j) holds row 16T + 8(r % 2) + g, columns
-64c + 16t + 4j + 2(r // 2) + {0, 1}); the joins and the permute below put every value at its
-logical place, so x and the output are read and written in their natural order.
+64c + 16t + 4j + 2(r // 2) + {0, 1}). Taken in the MMA's own K order within each chunk of 64
+(kappa = 16j + 8(r // 2) + 2t + h), these registers already are the wgmma A fragments of a
+16-row slab, so the decoded tile reaches the MMA without a shared-memory round trip; the
+activations are permuted to that K order once per call (:func:`kappa_order`), the output keeps
+its natural order.
 
 Numerics as in :mod:`.fp4_mma`: 16-bit operands ``e2m1 * scale * 2^-8`` (exact), fp32
 accumulation, ``2^8 * global_scale`` and the bias on the fp32 sums. ``DOT_F32`` (the CPU
@@ -43,8 +46,8 @@ def _decode_word_asm(bf16: bool) -> str:
 
     Used with ``pack=2`` on a tensor whose last dimension (the pair's half h) holds the same word
     twice: operands $0..$3 the pairs, $4 / $5 the word, $6 / $7 the scale codes (row g in bits
-    0..7, row g + 8 in bits 8..15). Writing whole 32-bit pairs lets ptxas place them straight
-    into the wgmma A operand registers (16-bit outputs cost a copy and a wait per wgmma)."""
+    0..7, row g + 8 in bits 8..15). Whole 32-bit pairs keep each A register one PTX value
+    (no 16-bit unpack and repack)."""
     table = DECODE_TABLES[torch.bfloat16 if bf16 else torch.float16]
     mul = 0x00100010 if bf16 else 0x00800080
     add = ((236 << 7) | (236 << 23)) if bf16 else ((12 << 10) | (12 << 26))
