@@ -66,22 +66,25 @@ def gemm_eligible(n: int, k: int, capability: tuple[int, int] | None) -> bool:
     return capability is not None and capability[0] == 9 and mma_gemm_supported(n, k)
 
 
-def mma_max_m(n: int, k: int, capability: tuple[int, int] | None = None) -> int:
-    """The largest M that runs the mma kernel for an N x K weight."""
+def _mma_ranges(n: int, k: int, capability: tuple[int, int] | None) -> tuple[int, int]:
+    """(largest M for the mma kernel, largest M for the GEMM; 0 = no GEMM) of an N x K weight."""
     large = n * k >= MMA_LARGE_WEIGHT_ELEMENTS
     if gemm_eligible(n, k, capability):
-        return 16 if large else 32
-    return MMA_MAX_M_LARGE_WEIGHT if large else MMA_MAX_M
+        return (16, GEMM_MAX_M_LARGE_WEIGHT) if large else (32, GEMM_MAX_M)
+    return (MMA_MAX_M_LARGE_WEIGHT if large else MMA_MAX_M), 0
+
+
+def mma_max_m(n: int, k: int, capability: tuple[int, int] | None = None) -> int:
+    """The largest M that runs the mma kernel for an N x K weight."""
+    return _mma_ranges(n, k, capability)[0]
 
 
 def mma_path(m: int, n: int, k: int, capability: tuple[int, int] | None) -> str:
     """Which kernel an mma16x64 weight runs for M rows: "mma", "gemm" or "dequant"."""
-    if m <= mma_max_m(n, k, capability):
+    mma_top, gemm_top = _mma_ranges(n, k, capability)
+    if m <= mma_top:
         return "mma"
-    large = n * k >= MMA_LARGE_WEIGHT_ELEMENTS
-    if m <= (GEMM_MAX_M_LARGE_WEIGHT if large else GEMM_MAX_M) and gemm_eligible(n, k, capability):
-        return "gemm"
-    return "dequant"
+    return "gemm" if m <= gemm_top else "dequant"
 
 
 def mma_layout_eligible(
@@ -159,9 +162,9 @@ class TritonBackend(Backend):
                 f"M <= {mma_max_m(n, k, profile.capability)}: mma.sync kernel with PTX decode "
                 "on a repacked weight (mma16x64, same bytes)"
             )
-            if gemm_eligible(n, k, profile.capability):
-                top = GEMM_MAX_M_LARGE_WEIGHT if n * k >= MMA_LARGE_WEIGHT_ELEMENTS else GEMM_MAX_M
-                text += f"; M <= {top}: tl.dot (wgmma) GEMM decoding the same weight"
+            gemm_top = _mma_ranges(n, k, profile.capability)[1]
+            if gemm_top:
+                text += f"; M <= {gemm_top}: tl.dot (wgmma) GEMM decoding the same weight"
             return text + "; larger M: dequantized slabs + cuBLAS"
         return "tl.dot kernels on the checkpoint layout; large M: dequantized slabs + cuBLAS"
 

@@ -75,9 +75,9 @@ _DECODE_WORD_BF16 = tl.constexpr(_decode_word_asm(True))
 _DECODE_WORD_F16 = tl.constexpr(_decode_word_asm(False))
 _DECODE_WORD_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r,r,r,r,r")
 
-# the interpreter path repeats the decode with Triton integer ops (tables as constexprs)
-_ROT_BF16 = DECODE_TABLES[torch.bfloat16].rotations
-_ROT_F16 = DECODE_TABLES[torch.float16].rotations
+# the interpreter path repeats the decode with Triton integer ops: the masks from the tables, the
+# rotations written out in _decode_word_f32 (DECODE_TABLES' values; the repack places codes by
+# the tables, so a mismatch fails every CPU test of this kernel)
 _SIGN_BF16 = tl.constexpr(DECODE_TABLES[torch.bfloat16].sign_mask)
 _MAG_BF16 = tl.constexpr(DECODE_TABLES[torch.bfloat16].mag_mask)
 _SIGN_F16 = tl.constexpr(DECODE_TABLES[torch.float16].sign_mask)

@@ -7,13 +7,12 @@ buffer the kernel allocates (the output and the K-range workspace) starts as NaN
 
 from __future__ import annotations
 
-import math
 import os
 
 import pytest
 import torch
 
-from tests.gpu.test_kernels_gpu import check, fp4_w64, gen, nvfp4_weights
+from tests.gpu.test_kernels_gpu import check, fp4_w64, gen, nvfp4_weights, poison_torch_empty
 
 pytestmark = pytest.mark.gpu
 
@@ -37,17 +36,8 @@ def mg():
 
 @pytest.fixture(autouse=True)
 def poisoned(monkeypatch, request):
-    if "mg" not in request.fixturenames:
-        return
-    real_empty = torch.empty
-
-    def empty(*shape, **kw):
-        out = real_empty(*shape, **kw)
-        if out.is_floating_point():
-            out.fill_(math.nan)
-        return out
-
-    monkeypatch.setattr(torch, "empty", empty)
+    if "mg" in request.fixturenames:
+        poison_torch_empty(monkeypatch)
 
 
 def _weights(n, kk, dtype, seed):

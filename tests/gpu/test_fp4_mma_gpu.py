@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from tests.gpu.test_kernels_gpu import check, fp4_w64, gen, nvfp4_weights
+from tests.gpu.test_kernels_gpu import check, fp4_w64, gen, nvfp4_weights, poison_torch_empty
 
 pytestmark = pytest.mark.gpu
 
@@ -37,17 +37,8 @@ def mma():
 
 @pytest.fixture(autouse=True)
 def poisoned(monkeypatch, request):
-    if "mma" not in request.fixturenames:
-        return
-    real_empty = torch.empty
-
-    def empty(*shape, **kw):
-        out = real_empty(*shape, **kw)
-        if out.is_floating_point():
-            out.fill_(math.nan)
-        return out
-
-    monkeypatch.setattr(torch, "empty", empty)
+    if "mma" in request.fixturenames:
+        poison_torch_empty(monkeypatch)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])

@@ -50,6 +50,20 @@ def poisoned(monkeypatch, request):
     )
 
 
+def poison_torch_empty(monkeypatch) -> None:
+    """Every float buffer made by ``torch.empty`` starts as NaN (kernels that allocate with
+    torch: an element they do not write fails the test)."""
+    real_empty = torch.empty
+
+    def empty(*shape, **kw):
+        out = real_empty(*shape, **kw)
+        if out.is_floating_point():
+            out.fill_(math.nan)
+        return out
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
 # ---- float64 references from the format definitions ----------------------------------------
 
 
