@@ -4,11 +4,13 @@
 Models (experts, top-k, hidden, intermediate): Qwen3-30B-A3B (128, 8, 2048, 768), Mixtral-8x7B
 (8, 2, 4096, 14336), DeepSeek-V3 (256, 8, 7168, 2048); M = 1 ... 4096 tokens. Columns:
 
-* ``nvfp4``: what quantdispatch's triton backend runs on packed NVFP4 experts, the whole op
-  (align + gate/up GEMM with fused SiLU + down GEMM + top-k reduction): the mma.sync kernels
-  with few tokens per expert, the fused tl.dot kernels in between, dequantize + grouped GEMM
-  with very many (the ``config`` column says which);
-* ``nvfp4 tl.dot``: where another path was picked, the fused tl.dot kernels it passed over;
+* ``nvfp4``: what QuantMoE's triton backend runs on NVFP4 experts, the whole op (align +
+  gate/up GEMM with fused SiLU + down GEMM + top-k reduction), on the experts repacked once into
+  the mma16x64 layout (kernels/fp4_mma_moe.py, same bytes): the mma.sync kernels with few tokens
+  per expert, the grouped tl.dot GEMM in between, dequantize + grouped GEMM with very many (the
+  ``config`` column says which);
+* ``nvfp4 ckpt``: the kernels on the checkpoint layout (kernels/fused_moe.py with its own
+  heuristic: what ran before the repack, and what non-repackable layers still run);
 * ``bf16``: the same experts dequantized to bf16, run with ``torch._grouped_mm`` on tokens
   sorted by expert (sort, gather, two grouped GEMMs, SiLU, weighted sum), i.e. what a user
   gets from an unquantized MoE; a per-expert loop (eager timing, it synchronizes) where this
@@ -54,14 +56,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from quantdispatch.backends.reference import ReferenceBackend
 from quantdispatch.kernels import fused_moe as fm
-from quantdispatch.kernels.fp4_mma_ckpt import MmaGemmConfig, MmaMoeConfig
+from quantdispatch.kernels.fp4_mma_ckpt import MmaMoeConfig
+from quantdispatch.kernels.fp4_mma_moe import (
+    MoeGemmTile,
+    mma_layout_moe,
+    moe_layout_config,
+    repack_experts,
+)
 
 MODELS: dict[str, tuple[int, int, int, int]] = {
     "qwen3-30b-a3b": (128, 8, 2048, 768),
     "mixtral-8x7b": (8, 2, 4096, 14336),
     "deepseek-v3": (256, 8, 7168, 2048),
 }
-SMOKE_MODELS = {"tiny": (8, 2, 64, 32), "tiny-wide": (16, 4, 96, 64)}
+SMOKE_MODELS = {"tiny": (8, 2, 128, 64), "tiny-wide": (16, 4, 192, 128)}
 MS = [1, 4, 16, 64, 256, 1024, 4096]
 QUICK_MS = [1, 16, 256, 4096]
 SMOKE_MS = [1, 4, 33]
@@ -172,6 +180,9 @@ class Layer:
         gen = torch.Generator(device=dev).manual_seed(seed)
         self.w13 = self._nvfp4(2 * i, h, gen)
         self.w2 = self._nvfp4(h, i, gen)
+        # the same experts in the mma16x64 layout (what QuantMoE holds on an SM 8.0+ GPU)
+        self.r13 = [*repack_experts(self.w13[0], self.w13[1], torch.bfloat16), self.w13[2]]
+        self.r2 = [*repack_experts(self.w2[0], self.w2[1], torch.bfloat16), self.w2[2]]
         self.bytes_per_expert = int(3 * i * h * (0.5 + 1 / 16) + 8)
         # bf16 experts [E, N, K], dequantized once (the unquantized baseline's weights)
         self.b13 = self._dequant(self.w13)
@@ -208,7 +219,17 @@ class Layer:
             out.append((x, ids.to(torch.int32), w.float()))
         return out
 
+    def config(self, m: int):
+        """The repacked path's regime; the CPU interpreter runs no PTX: the GEMM there."""
+        cfg = moe_layout_config(m, self.top_k, self.e, self.i, self.h, self.dev)
+        return cfg if self.dev.type == "cuda" or isinstance(cfg, MoeGemmTile) else MoeGemmTile(16)
+
     def nvfp4(self, x, ids, w, config=None):
+        return mma_layout_moe(x, ids, w, self.r13, self.r2, None, None, activation="silu",
+                              params=[], packed_for=torch.bfloat16,
+                              config=config or self.config(x.shape[0]))  # fmt: skip
+
+    def nvfp4_ckpt(self, x, ids, w, config=None):
         return fm.fused_moe(x, ids, w, self.w13, self.w2, None, None, fmt="nvfp4",
                             activation="silu", params=[], meta=[0], config=config)  # fmt: skip
 
@@ -257,9 +278,11 @@ def distinct_experts(ids: torch.Tensor) -> int:
 # ---- main ------------------------------------------------------------------------------------
 
 
-def config_dict(cfg: fm.MoeConfig | MmaMoeConfig | fm.DequantMoeConfig) -> dict:
+def config_dict(cfg: fm.MoeConfig | MmaMoeConfig | fm.DequantMoeConfig | MoeGemmTile) -> dict:
     if isinstance(cfg, fm.DequantMoeConfig):
         return {"kernel": "dequant+grouped_mm"}
+    if isinstance(cfg, MoeGemmTile):
+        return {"kernel": "gemm", **vars(cfg)}
     return {
         "kernel": "mma" if isinstance(cfg, MmaMoeConfig) else "tl.dot",
         "block_m": cfg.block_m,
@@ -274,6 +297,9 @@ def config_label(c: dict) -> str:
     g1, g2 = c.get("gemm1", {}), c.get("gemm2", {})
     if c.get("kernel") == "dequant+grouped_mm":
         return "dequant + grouped_mm"
+    if c.get("kernel") == "gemm":
+        tile = {k: v for k, v in c.items() if k != "kernel"}
+        return MoeGemmTile(**tile).label()
     if c.get("kernel") == "mma":
         return (
             f"mma BM{c.get('block_m')}{direct} wk{g1.get('wk')}x{g1.get('unroll')}/"
@@ -289,24 +315,15 @@ def run_point(layer: Layer, name: str, m: int, gen, bw: float, graphs: bool) -> 
     floor = moved / bw * 1e6 if bw else math.nan
     x0, ids0, w0 = inputs[0]
     ref = layer.reference(x0, ids0, w0)
-    cfg = fm.moe_config(m, layer.top_k, layer.e, layer.i, layer.h, "nvfp4", x0.device)
-    # where the heuristic takes another path, also time the tl.dot kernels it passed over
-    dot_cfg = fm.moe_config(
-        m, layer.top_k, layer.e, layer.i, layer.h, "nvfp4", x0.device, allow_mma=False,
-        allow_dequant=False,
-    )  # fmt: skip
-    other = not isinstance(cfg, fm.MoeConfig)
-    kernels = ["nvfp4", "nvfp4_dot", "bf16"] if other else ["nvfp4", "bf16"]
+    cfg = layer.config(m)
+    ckpt_cfg = fm.moe_config(m, layer.top_k, layer.e, layer.i, layer.h, "nvfp4", x0.device)
     rows = []
-    for kern in kernels:
-        if kern == "nvfp4_dot":
-            fn = lambda a, b, c: layer.nvfp4(a, b, c, dot_cfg)
-        else:
-            fn = layer.nvfp4 if kern == "nvfp4" else layer.bf16
+    for kern in ["nvfp4", "nvfp4_ckpt", "bf16"]:
+        fn = {"nvfp4": layer.nvfp4, "nvfp4_ckpt": layer.nvfp4_ckpt, "bf16": layer.bf16}[kern]
         row = {"model": name, "M": m, "kernel": kern, "us": None, "rel_err": math.nan,
                "floor_us": floor, "experts_touched": touched}  # fmt: skip
         if kern.startswith("nvfp4"):
-            row["config"] = config_dict(cfg if kern == "nvfp4" else dot_cfg)
+            row["config"] = config_dict(cfg if kern == "nvfp4" else ckpt_cfg)
         else:
             row["path"] = "grouped_mm" if layer.grouped else "per-expert loop (eager)"
         try:
@@ -328,7 +345,7 @@ def run_point(layer: Layer, name: str, m: int, gen, bw: float, graphs: bool) -> 
     nv, bf = rows[0], rows[-1]
     ratio = f"{bf['us'] / nv['us']:.2f}x" if nv["us"] and bf["us"] else "-"
     vs_floor = f"{nv['us'] / floor:.2f}x" if nv["us"] and floor == floor else "-"
-    dot = f" (tl.dot {fmt_us(rows[1]['us'])})" if len(rows) == 3 else ""
+    dot = f" (ckpt {fmt_us(rows[1]['us'])})"
     log(
         f"{name} M={m}: nvfp4 {fmt_us(nv['us'])}{dot} (e={nv['rel_err']:.1e}) "
         f"bf16 {fmt_us(bf['us'])} (e={bf['rel_err']:.1e}) floor {floor:.1f} | "
@@ -355,7 +372,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         f"{meta['bf16_path']}. Targets: M <= 16: bf16/nvfp4 >= 2 and nvfp4/floor <= 2; "
         "M = 4096: nvfp4/bf16 <= 1.5.",
         "",
-        "| model | E, top-k, H, I | M | experts touched | nvfp4 | nvfp4 tl.dot | bf16 | floor "
+        "| model | E, top-k, H, I | M | experts touched | nvfp4 | nvfp4 ckpt | bf16 | floor "
         "| bf16/nvfp4 | nvfp4/floor | err nvfp4 | config |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -368,7 +385,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
             r1 = f"{bf['us'] / nv['us']:.2f}x" if ok else "-"
             fl = nv["floor_us"]
             r2 = f"{nv['us'] / fl:.2f}x" if nv["us"] and fl == fl else "-"
-            dot = by.get((name, m, "nvfp4_dot"))
+            dot = by.get((name, m, "nvfp4_ckpt"))
             out.append(
                 f"| {name} | {', '.join(map(str, dims))} | {m} | {nv['experts_touched']:.1f} | "
                 f"{fmt_us(nv['us'])} | {fmt_us(dot['us']) if dot else '-'} | {fmt_us(bf['us'])} "
@@ -378,42 +395,30 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     return "\n".join(out) + "\n"
 
 
-SWEEP_POINTS = [("qwen3-30b-a3b", 1), ("qwen3-30b-a3b", 16), ("qwen3-30b-a3b", 256),
-                ("mixtral-8x7b", 1), ("mixtral-8x7b", 16), ("deepseek-v3", 1),
-                ("deepseek-v3", 16), ("deepseek-v3", 256)]  # fmt: skip
+# around the regime thresholds of kernels/fp4_mma_moe.py (tokens per expert in brackets)
+SWEEP_POINTS = [("qwen3-30b-a3b", 16), ("qwen3-30b-a3b", 64), ("qwen3-30b-a3b", 128),  # 1, 4, 8
+                ("qwen3-30b-a3b", 256), ("qwen3-30b-a3b", 1024),  # 16, 64
+                ("mixtral-8x7b", 16), ("mixtral-8x7b", 32), ("mixtral-8x7b", 256),  # 4, 8, 64
+                ("mixtral-8x7b", 1024),  # 256
+                ("deepseek-v3", 128), ("deepseek-v3", 256),  # 4, 8
+                ("deepseek-v3", 1024)]  # 32  # fmt: skip
 
 
-MMA_SWEEP = [((1, 8, 2), (1, 4, 1)), ((1, 4, 2), (1, 4, 2)), ((1, 2, 2), (1, 2, 2)),
-             ((1, 1, 2), (1, 8, 2)), ((2, 2, 1), (2, 2, 1)), ((1, 4, 1), (1, 8, 1))]  # fmt: skip
+def sweep_configs(m: int, top_k: int, e: int, i: int, h: int) -> list:
+    """The mma.sync kernels (the heuristic's warps; 8- and 16-pair blocks) up to 16 tokens per
+    expert, grouped GEMM tiles from 2 on."""
+    from quantdispatch.kernels.fp4_mma_ckpt import mma_moe_config
 
-
-def sweep_configs(m: int, top_k: int, e: int) -> list[fm.MoeConfig | MmaMoeConfig]:
-    g = fm.MoeGemmConfig
     tpe = m * top_k / e
-    if tpe <= fm.MMA_MAX_TOKENS_PER_EXPERT * 2:  # the mma kernels, around the heuristic's pick
-        mg = MmaGemmConfig
-        out: list[fm.MoeConfig | MmaMoeConfig] = []
-        paths = [(True, 1), (False, 1)] if 4 * m * top_k <= e else [(False, 1), (False, 2)]
-        if tpe > 8:
-            paths.append((False, 4))
-        for direct, nt in paths:
-            for g1, g2 in MMA_SWEEP:
-                out.append(MmaMoeConfig(nt, mg(*g1), mg(*g2), direct))
-        return out
-    if tpe <= 12:
-        out = []
-        for direct in [True, False] if 4 * m * top_k <= e else [False]:
-            for bn1, bn2, bk, st in [(16, 32, 256, 3), (32, 32, 256, 3), (16, 16, 512, 2),
-                                     (32, 64, 128, 4), (64, 64, 256, 3)]:  # fmt: skip
-                out.append(fm.MoeConfig(16, g(bn1, bk, 4, st), g(bn2, bk, 4, st), direct))
-        return out
-    return [
-        fm.MoeConfig(bm, g(bn1, bk, w, st), g(bn2, bk, w, st))
-        for bm, bn1, bn2, bk, w, st in [
-            (128, 64, 128, 64, 8, 3), (128, 64, 128, 64, 8, 4), (128, 128, 128, 64, 8, 3),
-            (64, 64, 128, 64, 4, 4), (128, 64, 256, 64, 8, 3), (128, 64, 128, 128, 8, 2),
-        ]
-    ]  # fmt: skip
+    out: list = []
+    if tpe <= 16:
+        out += [mma_moe_config(m * top_k, e, i, h, direct=False, nt=nt) for nt in (1, 2)]
+    if tpe >= 2:
+        blocks = [bm for bm in (16, 32, 64, 128) if bm <= max(16, 4 * tpe)]
+        for bm in blocks[-3:]:
+            out += [MoeGemmTile(bm, 64, 2, 4, 4), MoeGemmTile(bm, 64, 2, 4, 3),
+                    MoeGemmTile(bm, 128, 2, 8, 3)]  # fmt: skip
+    return out
 
 
 def sweep(layers: dict[str, Layer], gen, budget_s: float) -> list[dict]:
@@ -425,7 +430,7 @@ def sweep(layers: dict[str, Layer], gen, budget_s: float) -> list[dict]:
             continue
         inputs = layer.routings(m, ROUTINGS, gen)
         ref = layer.reference(*inputs[0])
-        for cfg in sweep_configs(m, layer.top_k, layer.e):
+        for cfg in sweep_configs(m, layer.top_k, layer.e, layer.i, layer.h):
             if time.time() - t0 > budget_s:
                 log("sweep: budget spent")
                 return rows

@@ -548,13 +548,22 @@ class QuantMoE(nn.Module):
         get_backend(decision.backend).refuse_simulated(decision.device)
         self.decision: Decision = decision
         self.backend = decision.backend
-        self._meta = [0, *block]
-
-        names = _NAMES[fmt]
-        self._names13 = tuple(f"w13_{n}" for n in names)
-        self._names2 = tuple(f"w2_{n}" for n in names)
-        for name, t in zip(self._names13 + self._names2, [*stacked13, *stacked2], strict=True):
-            self.register_buffer(name, t.detach().to(target).contiguous())
+        # the backend's own stacks (the triton backend repacks NVFP4 experts; same bytes)
+        prepared = get_backend(decision.backend).prepare_moe(
+            [t.detach().to(target).contiguous() for t in stacked13],
+            [t.detach().to(target).contiguous() for t in stacked2],
+            _NAMES[fmt],
+            [0, *block],
+            decision.request,
+            gated=spec.gated,
+        )
+        self._meta = list(prepared.meta)
+        self._names13 = tuple(f"w13_{n}" for n in prepared.names)
+        self._names2 = tuple(f"w2_{n}" for n in prepared.names)
+        for name, t in zip(
+            self._names13 + self._names2, [*prepared.w13, *prepared.w2], strict=True
+        ):
+            self.register_buffer(name, t)
         self.register_buffer("w13_bias", self._bias(w13_bias, (e, n13), "w13_bias", target))
         self.register_buffer("w2_bias", self._bias(w2_bias, (e, hidden), "w2_bias", target))
         if e_score_correction_bias is not None:

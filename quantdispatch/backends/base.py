@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
     from quantdispatch.device import DeviceProfile
 
-__all__ = ["Backend", "PreparedWeight"]
+__all__ = ["Backend", "PreparedMoe", "PreparedWeight"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,20 @@ class PreparedWeight:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors)
+
+
+@dataclass(frozen=True)
+class PreparedMoe:
+    """A MoE layer's stacked expert tensors as a backend's kernels read them.
+
+    ``names`` label each stack's tensors (the layer's buffers are ``w13_<name>`` and
+    ``w2_<name>``), ``meta`` is passed to every call. The canonical stacks (quantdispatch.moe)
+    are what most backends keep; a backend may repack them once here (same bytes)."""
+
+    names: tuple[str, ...]
+    w13: tuple[torch.Tensor, ...]
+    w2: tuple[torch.Tensor, ...]
+    meta: tuple[int, ...] = ()
 
 
 class Backend(ABC):
@@ -185,6 +199,21 @@ class Backend(ABC):
                 "'reference'",
             )
         )
+
+    def prepare_moe(
+        self,
+        w13: Sequence[torch.Tensor],
+        w2: Sequence[torch.Tensor],
+        names: Sequence[str],
+        meta: Sequence[int],
+        request: Request,
+        *,
+        gated: bool,
+    ) -> PreparedMoe:
+        """The stacked canonical expert tensors (on the layer's device) as this backend's MoE
+        kernel reads them, once, at load (``gated``: w13 is gate rows then up rows). Default:
+        kept as they are."""
+        return PreparedMoe(tuple(names), tuple(w13), tuple(w2), tuple(meta))
 
     def linear(
         self,

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from quantdispatch.backends.base import Backend, PreparedWeight
+from quantdispatch.backends.base import Backend, PreparedMoe, PreparedWeight
 from quantdispatch.errors import InputError, format_error
 from quantdispatch.request import Op, Request
 
@@ -140,19 +140,20 @@ class TritonBackend(Backend):
             if profile.capability is None or profile.capability < (8, 0):
                 return "fused tl.dot kernels on the checkpoint layout"
             try:
-                from quantdispatch.kernels import fused_moe
+                from quantdispatch.kernels import fp4_mma_moe
 
-                few = f"<= {fused_moe.MMA_MAX_TOKENS_PER_EXPERT}"
-                many = f"{fused_moe.DEQUANT_MIN_TOKENS_PER_EXPERT}+"
+                few = f"<= {fp4_mma_moe.MMA_MAX_TOKENS_PER_EXPERT}"
+                many = f"{fp4_mma_moe.DEQUANT_MIN_TOKENS_PER_EXPERT}+"
             except ImportError:  # no triton here: say it without the numbers
                 few, many = "few", "very many"
             text = (
-                f"{few} tokens per expert: mma.sync kernels with PTX decode on the checkpoint "
-                "layout (gated activations, I and H multiples of 64); more: fused tl.dot kernels"
+                "gated layers with I and H multiples of 64: experts repacked once (mma16x64, "
+                f"same bytes); {few} tokens per expert: mma.sync kernels with PTX decode; more: "
+                "a grouped tl.dot GEMM decoding the same weight"
             )
             if profile.capability >= (9, 0):
                 text += f"; {many}: experts dequantized per GEMM + torch._grouped_mm"
-            return text
+            return text + "; other layers: the checkpoint layout and fused tl.dot kernels"
         if request.op is not Op.LINEAR:
             return None
         n = request.n if request.n is not None else 16
@@ -235,6 +236,40 @@ class TritonBackend(Backend):
                 in_features=k,
             )
         return super().prepare(weight, request)
+
+    def prepare_moe(
+        self,
+        w13: Sequence[torch.Tensor],
+        w2: Sequence[torch.Tensor],
+        names: Sequence[str],
+        meta: Sequence[int],
+        request: Request,
+        *,
+        gated: bool,
+    ) -> PreparedMoe:
+        """NVFP4 experts of a gated layer on an SM 8.0+ GPU (I and H multiples of 64) are
+        repacked into the mma16x64 layout (kernels/fp4_mma_moe.py; same bytes, one copy that
+        every token count reads); everything else keeps the canonical stacks."""
+        if request.format == "nvfp4" and len(w13) == 3:
+            device = w13[0].device
+            capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+            inter, hidden = w2[0].shape[2] * 2, w2[0].shape[1]
+            if request.act_dtype in (torch.bfloat16, torch.float16) and w13[0].shape[1] == (
+                2 * inter if gated else inter
+            ):
+                from quantdispatch.kernels.fp4_mma_moe import moe_layout_supported, repack_experts
+
+                if moe_layout_supported(inter, hidden, gated, capability):
+                    r13 = repack_experts(w13[0], w13[1], request.act_dtype)
+                    r2 = repack_experts(w2[0], w2[1], request.act_dtype)
+                    bf16 = request.act_dtype == torch.bfloat16
+                    return PreparedMoe(
+                        ("mma_words", "mma_scales", "global_scale"),
+                        (*r13, w13[2]),
+                        (*r2, w2[2]),
+                        (MMA_LAYOUT_TAG, int(bf16)),
+                    )
+        return super().prepare_moe(w13, w2, names, meta, request, gated=gated)
 
     def linear(
         self,
@@ -327,7 +362,23 @@ class TritonBackend(Backend):
         params: Sequence[float],
         meta: Sequence[int],
     ) -> torch.Tensor:
-        """Fused MoE on the stacked canonical expert tensors (see quantdispatch.moe)."""
+        """Fused MoE on the stacked canonical expert tensors (see quantdispatch.moe), or on the
+        repacked ones prepare_moe made (meta tag MMA_LAYOUT_TAG)."""
+        if fmt == "nvfp4" and len(meta) == 2 and int(meta[0]) == MMA_LAYOUT_TAG:
+            from quantdispatch.kernels.fp4_mma_moe import mma_layout_moe
+
+            return mma_layout_moe(
+                x,
+                topk_ids,
+                topk_weights,
+                w13,
+                w2,
+                w13_bias,
+                w2_bias,
+                activation=activation,
+                params=params,
+                packed_for=torch.bfloat16 if int(meta[1]) else torch.float16,
+            )
         from quantdispatch.kernels.fused_moe import fused_moe
 
         return fused_moe(

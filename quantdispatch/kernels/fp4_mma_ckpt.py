@@ -45,6 +45,8 @@ import triton.language as tl
 from quantdispatch.kernels.fp4_mma import (
     DecodeTable,
     _config,
+    _decode_chunk,
+    _load_w,
     _load_x,
     _mma_step,
 )
@@ -284,9 +286,22 @@ def _x_perm(x0, x1, x2, x3, x4, x5, x6, x7):
 
 
 @triton.jit
-def _chunk_mma(acc0, acc1, acc2, acc3, q, b, BF16: tl.constexpr):
+def _load_chunk(w_ptrs, s_ptrs, stride_wn, stride_sn, ok, ALL: tl.constexpr,
+                REPACKED: tl.constexpr):  # fmt: skip
+    """A lane's 5 registers of one chunk: 4 code words and the two rows' scale codes."""
+    if REPACKED:
+        return _load_w(w_ptrs, s_ptrs, ok, ALL)
+    else:
+        return _load_ckpt(w_ptrs, s_ptrs, stride_wn, stride_sn, ok, ALL)
+
+
+@triton.jit
+def _chunk_mma(acc0, acc1, acc2, acc3, q, b, BF16: tl.constexpr, REPACKED: tl.constexpr):
     """Decode one chunk (q: the 5 loaded registers) and run its 4 MMA steps."""
-    a = _decode_ckpt(q[0], q[1], q[2], q[3], q[4], BF16)
+    if REPACKED:
+        a = _decode_chunk(q[0], q[1], q[2], q[3], q[4], BF16)
+    else:
+        a = _decode_ckpt(q[0], q[1], q[2], q[3], q[4], BF16)
     acc0, acc1, acc2, acc3 = _mma_step(acc0, acc1, acc2, acc3, a, 0, b[0], b[1], BF16)
     acc0, acc1, acc2, acc3 = _mma_step(acc0, acc1, acc2, acc3, a, 1, b[2], b[3], BF16)
     acc0, acc1, acc2, acc3 = _mma_step(acc0, acc1, acc2, acc3, a, 2, b[4], b[5], BF16)
@@ -351,7 +366,7 @@ def _mma_ckpt_kernel(
     alpha, limit,
     CHUNKS: tl.constexpr, GATE_UP: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
     DIRECT: tl.constexpr, LINEAR: tl.constexpr, NT: tl.constexpr, WT: tl.constexpr,
-    WK: tl.constexpr, UNROLL: tl.constexpr, BF16: tl.constexpr,
+    WK: tl.constexpr, UNROLL: tl.constexpr, BF16: tl.constexpr, REPACKED: tl.constexpr,
 ):  # fmt: skip
     """One program = one block (LINEAR: 8 * NT consecutive rows of x, T = M; DIRECT: one
     (token, slot) pair; else 8 * NT expert-sorted pairs) x WT 16-row tiles, with WT * WK warps
@@ -361,7 +376,12 @@ def _mma_ckpt_kernel(
     same activation fragments, and the activation is fused: out = A [rows, up_off] in sorted
     (or pair) order. Otherwise (down): x rows are A's, out = Y [pairs, N] with the routing
     weight applied. Shapes as in fp4_mma: per lane [32W], per chunk [U, 32W], per token tile
-    [U, NT, 32W]."""
+    [U, NT, 32W].
+
+    REPACKED: the weights are in the mma16x64 layout of :mod:`.fp4_mma` (words [E, N/16, K/64,
+    32, 4] int32, scales [E, N/16, K/64, 32, 2] viewed as int16; strides in those elements):
+    one 16-byte load per chunk, the 11-op decode, and the activations in their natural order
+    (the layout's K permutation keeps each lane's B fragments contiguous)."""
     WARPS: tl.constexpr = WT * WK
     BM: tl.constexpr = 8 * NT
     b = tl.program_id(0)
@@ -395,11 +415,22 @@ def _mma_ckpt_kernel(
         pair = tl.load(sorted_ptr + b * BM + slot)
         xr = tl.where(pair < T, pair // top_k, 0) if GATE_UP else b * BM + slot
     x_row = (x_ptr + xr.to(tl.int64) * stride_xm + (16 * t)[None, :])[None, :, :]
-    row = (tile * 16 + g).to(tl.int64)
-    w_base = (w_ptr + e64 * stride_we + row * stride_wn + 8 * t)[None, :]  # [1, 32W]
-    s_base = (s_ptr + e64 * stride_se + row * stride_sn + t)[None, :]
-    up_w = up_off * stride_wn
-    up_s = up_off * stride_sn
+    # elements per chunk: repacked 128 words of the tile and 32 scale pairs; checkpoint 32 code
+    # bytes and 4 scale bytes of each row
+    W_STEP: tl.constexpr = 128 if REPACKED else 32
+    S_STEP: tl.constexpr = 32 if REPACKED else 4
+    if REPACKED:
+        tile64 = tile.to(tl.int64) * CHUNKS
+        w_base = (w_ptr + e64 * stride_we + tile64 * W_STEP + 4 * lane)[None, :]
+        s_base = (s_ptr + e64 * stride_se + tile64 * S_STEP + lane)[None, :]
+        up_w = (up_off // 16) * CHUNKS * W_STEP
+        up_s = (up_off // 16) * CHUNKS * S_STEP
+    else:
+        row = (tile * 16 + g).to(tl.int64)
+        w_base = (w_ptr + e64 * stride_we + row * stride_wn + 8 * t)[None, :]  # [1, 32W]
+        s_base = (s_ptr + e64 * stride_se + row * stride_sn + t)[None, :]
+        up_w = up_off * stride_wn
+        up_s = up_off * stride_sn
     chunk0 = tl.arange(0, UNROLL)[:, None] * WK + wk[None, :]  # [U, 32W]
     STEP: tl.constexpr = WK * UNROLL
     EVEN: tl.constexpr = CHUNKS % STEP == 0
@@ -412,28 +443,30 @@ def _mma_ckpt_kernel(
     u2 = tl.zeros((UNROLL, NT, 32 * WARPS), dtype=tl.float32)
     u3 = tl.zeros((UNROLL, NT, 32 * WARPS), dtype=tl.float32)
     ok0 = chunk0 < CHUNKS
-    q = _load_ckpt(w_base + chunk0 * 32, s_base + chunk0 * 4, stride_wn, stride_sn, ok0, EVEN)
+    q = _load_chunk(w_base + chunk0 * W_STEP, s_base + chunk0 * S_STEP, stride_wn, stride_sn,
+                    ok0, EVEN, REPACKED)  # fmt: skip
     if GATE_UP:
-        qu = _load_ckpt(
-            w_base + up_w + chunk0 * 32, s_base + up_s + chunk0 * 4, stride_wn, stride_sn, ok0,
-            EVEN,
+        qu = _load_chunk(
+            w_base + up_w + chunk0 * W_STEP, s_base + up_s + chunk0 * S_STEP, stride_wn,
+            stride_sn, ok0, EVEN, REPACKED,
         )  # fmt: skip
     for c0 in range(0, CHUNKS, STEP):
         c = c0 + chunk0
         nxt = tl.minimum(c + STEP, CHUNKS - 1) if EVEN else c + STEP
         okn = nxt < CHUNKS
-        qn = _load_ckpt(w_base + nxt * 32, s_base + nxt * 4, stride_wn, stride_sn, okn, EVEN)
+        qn = _load_chunk(w_base + nxt * W_STEP, s_base + nxt * S_STEP, stride_wn, stride_sn,
+                         okn, EVEN, REPACKED)  # fmt: skip
         if GATE_UP:
-            qun = _load_ckpt(
-                w_base + up_w + nxt * 32, s_base + up_s + nxt * 4, stride_wn, stride_sn, okn,
-                EVEN,
+            qun = _load_chunk(
+                w_base + up_w + nxt * W_STEP, s_base + up_s + nxt * S_STEP, stride_wn,
+                stride_sn, okn, EVEN, REPACKED,
             )  # fmt: skip
         ok = (c < CHUNKS)[:, None, :]
         xs = _load_x(x_row + (c * 64)[:, None, :], ok, EVEN)
-        bf = _x_perm(xs[0], xs[1], xs[2], xs[3], xs[4], xs[5], xs[6], xs[7])
-        acc0, acc1, acc2, acc3 = _chunk_mma(acc0, acc1, acc2, acc3, q, bf, BF16)
+        bf = xs if REPACKED else _x_perm(xs[0], xs[1], xs[2], xs[3], xs[4], xs[5], xs[6], xs[7])
+        acc0, acc1, acc2, acc3 = _chunk_mma(acc0, acc1, acc2, acc3, q, bf, BF16, REPACKED)
         if GATE_UP:
-            u0, u1, u2, u3 = _chunk_mma(u0, u1, u2, u3, qu, bf, BF16)
+            u0, u1, u2, u3 = _chunk_mma(u0, u1, u2, u3, qu, bf, BF16, REPACKED)
             qu = qun
         q = qn
     r0 = _k_reduce(acc0, NT, WK, WT)
@@ -532,7 +565,7 @@ def mma_ckpt_linear(
         0.0, 0.0,
         CHUNKS=chunks, GATE_UP=False, ACT=0, HAS_BIAS=bias is not None, DIRECT=False,
         LINEAR=True, NT=nt, WT=wt, WK=wk, UNROLL=unroll, BF16=x.dtype == torch.bfloat16,
-        num_warps=wt * wk, num_stages=1,
+        REPACKED=False, num_warps=wt * wk, num_stages=1,
     )  # fmt: skip
     return out
 
@@ -632,23 +665,32 @@ def mma_moe_gemms(
     """Gate/up into ``a`` then down into ``y`` (one row per pair); see the module docstring.
 
     ``w13`` / ``w2`` = (packed uint8 [E, N, K/2], E4M3 codes uint8 [E, N, K/16], global scales
-    fp32 [E]); checked by the caller (fused_moe), shapes by :func:`mma_moe_supported`."""
+    fp32 [E]), or in the mma16x64 layout (int32 words [E, N/16, K/64, 32, 4], uint8 scales
+    [E, N/16, K/64, 32, 2], global scales; :mod:`.fp4_mma_moe`); checked by the caller, shapes by
+    :func:`mma_moe_supported`."""
     c13, s13, g13 = w13
     c2, s2, g2 = w2
-    e, n13, hidden = c13.shape[0], c13.shape[1], c13.shape[2] * 2
+    repacked = c13.dtype == torch.int32
+    if repacked:  # strides in words and in scale pairs (int16)
+        s13, s2 = s13.view(torch.int16), s2.view(torch.int16)
+        e, n13, hidden = c13.shape[0], c13.shape[1] * 16, c13.shape[2] * 64
+        rows13 = rows2 = sn13 = sn2 = 0
+    else:
+        e, n13, hidden = c13.shape[0], c13.shape[1], c13.shape[2] * 2
+        rows13, rows2, sn13, sn2 = c13.stride(1), c2.stride(1), s13.stride(1), s2.stride(1)
     inter = n13 // 2
     pairs = ids.numel()
     bf16 = x.dtype == torch.bfloat16
     common = dict(
         ids_ptr=ids, sorted_ptr=sorted_ids, bexp_ptr=block_expert, nvalid_ptr=num_blocks,
         tw_ptr=tw, T=pairs, E=e, top_k=top_k, alpha=float(alpha), limit=float(limit),
-        ACT=act_code, DIRECT=cfg.direct, LINEAR=False, NT=cfg.nt, BF16=bf16,
+        ACT=act_code, DIRECT=cfg.direct, LINEAR=False, NT=cfg.nt, BF16=bf16, REPACKED=repacked,
     )  # fmt: skip
     _launch(
         cfg.gemm1, n_blocks, inter // 16,
         x_ptr=x, w_ptr=c13, s_ptr=s13, gs_ptr=g13, bias_ptr=b13 if b13 is not None else g13,
         out_ptr=a, up_off=inter, stride_xm=x.stride(0), stride_we=c13.stride(0),
-        stride_wn=c13.stride(1), stride_se=s13.stride(0), stride_sn=s13.stride(1),
+        stride_wn=rows13, stride_se=s13.stride(0), stride_sn=sn13,
         stride_be=b13.stride(0) if b13 is not None else 0, stride_om=a.stride(0),
         CHUNKS=hidden // 64, GATE_UP=True, HAS_BIAS=b13 is not None, **common,
     )  # fmt: skip
@@ -656,7 +698,7 @@ def mma_moe_gemms(
         cfg.gemm2, n_blocks, hidden // 16,
         x_ptr=a, w_ptr=c2, s_ptr=s2, gs_ptr=g2, bias_ptr=b2 if b2 is not None else g2,
         out_ptr=y, up_off=0, stride_xm=a.stride(0), stride_we=c2.stride(0),
-        stride_wn=c2.stride(1), stride_se=s2.stride(0), stride_sn=s2.stride(1),
+        stride_wn=rows2, stride_se=s2.stride(0), stride_sn=sn2,
         stride_be=b2.stride(0) if b2 is not None else 0, stride_om=y.stride(0),
         CHUNKS=inter // 64, GATE_UP=False, HAS_BIAS=b2 is not None, **common,
     )  # fmt: skip

@@ -41,7 +41,7 @@ multiples of the tiles (masked K tail, clamped N rows).
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -842,8 +842,12 @@ def fused_moe(
                 "leave config=None (the heuristic picks the Triton kernels then)",
                 InputError,
             )
-        _run_dequant(x, ids, tw, fmt, (c13, s13, g13), (c2, s2, g2), w13_bias, w2_bias,
-                     spec.code, spec.gated, alpha, limit, out)  # fmt: skip
+        _run_dequant(
+            x, ids, tw, e,
+            lambda: _dequant_experts(fmt, c13, s13, g13, x.dtype),
+            lambda: _dequant_experts(fmt, c2, s2, g2, x.dtype),
+            w13_bias, w2_bias, spec.code, spec.gated, alpha, limit, out,
+        )  # fmt: skip
         return out
     if not isinstance(cfg, MoeConfig):
         if not (aligned and _mma_capable(fmt, spec.gated, inter, hidden, x.device)):
@@ -975,9 +979,9 @@ def _run_dequant(
     x: torch.Tensor,
     ids: torch.Tensor,
     tw: torch.Tensor,
-    fmt: str,
-    w13: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
-    w2: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+    e: int,
+    dequant13: Callable[[], torch.Tensor],
+    dequant2: Callable[[], torch.Tensor],
     b13: torch.Tensor | None,
     b2: torch.Tensor | None,
     act_code: int,
@@ -989,10 +993,11 @@ def _run_dequant(
     """Many tokens per expert: pairs sorted by expert (device-side, no host sync), each GEMM's
     experts dequantized to x.dtype and run as one torch._grouped_mm, activation and biases in
     fp32, routing weights applied and the slots summed in fp32. Pairs whose id this layer does
-    not hold run through expert 0 with weight 0 (finite, so they add exactly 0)."""
+    not hold run through expert 0 with weight 0 (finite, so they add exactly 0).
+    ``dequant13`` / ``dequant2`` return each GEMM's experts as x.dtype [E, N, K] (one layout's
+    dequantizer; called one after the other so only one copy is alive)."""
     m, hidden = x.shape
     top_k = ids.shape[1]
-    e = w13[0].shape[0]
     flat = ids.reshape(-1).long()
     valid = (flat >= 0) & (flat < e)
     key = torch.where(valid, flat, 0)
@@ -1003,7 +1008,7 @@ def _run_dequant(
     offs = torch.cumsum(counts, 0, dtype=torch.int32)
     sorted_expert = key[order]
     xs = x.index_select(0, order // top_k)
-    w = _dequant_experts(fmt, w13[0], w13[1], w13[2], x.dtype)
+    w = dequant13()
     h = torch._grouped_mm(xs, w.transpose(1, 2), offs=offs)
     del w
     inter = h.shape[1] // 2 if gated else h.shape[1]
@@ -1015,7 +1020,7 @@ def _run_dequant(
         ACT=act_code, GATED=gated, HAS_BIAS=b13 is not None, BN=bn, num_warps=4,
     )  # fmt: skip
     del h
-    w = _dequant_experts(fmt, w2[0], w2[1], w2[2], x.dtype)
+    w = dequant2()
     ys = torch._grouped_mm(a, w.transpose(1, 2), offs=offs).float()
     del w
     if b2 is not None:

@@ -263,8 +263,12 @@ def run_dequant(ex, x, ids, w, activation="silu", params=(0.0, 0.0), b13=None, b
     c2, s2, g2, *_ = fm._unpack_weights(ex.fmt, w2, "w2", meta)
     spec = fm.get_activation(activation)
     out = torch.empty(x.shape, dtype=x.dtype)
-    fm._run_dequant(x, ids, w, ex.fmt, (c13, s13, g13), (c2, s2, g2), b13, b2, spec.code,
-                    spec.gated, *params, out)  # fmt: skip
+    fm._run_dequant(
+        x, ids, w, c13.shape[0],
+        lambda: fm._dequant_experts(ex.fmt, c13, s13, g13, x.dtype),
+        lambda: fm._dequant_experts(ex.fmt, c2, s2, g2, x.dtype),
+        b13, b2, spec.code, spec.gated, *params, out,
+    )  # fmt: skip
     return out
 
 

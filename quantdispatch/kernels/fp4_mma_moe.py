@@ -1,0 +1,462 @@
+"""NVFP4 MoE experts in the ``mma16x64`` layout: every regime on one repacked copy.
+
+Why: the MoE kernels on the checkpoint layout (:mod:`.fp4_mma_ckpt`, :mod:`.fused_moe`) decode
+each weight with more instructions than the repacked linear kernels (15 vs 11 integer ops per 8
+codes, activation permutes, byte-wise scales), and at few tokens per expert they are issue
+bound: on the H200 the same mma.sync design streamed gate_up at M=1 in 32 us from the
+checkpoint layout and in 22 us repacked (benchmarks/NOTES.md). Experts used to stay in the
+checkpoint layout because their larger-M kernels read it; with the tl.dot GEMM that decodes the
+repacked layout (:mod:`.fp4_mma_gemm`) every regime can read the repacked copy, and it holds the
+same bytes (no second copy):
+
+* few tokens per expert: the mma.sync gate/up + down kernels of :mod:`.fp4_mma_ckpt` in their
+  REPACKED mode (gate and up tiles of a warp share the activation fragments, activation fused);
+* mid: a grouped GEMM (:func:`_moe_gemm_kernel`): expert-sorted blocks of ``block_m`` pairs
+  (:func:`.fused_moe.moe_align`) times 64-row weight tiles, the weight decoded into the wgmma A
+  operand as in :mod:`.fp4_mma_gemm` (swap AB: weight rows x tokens). Gate/up programs run the
+  gate tile and the up tile on the same activation tile (one shared-memory tile feeds both
+  dots) and fuse the activation; they write the intermediate with its columns already in the MMA
+  K order, so the down GEMM reads it as is (the tokens' own activations are permuted once per
+  call, :func:`.fp4_mma_gemm.kappa_order`);
+* very many (SM 9.0+ with ``torch._grouped_mm``): each GEMM's experts dequantized to 16-bit
+  by the layout's own dequant kernel, then ``torch._grouped_mm`` (as for the checkpoint layout).
+
+Stacked tensors: ``words`` int32 [E, N/16, K/64, 32, 4], ``scales`` uint8 [E, N/16, K/64, 32, 2]
+(:func:`repack_experts`; N = 2I for w13, gate tiles then up tiles), ``global_scale`` fp32 [E].
+The layout places codes for one 16-bit activation dtype (bf16 or fp16), fixed at repack.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from quantdispatch.errors import InputError, WeightFormatError, format_error
+from quantdispatch.kernels.fp4_mma import CHUNK_K, TILE_N, mma_dequant_rows, repack, unpack
+from quantdispatch.kernels.fp4_mma_gemm import _weight_tile, kappa_order
+from quantdispatch.kernels.fused_moe import (
+    DequantMoeConfig,
+    _activation,
+    _grouped_mm_capable,
+    _reduce,
+    _run_dequant,
+    empty,
+    moe_align,
+)
+from quantdispatch.moe_math import get_activation
+
+__all__ = [
+    "MMA_MAX_TOKENS_PER_EXPERT",
+    "MoeGemmTile",
+    "dequant_experts",
+    "mma_layout_moe",
+    "moe_layout_config",
+    "moe_layout_supported",
+    "repack_experts",
+    "unpack_experts",
+]
+
+#: Up to this many tokens per expert (M * top_k / E) the mma.sync kernels run; above, the
+#: grouped GEMM (its blocks are at least 16 pairs: with fewer tokens per expert most of each
+#: wgmma would be padding).
+MMA_MAX_TOKENS_PER_EXPERT = 4
+#: From this many tokens per expert (SM 9.0+), dequantize + torch._grouped_mm (as fused_moe).
+DEQUANT_MIN_TOKENS_PER_EXPERT = 512
+DEQUANT_MAX_BUFFER_BYTES = 4 * 2**30
+
+
+def moe_layout_supported(
+    inter: int, hidden: int, gated: bool, capability: tuple[int, int] | None
+) -> bool:
+    """Whether NVFP4 experts are repacked: a gated activation (the kernels pair gate and up
+    tiles), SM 8.0+ (bf16 mma.sync), I and H multiples of 64 (whole 64-row GEMM tiles)."""
+    return (
+        gated
+        and capability is not None
+        and capability >= (8, 0)
+        and inter > 0
+        and hidden > 0
+        and inter % 64 == 0
+        and hidden % 64 == 0
+    )
+
+
+def repack_experts(
+    packed: torch.Tensor, block_scale: torch.Tensor, act_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked checkpoint tensors (packed uint8 [E, N, K/2], E4M3 block scales [E, N, K/16])
+    -> (words int32 [E, N/16, K/64, 32, 4], scales uint8 [E, N/16, K/64, 32, 2]), expert by
+    expert on the tensors' device (one expert's temporaries at a time). Same bytes."""
+    e, n, k = packed.shape[0], packed.shape[1], packed.shape[2] * 2
+    codes = block_scale.view(torch.uint8)
+    words = torch.empty((e, n // TILE_N, k // CHUNK_K, 32, 4), dtype=torch.int32,
+                        device=packed.device)  # fmt: skip
+    scales = torch.empty((e, n // TILE_N, k // CHUNK_K, 32, 2), dtype=torch.uint8,
+                         device=packed.device)  # fmt: skip
+    for i in range(e):
+        words[i], scales[i] = repack(packed[i], codes[i], act_dtype)
+    return words, scales
+
+
+def unpack_experts(
+    words: torch.Tensor, scales: torch.Tensor, act_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`repack_experts`: (packed uint8 [E, N, K/2], E4M3 codes uint8
+    [E, N, K/16]); exact except inside zero-scale blocks (their values are 0 either way)."""
+    pairs = [unpack(words[i], scales[i], act_dtype) for i in range(words.shape[0])]
+    return torch.stack([p for p, _ in pairs]), torch.stack([s for _, s in pairs])
+
+
+def dequant_experts(
+    words: torch.Tensor, scales: torch.Tensor, gs: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """All experts of one stacked repacked weight as 16-bit [E, N, K] (natural row and column
+    order, each value rounded once)."""
+    e, n, k = words.shape[0], words.shape[1] * TILE_N, words.shape[2] * CHUNK_K
+    out = empty((e, n, k), dtype, words.device)
+    for i in range(e):
+        mma_dequant_rows(words[i], scales[i], gs[i], 0, n, out[i])
+    return out
+
+
+@dataclass(frozen=True)
+class MoeGemmTile:
+    """Grouped GEMM tile: pairs per block, weight rows per program, K chunks (of 64) per step,
+    warps, pipeline stages."""
+
+    block_m: int
+    block_n: int = 64
+    chunks: int = 2
+    warps: int = 4
+    stages: int = 4
+
+    def label(self) -> str:
+        return f"gemm BM{self.block_m} {self.block_n}x{64 * self.chunks}w{self.warps}s{self.stages}"
+
+
+def moe_layout_config(
+    m: int,
+    top_k: int,
+    experts: int,
+    inter: int,
+    hidden: int,
+    device: torch.device,
+    *,
+    allow_dequant: bool = True,
+):  # -> MmaMoeConfig | MoeGemmTile | DequantMoeConfig
+    """The regime from the static sizes only (graphs and compile see no data dependence).
+
+    Tokens per expert ``tpe = M * top_k / E``: <= MMA_MAX_TOKENS_PER_EXPERT the mma.sync
+    kernels (single pairs when 4 * pairs <= E, else 8-pair blocks); >=
+    DEQUANT_MIN_TOKENS_PER_EXPERT on SM 9.0+ dequantize + grouped_mm; in between the grouped
+    GEMM, with blocks of 16 / 32 / 64 pairs (64-row weight tiles, 4 warps) and from 160 tokens
+    per expert 128 pairs on 128-row tiles (8 warps). From the H200 sweep
+    (benchmarks/results/moe-sweep-h200-*.json; us): at 4 per expert the mma kernels win
+    (Qwen3 M=64 125 vs 167, DeepSeek-V3 M=128 1952 vs 2409); at 8 it is mixed (Qwen3 163 vs
+    172, Mixtral 310 vs 353, DeepSeek-V3 2777 vs 2564) and the GEMM wins the sum; 16 per expert:
+    32-pair blocks (Qwen3 M=256 199 vs 229 for 16, 266 for 64); 32: 64 (DeepSeek-V3 M=1024 4229
+    vs 4529 for 32); 256: 128 (Mixtral M=1024 1862 vs 2162 for 64). Three stages beat four
+    (e.g. Qwen3 M=1024 395 vs 431)."""
+    from quantdispatch.kernels.fp4_mma_ckpt import mma_moe_config
+
+    pairs = m * top_k
+    tpe = pairs / max(experts, 1)
+    buffer = experts * max(2 * inter * hidden, hidden * inter) * 2
+    if (
+        allow_dequant
+        and tpe >= DEQUANT_MIN_TOKENS_PER_EXPERT
+        and buffer <= DEQUANT_MAX_BUFFER_BYTES
+        and _grouped_mm_capable(device)
+    ):
+        return DequantMoeConfig()
+    if tpe <= MMA_MAX_TOKENS_PER_EXPERT:
+        return mma_moe_config(pairs, experts, inter, hidden, direct=4 * pairs <= experts)
+    if tpe <= 12:
+        return MoeGemmTile(16, stages=3)
+    if tpe <= 24:
+        return MoeGemmTile(32, stages=3)
+    if tpe <= 160:
+        return MoeGemmTile(64, stages=3)
+    return MoeGemmTile(128, block_n=128, warps=8, stages=3)
+
+
+# --------------------------------------------------------------------------------------------
+# the grouped GEMM
+
+
+@triton.jit
+def _tile_pointers(w_ptr, s_ptr, e64, stride_we, stride_se, tile0,
+                   CHUNKS: tl.constexpr, BT: tl.constexpr, CK: tl.constexpr):  # fmt: skip
+    """Word and scale pointers of BT 16-row tiles from ``tile0`` of expert e, first K step."""
+    t = tl.arange(0, BT)[:, None, None, None, None]
+    c = tl.arange(0, CK)[None, :, None, None, None]
+    g = tl.arange(0, 8)[None, None, :, None, None]
+    q = tl.arange(0, 4)[None, None, None, :, None]  # t of the layout: the lane in its quad
+    j = tl.arange(0, 4)[None, None, None, None, :]
+    base = (tile0 + t).to(tl.int64) * CHUNKS + c
+    w_ptrs = w_ptr + e64 * stride_we + base * 128 + g * 16 + q * 4 + j
+    s_ptrs = s_ptr + e64 * stride_se + base * 32 + g * 4 + q
+    return w_ptrs, s_ptrs
+
+
+@triton.jit(do_not_specialize=["T"])
+def _moe_gemm_kernel(
+    x_ptr, sorted_ptr, bexp_ptr, nvalid_ptr, tw_ptr,
+    w_ptr, s_ptr, gs_ptr, bias_ptr, out_ptr,
+    T, top_k, n_blocks, up_tiles,
+    stride_xm, stride_we, stride_se, stride_be, stride_om,
+    alpha, limit,
+    CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, CK: tl.constexpr,
+    GATE_UP: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, BF16: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):  # fmt: skip
+    """One [BLOCK_N weight rows, BLOCK_M pairs] tile of one expert-sorted block.
+
+    Program ids run the blocks fastest, so the blocks of one expert (adjacent after the
+    alignment) read the same weight tile back to back (from L2 after the first). GATE_UP: x
+    rows are tokens (``pair // top_k``) of the K-ordered x, the gate tile (rows from
+    ``pid_n * BLOCK_N``) and the up tile (``up_tiles`` 16-row tiles further) share each
+    activation tile, and the activation is stored to row ``b * BLOCK_M + slot`` of the
+    intermediate at the MMA K-order column of each output column. Down: x rows are those
+    intermediate rows; out row = pair, times the pair's routing weight."""
+    pid = tl.program_id(0)
+    b = pid % n_blocks
+    pid_n = pid // n_blocks
+    if b >= tl.load(nvalid_ptr):
+        return
+    e64 = tl.load(bexp_ptr + b).to(tl.int64)
+    BT: tl.constexpr = BLOCK_N // 16
+    BK: tl.constexpr = 64 * CK
+    EVEN: tl.constexpr = CHUNKS % CK == 0
+    K: tl.constexpr = CHUNKS * 64
+    slot = tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + b * BLOCK_M + slot)
+    m_ok = pair < T
+    x_row = tl.where(m_ok, pair // top_k, 0) if GATE_UP else b * BLOCK_M + slot
+    k = tl.arange(0, BK)
+    x_ptrs = x_ptr + x_row.to(tl.int64)[:, None] * stride_xm + k[None, :]
+    w_ptrs, s_ptrs = _tile_pointers(w_ptr, s_ptr, e64, stride_we, stride_se, pid_n * BT,
+                                    CHUNKS, BT, CK)  # fmt: skip
+    up_w = up_tiles * (CHUNKS * 128)  # < 2^31: (I / 16) * (H / 64) * 128 = I * H / 8
+    up_s = up_tiles * (CHUNKS * 32)
+    c = tl.arange(0, CK)[None, :, None, None, None]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for c0 in range(0, CHUNKS, CK):
+        if EVEN:
+            x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+        else:
+            x = tl.load(x_ptrs, mask=m_ok[:, None] & (c0 * 64 + k < K)[None, :], other=0.0)
+        xt = tl.trans(x.to(tl.float32)) if DOT_F32 else tl.trans(x)
+        w = _weight_tile(w_ptrs, s_ptrs, c0 + c < CHUNKS, CK, BF16, DOT_F32, EVEN)
+        acc = tl.dot(w, xt, acc, input_precision="ieee") if DOT_F32 else tl.dot(w, xt, acc)
+        if GATE_UP:
+            wu = _weight_tile(w_ptrs + up_w, s_ptrs + up_s, c0 + c < CHUNKS, CK, BF16, DOT_F32,
+                              EVEN)  # fmt: skip
+            if DOT_F32:
+                acc_up = tl.dot(wu, xt, acc_up, input_precision="ieee")
+            else:
+                acc_up = tl.dot(wu, xt, acc_up)
+        w_ptrs += CK * 128
+        s_ptrs += CK * 32
+        x_ptrs += BK
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    factor = tl.load(gs_ptr + e64) * 256.0
+    if GATE_UP:
+        g = acc * factor
+        u = acc_up * factor
+        if HAS_BIAS:
+            bias = bias_ptr + e64 * stride_be
+            g += tl.load(bias + offs_n)[:, None]
+            u += tl.load(bias + up_tiles * 16 + offs_n)[:, None]
+        h = _activation(g, u, alpha, limit, ACT)
+        # column n = 64 c + 16 t + 4 j + 2 cc + h goes to 64 c + 16 j + 8 cc + 2 t + h
+        r = offs_n % 64
+        col = offs_n - r + 16 * ((r // 4) % 4) + 8 * ((r // 2) % 2) + 2 * (r // 16) + r % 2
+        a_row = (b * BLOCK_M + slot).to(tl.int64)
+        out = out_ptr + a_row[None, :] * stride_om + col[:, None]
+        tl.store(out, h.to(out_ptr.dtype.element_ty), mask=m_ok[None, :])
+    else:
+        y = acc * factor
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + e64 * stride_be + offs_n)[:, None]
+        p64 = tl.where(m_ok, pair, 0).to(tl.int64)
+        y = y * tl.load(tw_ptr + p64, mask=m_ok, other=0.0)[None, :]
+        out = out_ptr + p64[None, :] * stride_om + offs_n[:, None]
+        tl.store(out, y.to(out_ptr.dtype.element_ty), mask=m_ok[None, :])
+
+
+# --------------------------------------------------------------------------------------------
+# host side
+
+
+def _interpreting() -> bool:
+    return type(_moe_gemm_kernel).__name__ == "InterpretedFunction"
+
+
+def _fail(what: str, rule: str, fix: str, exc: type[Exception] = WeightFormatError) -> None:
+    raise exc(format_error(f"mma16x64 MoE: {what}", rule, fix))
+
+
+def _check_stack(w: Sequence[torch.Tensor], which: str) -> tuple[int, int, int]:
+    """(E, N, K) of one stacked repacked weight, checked."""
+    if len(w) != 3:
+        _fail(f"{which} has {len(w)} tensors", "words, scales and global scales", "")
+    words, scales, gs = w
+    if words.dtype != torch.int32 or words.dim() != 5 or tuple(words.shape[3:]) != (32, 4):
+        _fail(
+            f"{which} words are {words.dtype} {tuple(words.shape)}",
+            "repacked expert words are int32 [E, N/16, K/64, 32, 4]",
+            "build them with fp4_mma_moe.repack_experts (QuantMoE does)",
+        )
+    e, tiles, chunks = words.shape[:3]
+    if scales.dtype != torch.uint8 or tuple(scales.shape) != (e, tiles, chunks, 32, 2):
+        _fail(
+            f"{which} scales are {scales.dtype} {tuple(scales.shape)}",
+            f"repacked expert scales are uint8 [{e}, {tiles}, {chunks}, 32, 2]",
+            "pass the scales repack_experts returned with these words",
+        )
+    if gs.dtype != torch.float32 or tuple(gs.shape) != (e,):
+        _fail(f"{which} global scales are {gs.dtype} {tuple(gs.shape)}", f"float32 [{e}]", "")
+    if not (words.is_contiguous() and scales.is_contiguous()):
+        _fail(f"{which} is not contiguous", "repacked stacks are contiguous", "call .contiguous()")
+    return e, tiles * TILE_N, chunks * CHUNK_K
+
+
+def mma_layout_moe(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: Sequence[torch.Tensor],
+    w2: Sequence[torch.Tensor],
+    w13_bias: torch.Tensor | None,
+    w2_bias: torch.Tensor | None,
+    *,
+    activation: str,
+    params: Sequence[float],
+    packed_for: torch.dtype,
+    config=None,  # MmaMoeConfig | MoeGemmTile | DequantMoeConfig | None
+) -> torch.Tensor:
+    """Routed experts on repacked stacks: [M, H] in x.dtype. ``topk_ids`` hold local expert ids
+    (others contribute nothing), ``topk_weights`` (float32) are final. ``config`` overrides the
+    regime choice (tests and tuning only)."""
+    from quantdispatch.kernels.fp4_mma_ckpt import MmaMoeConfig, mma_moe_gemms
+
+    spec = get_activation(activation)
+    if not spec.gated:
+        _fail(
+            f"activation {activation!r}",
+            "the repacked MoE kernels run gated activations",
+            "keep the checkpoint layout (QuantMoE does for non-gated layers)",
+            InputError,
+        )
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype != packed_for:
+        got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+        _fail(
+            f"x is {got}",
+            f"x is [M, H] in {packed_for} (the layout places codes for one 16-bit dtype)",
+            f"pass {packed_for} activations",
+            InputError,
+        )
+    e, n13, hidden = _check_stack(w13, "w13")
+    e2, n2, inter = _check_stack(w2, "w2")
+    if e2 != e or n13 != 2 * inter or n2 != hidden or x.shape[1] != hidden:
+        _fail(
+            f"w13 is [E={e}, N={n13}, K={hidden}], w2 [E={e2}, N={n2}, K={inter}], x "
+            f"{tuple(x.shape)}",
+            "w13 is [E, 2I, H], w2 [E, H, I] and x [M, H]",
+            "pass the weights that belong to this layer",
+        )
+    m = x.shape[0]
+    int_ids = (torch.int32, torch.int64)
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != m or topk_ids.dtype not in int_ids:
+        _fail(f"topk_ids is {topk_ids.dtype} {tuple(topk_ids.shape)}",
+              f"int32/int64 [M={m}, top_k]", "pass the router's top-k ids", InputError)  # fmt: skip
+    top_k = topk_ids.shape[1]
+    if tuple(topk_weights.shape) != (m, top_k) or topk_weights.dtype != torch.float32:
+        _fail(f"topk_weights is {topk_weights.dtype} {tuple(topk_weights.shape)}",
+              f"float32 [{m}, {top_k}]", "pass the router's final weights", InputError)  # fmt: skip
+    for name, bias, n in (("w13_bias", w13_bias, n13), ("w2_bias", w2_bias, n2)):
+        if bias is not None and (tuple(bias.shape) != (e, n) or bias.dtype != torch.float32):
+            _fail(f"{name} is {bias.dtype} {tuple(bias.shape)}", f"float32 [{e}, {n}]", "")
+    out = empty((m, hidden), x.dtype, x.device)
+    if m == 0:
+        return out
+    x = x if x.is_contiguous() else x.contiguous()
+    ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
+    tw = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
+    alpha, limit = 0.0, 0.0
+    if spec.name == "swiglu_oai":
+        alpha, limit = (tuple(params) or spec.default_params)[:2]
+    cfg = config or moe_layout_config(m, top_k, e, inter, hidden, x.device)
+    pairs = m * top_k
+    if isinstance(cfg, DequantMoeConfig):
+        if not _grouped_mm_capable(x.device):
+            _fail(f"a dequantize config on {x.device}", "needs torch._grouped_mm on SM 9.0+",
+                  "leave config=None", InputError)  # fmt: skip
+        _run_dequant(
+            x, ids, tw, e,
+            lambda: dequant_experts(*w13, x.dtype), lambda: dequant_experts(*w2, x.dtype),
+            w13_bias, w2_bias, spec.code, True, alpha, limit, out,
+        )  # fmt: skip
+        return out
+    if isinstance(cfg, MmaMoeConfig):
+        if _interpreting() or x.device.type != "cuda":
+            _fail("an mma.sync config off a CUDA GPU", "the mma kernels are PTX",
+                  "use a GEMM config (MoeGemmTile) under the interpreter", InputError)  # fmt: skip
+        if cfg.direct:
+            n_blocks = pairs
+            a = empty((pairs, inter), x.dtype, x.device)
+            sorted_ids = block_expert = num_blocks = ids  # unused by the direct kernels
+        else:
+            sorted_ids, block_expert, num_blocks = moe_align(ids, e, cfg.block_m)
+            n_blocks = block_expert.shape[0]
+            a = empty((n_blocks * cfg.block_m, inter), x.dtype, x.device)
+        y = empty((pairs, hidden), x.dtype, x.device)
+        mma_moe_gemms(
+            x, ids, sorted_ids, block_expert, num_blocks, tw, n_blocks,
+            tuple(w13), tuple(w2), w13_bias, w2_bias, a, y,  # type: ignore[arg-type]
+            top_k=top_k, act_code=spec.code, alpha=alpha, limit=limit, cfg=cfg,
+        )  # fmt: skip
+        _reduce(y, ids, out, e)
+        return out
+    if not isinstance(cfg, MoeGemmTile) or cfg.block_m % 16 or cfg.block_n % 64:
+        _fail(f"config {cfg!r}", "MoeGemmTile with block_m a multiple of 16, block_n of 64",
+              "leave config=None", InputError)  # fmt: skip
+    bm = cfg.block_m
+    sorted_ids, block_expert, num_blocks = moe_align(ids, e, bm)
+    n_blocks = block_expert.shape[0]
+    a = empty((n_blocks * bm, inter), x.dtype, x.device)
+    y = empty((pairs, hidden), x.dtype, x.device)
+    common = dict(
+        sorted_ptr=sorted_ids, bexp_ptr=block_expert, nvalid_ptr=num_blocks, tw_ptr=tw,
+        T=pairs, top_k=top_k, n_blocks=n_blocks, alpha=float(alpha), limit=float(limit),
+        BLOCK_M=bm, CK=cfg.chunks, ACT=spec.code, BF16=x.dtype == torch.bfloat16,
+        DOT_F32=_interpreting(), num_warps=cfg.warps, num_stages=cfg.stages,
+    )  # fmt: skip
+    bn13 = cfg.block_n if inter % cfg.block_n == 0 else 64
+    w, s, g = w13[0], w13[1].view(torch.int16), w13[2]  # scale pairs as one 16-bit load
+    _moe_gemm_kernel[(n_blocks * (inter // bn13),)](
+        x_ptr=kappa_order(x), w_ptr=w, s_ptr=s, gs_ptr=g,
+        bias_ptr=w13_bias if w13_bias is not None else g, out_ptr=a, up_tiles=inter // TILE_N,
+        stride_xm=hidden, stride_we=w.stride(0), stride_se=s.stride(0),
+        stride_be=w13_bias.stride(0) if w13_bias is not None else 0, stride_om=a.stride(0),
+        CHUNKS=hidden // CHUNK_K, BLOCK_N=bn13, GATE_UP=True, HAS_BIAS=w13_bias is not None,
+        **common,
+    )  # fmt: skip
+    bn2 = cfg.block_n if hidden % cfg.block_n == 0 else 64
+    w, s, g = w2[0], w2[1].view(torch.int16), w2[2]
+    _moe_gemm_kernel[(n_blocks * (hidden // bn2),)](
+        x_ptr=a, w_ptr=w, s_ptr=s, gs_ptr=g,
+        bias_ptr=w2_bias if w2_bias is not None else g, out_ptr=y, up_tiles=0,
+        stride_xm=a.stride(0), stride_we=w.stride(0), stride_se=s.stride(0),
+        stride_be=w2_bias.stride(0) if w2_bias is not None else 0, stride_om=y.stride(0),
+        CHUNKS=inter // CHUNK_K, BLOCK_N=bn2, GATE_UP=False, HAS_BIAS=w2_bias is not None,
+        **common,
+    )  # fmt: skip
+    _reduce(y, ids, out, e)
+    return out

@@ -1,0 +1,152 @@
+"""NVFP4 MoE on repacked (mma16x64) experts on a real GPU: every regime against float64.
+
+    python3 -m pytest tests/gpu/test_fp4_mma_moe_gpu.py -q
+
+Regimes of kernels/fp4_mma_moe.py, each forced by its config: the mma.sync kernels (single
+pairs, 8- and 16-pair blocks), the grouped tl.dot GEMM (16 / 32 / 64-pair blocks, 64- and
+128-row tiles) and dequantize + torch._grouped_mm. Buffers the call allocates are NaN-poisoned,
+so an element that is not written fails. Oracle and bounds from test_moe_gpu.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from test_moe_gpu import BOUND, DEV, inputs, layer_and_weights, moe64, rel, stacks
+
+pytestmark = pytest.mark.gpu
+
+triton = pytest.importorskip("triton")
+
+import quantdispatch.kernels.fp4_mma_moe as mm  # noqa: E402
+import quantdispatch.kernels.fused_moe as fm  # noqa: E402
+from quantdispatch.kernels.fp4_mma_ckpt import MmaMoeConfig, mma_moe_config  # noqa: E402
+from quantdispatch.kernels.fp4_mma_moe import (  # noqa: E402
+    MoeGemmTile,
+    mma_layout_moe,
+    moe_layout_config,
+    repack_experts,
+)
+from quantdispatch.kernels.fused_moe import DequantMoeConfig  # noqa: E402
+from quantdispatch.moe import QuantMoE  # noqa: E402
+
+
+@pytest.fixture
+def nan_empty(monkeypatch):
+    def empty(shape, dtype, device):
+        if dtype.is_floating_point:
+            return torch.full(shape, math.nan, dtype=dtype, device=device)
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+    monkeypatch.setattr(fm, "empty", empty)
+    monkeypatch.setattr(mm, "empty", empty)
+
+
+def experts(e, h, i, seed, dtype):
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    w13, w2 = stacks("nvfp4", e, 2 * i, h, gen), stacks("nvfp4", e, h, i, gen)
+    r13 = [*repack_experts(w13[0], w13[1], dtype), w13[2]]
+    r2 = [*repack_experts(w2[0], w2[1], dtype), w2[2]]
+    return w13, w2, r13, r2, gen
+
+
+def routing(m, e, top_k, gen):
+    scores = torch.rand(m, e, generator=gen, device=DEV)
+    w, ids = scores.topk(top_k, dim=1)
+    return ids.to(torch.int32), (w + 0.1).float()
+
+
+def call(r13, r2, x, ids, w, cfg, **kw):
+    kw.setdefault("activation", "silu")
+    kw.setdefault("params", [])
+    return mma_layout_moe(x, ids, w, r13, r2, kw.pop("b13", None), kw.pop("b2", None),
+                          packed_for=x.dtype, config=cfg, **kw)  # fmt: skip
+
+
+E, TOP_K, H, INTER = 128, 8, 2048, 768  # Qwen3-30B-A3B
+REGIMES = [
+    ("mma-direct", lambda m: mma_moe_config(m * TOP_K, E, INTER, H, direct=True)),
+    ("mma-nt1", lambda m: mma_moe_config(m * TOP_K, E, INTER, H, direct=False)),
+    ("mma-nt2", lambda m: mma_moe_config(m * TOP_K, E, INTER, H, direct=False, nt=2)),
+    ("gemm16", lambda m: MoeGemmTile(16)),
+    ("gemm32", lambda m: MoeGemmTile(32)),
+    ("gemm64", lambda m: MoeGemmTile(64, stages=3)),
+    ("gemm64-n128", lambda m: MoeGemmTile(64, block_n=128, warps=8, stages=3)),
+    ("dequant", lambda m: DequantMoeConfig()),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("regime", REGIMES, ids=[r[0] for r in REGIMES])
+@pytest.mark.parametrize("m", [1, 37, 300])
+def test_every_regime_matches_float64(nan_empty, m, regime, dtype):
+    """Qwen3-30B-A3B sizes; a quarter of the experts live on another rank (ids -> -1)."""
+    if regime[0] == "dequant" and not fm._grouped_mm_capable(DEV):
+        pytest.skip("torch._grouped_mm needs SM 9.0+")
+    w13, w2, r13, r2, gen = experts(E, H, INTER, seed=m, dtype=dtype)
+    ids, w = routing(m, E, TOP_K, gen)
+    ids = torch.where(ids % 4 == 3, -1, ids)  # foreign experts: contribute nothing
+    x = torch.randn(m, H, generator=gen, device=DEV).to(dtype)
+    out = call(r13, r2, x, ids, w, regime[1](m))
+    keep = ids >= 0
+    ref = moe64("nvfp4", x, torch.where(keep, ids, 0), torch.where(keep, w, 0.0), w13, w2)
+    assert rel(out, ref) < BOUND[dtype]
+
+
+def test_gpt_oss_like_clamped_swiglu_with_biases(nan_empty):
+    """32 experts, top 4, H = I = 2880 (45 chunks: not a multiple of the 2-chunk K step)."""
+    w13, w2, r13, r2, gen = experts(32, 2880, 2880, seed=5, dtype=torch.bfloat16)
+    b13 = torch.randn(32, 5760, generator=gen, device=DEV)
+    b2 = torch.randn(32, 2880, generator=gen, device=DEV)
+    params = [1.702, 7.0]
+    for m in (3, 90):
+        ids, w = routing(m, 32, 4, gen)
+        x = torch.randn(m, 2880, generator=gen, device=DEV).to(torch.bfloat16)
+        ref = moe64("nvfp4", x, ids, w, w13, w2, b13, b2, "swiglu_oai", params)
+        cfg = moe_layout_config(m, 4, 32, 2880, 2880, DEV)
+        out = call(r13, r2, x, ids, w, cfg, activation="swiglu_oai", params=params, b13=b13,
+                   b2=b2)  # fmt: skip
+        assert rel(out, ref) < BOUND[torch.bfloat16], cfg
+
+
+def test_agrees_with_the_checkpoint_layout_kernels():
+    """Same experts, both layouts, at the heuristic's choice for M = 1, 16, 256."""
+    w13, w2, r13, r2, gen = experts(E, H, INTER, seed=9, dtype=torch.bfloat16)
+    for m in (1, 16, 256):
+        ids, w = routing(m, E, TOP_K, gen)
+        x = torch.randn(m, H, generator=gen, device=DEV).to(torch.bfloat16)
+        new = call(r13, r2, x, ids, w, None)
+        old = fm.fused_moe(x, ids, w, w13, w2, None, None, fmt="nvfp4", activation="silu",
+                           params=[], meta=[0])  # fmt: skip
+        assert rel(new, old.double()) < 1e-2
+
+
+def test_quant_moe_repacks_on_the_gpu_and_round_trips_its_state_dict():
+    layer, w13, w2, gen = layer_and_weights("nvfp4", 16, 2, 1024, 512, seed=13)
+    names = dict(layer.named_buffers())
+    assert "w13_mma_words" in names and "w13_packed" not in names
+    canonical = sum(t.numel() * t.element_size() for t in (*w13, *w2))
+    assert layer.device_bytes() == canonical  # same bytes as the checkpoint's stacks
+    assert "repacked" in layer.decision.explain()
+    x, logits = inputs(24, 1024, 16, gen, torch.bfloat16)
+    ids, w = layer.route(logits)
+    out = layer(x, logits)
+    assert rel(out, moe64("nvfp4", x, ids, w, w13, w2)) < BOUND[torch.bfloat16]
+    other = torch.Generator(device=DEV).manual_seed(99)  # a layer with other weights
+    twin = QuantMoE(w13=stacks("nvfp4", 16, 1024, 1024, other),
+                    w2=stacks("nvfp4", 16, 1024, 512, other), format="nvfp4", top_k=2,
+                    device=DEV)  # fmt: skip
+    assert not torch.equal(twin(x, logits), out)
+    twin.load_state_dict(layer.state_dict())
+    assert torch.equal(twin(x, logits), out)
+
+
+def test_fp16_layer_runs_its_fp16_layout():
+    layer, w13, w2, gen = layer_and_weights("nvfp4", 8, 2, 512, 256, seed=14, dtype=torch.float16)
+    assert layer._meta == [1, 0]  # repacked for fp16
+    x, logits = inputs(4, 512, 8, gen, torch.float16)
+    ids, w = layer.route(logits)
+    assert isinstance(moe_layout_config(4, 2, 8, 256, 512, DEV), MmaMoeConfig)
+    assert rel(layer(x, logits), moe64("nvfp4", x, ids, w, w13, w2)) < BOUND[torch.float16]

@@ -1,0 +1,228 @@
+"""NVFP4 MoE on repacked (mma16x64) experts: kernels/fp4_mma_moe.py on the CPU interpreter.
+
+The grouped GEMM (the mid regime) runs here: its decode has an interpreter twin of the PTX
+(Triton integer ops, products in fp32), so the layout, the expert-sorted blocks, the fused
+activation, the intermediate written in the MMA K order, the routing weights and the slot sum
+are checked against the float64 oracle of test_moe.py. The mma.sync and dequantize regimes are
+PTX / grouped_mm and run in tests/gpu/test_moe_gpu.py. Buffers the call allocates are poisoned
+(NaN / 0) as in test_fused_moe_kernel.py. Bounds as there (three roundings to the activation
+dtype; the interpreter truncates to bf16).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton", reason="triton is not installed (optional extra)")
+
+from ref64 import rel_err  # noqa: E402
+from test_fused_moe_kernel import routing, stacked  # noqa: E402
+from test_moe import make_experts, moe64, rand_x  # noqa: E402
+
+import quantdispatch.kernels.fp4_mma_moe as mm  # noqa: E402
+import quantdispatch.kernels.fused_moe as fm  # noqa: E402
+from quantdispatch.backends import get_backend  # noqa: E402
+from quantdispatch.errors import InputError, WeightFormatError  # noqa: E402
+from quantdispatch.kernels.fp4_mma_ckpt import MmaMoeConfig  # noqa: E402
+from quantdispatch.kernels.fp4_mma_moe import (  # noqa: E402
+    MoeGemmTile,
+    mma_layout_moe,
+    moe_layout_config,
+    moe_layout_supported,
+    repack_experts,
+    unpack_experts,
+)
+from quantdispatch.request import Request  # noqa: E402
+
+if not fm._interpreting():
+    pytest.skip(
+        "the Triton kernels were compiled for a GPU in this process; run tests/numerics in "
+        "its own pytest process (the GPU tests are tests/gpu/test_moe_gpu.py)",
+        allow_module_level=True,
+    )
+
+BOUND = {torch.bfloat16: 3e-2, torch.float16: 2e-3}
+DTYPES = [torch.bfloat16, torch.float16]
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def poisoned(monkeypatch):
+    def empty(shape, dtype, device):
+        if dtype.is_floating_point:
+            return torch.full(shape, math.nan, dtype=dtype, device=device)
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+    monkeypatch.setattr(fm, "empty", empty)
+    monkeypatch.setattr(mm, "empty", empty)
+
+
+def repacked(ex, dtype, zero_blocks=False):
+    """(w13, w2) stacks in the mma16x64 layout, plus the float64 weights they hold."""
+    w13, w2, _ = stacked(ex)
+    w13_64, w2_64 = ex.w13.clone(), ex.w2.clone()
+    if zero_blocks:  # a zero block scale zeroes its 16 weights (the repack drops their codes)
+        scales = w13[1].clone()
+        scales.view(torch.uint8)[1, 3, ::2] = 0
+        w13 = [w13[0], scales, w13[2]]
+        for blk in range(0, scales.shape[2], 2):
+            w13_64[1, 3, 16 * blk : 16 * blk + 16] = 0
+    r13 = [*repack_experts(w13[0], w13[1], dtype), w13[2]]
+    r2 = [*repack_experts(w2[0], w2[1], dtype), w2[2]]
+    return r13, r2, w13_64, w2_64
+
+
+def run(r13, r2, x, ids, w, config, activation="silu", params=(), b13=None, b2=None,
+        packed_for=None):  # fmt: skip
+    return mma_layout_moe(
+        x, ids, w, r13, r2, b13, b2, activation=activation, params=list(params),
+        packed_for=packed_for or x.dtype, config=config,
+    )  # fmt: skip
+
+
+# ---- layout -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_repack_experts_round_trip(dtype):
+    ex = make_experts("nvfp4", 3, 128, 64, seed=1)
+    w13, _, _ = stacked(ex)
+    words, scales = repack_experts(w13[0], w13[1], dtype)
+    assert words.shape == (3, 8, 2, 32, 4) and words.dtype == torch.int32
+    assert scales.shape == (3, 8, 2, 32, 2) and scales.dtype == torch.uint8
+    assert words.numel() * 4 + scales.numel() == w13[0].numel() + w13[1].numel()  # same bytes
+    packed, codes = unpack_experts(words, scales, dtype)
+    assert torch.equal(packed, w13[0])
+    assert torch.equal(codes, w13[1].view(torch.uint8))
+
+
+# ---- the grouped GEMM against float64 ------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_grouped_gemm_random_routing(dtype, block_m):
+    """M = 9 (not a block multiple), experts 1 and 4 get no token, ids -1 and E contribute
+    nothing; H = 192 is 3 chunks (not a multiple of the 2-chunk K step), I = 64 one chunk;
+    subnormal, 448 and zero block scales."""
+    ex = make_experts("nvfp4", 6, 192, 64, seed=2)
+    r13, r2, w13, w2 = repacked(ex, dtype, zero_blocks=True)
+    ids, w = routing(9, 6, 2, seed=3, choices=[0, 2, 3, 5])
+    ids[0, 1] = -1
+    ids[4, 0] = 6
+    x = rand_x(9, 192, dtype, seed=4)
+    out = run(r13, r2, x, ids, w, MoeGemmTile(block_m))
+    assert out.dtype == dtype
+    assert rel_err(out, moe64(x, ids, w, w13, w2)) < BOUND[dtype]
+    assert torch.equal(out, run(r13, r2, x, ids, w, MoeGemmTile(block_m)))  # deterministic
+
+
+def test_all_tokens_on_one_expert_and_top_k_equal_to_experts():
+    """40 pairs on expert 2: three 16-pair blocks of one expert (the last partly padded)."""
+    ex = make_experts("nvfp4", 4, 128, 64, seed=5)
+    r13, r2, w13, w2 = repacked(ex, torch.float16)
+    x = rand_x(40, 128, torch.float16, seed=6)
+    ids = torch.full((40, 1), 2, dtype=torch.int64)
+    w = torch.rand(40, 1) + 0.5
+    out = run(r13, r2, x, ids, w, MoeGemmTile(16))
+    assert rel_err(out, moe64(x, ids, w, w13, w2)) < BOUND[torch.float16]
+    ids, w = routing(3, 4, 4, seed=7)  # top_k == E
+    out = run(r13, r2, x[:3], ids, w, MoeGemmTile(16))
+    assert rel_err(out, moe64(x[:3], ids, w, w13, w2)) < BOUND[torch.float16]
+
+
+def test_wide_tiles_biases_and_swiglu_oai():
+    """BLOCK_N 128 where it divides (I = H = 128), biases and gpt-oss's clamped SwiGLU."""
+    ex = make_experts("nvfp4", 3, 128, 128, seed=8)
+    r13, r2, w13, w2 = repacked(ex, torch.bfloat16)
+    g = torch.Generator().manual_seed(9)
+    b13, b2 = torch.randn(3, 256, generator=g), torch.randn(3, 128, generator=g)
+    ids, w = routing(5, 3, 2, seed=10)
+    x = rand_x(5, 128, torch.bfloat16, seed=11)
+    params = (1.702, 7.0)
+    cfg = MoeGemmTile(16, block_n=128, warps=8, stages=3)
+    out = run(r13, r2, x, ids, w, cfg, "swiglu_oai", params, b13, b2)
+    ref = moe64(x, ids, w, w13, w2, b13, b2, "swiglu_oai", params)
+    assert rel_err(out, ref) < BOUND[torch.bfloat16]
+
+
+def test_block_n_falls_back_to_64_where_128_does_not_divide():
+    ex = make_experts("nvfp4", 2, 128, 192, seed=12)  # I = 192: gate_up tiles of 64
+    r13, r2, w13, w2 = repacked(ex, torch.float16)
+    ids, w = routing(4, 2, 1, seed=13)
+    x = rand_x(4, 128, torch.float16, seed=14)
+    out = run(r13, r2, x, ids, w, MoeGemmTile(16, block_n=128, warps=8, stages=3))
+    assert rel_err(out, moe64(x, ids, w, w13, w2)) < BOUND[torch.float16]
+
+
+# ---- regime choice ------------------------------------------------------------------------------
+
+
+def test_regimes_from_tokens_per_expert():
+    cfg = moe_layout_config(1, 8, 128, 768, 2048, CPU)  # 8 pairs on 128 experts
+    assert isinstance(cfg, MmaMoeConfig) and cfg.direct
+    cfg = moe_layout_config(64, 8, 128, 768, 2048, CPU)  # 4 per expert
+    assert isinstance(cfg, MmaMoeConfig) and not cfg.direct
+    assert moe_layout_config(128, 8, 128, 768, 2048, CPU).block_m == 16  # 8 per expert
+    assert moe_layout_config(256, 8, 128, 768, 2048, CPU).block_m == 32  # 16
+    assert moe_layout_config(512, 8, 128, 768, 2048, CPU).block_m == 64  # 32
+    wide = moe_layout_config(4096, 8, 128, 768, 2048, CPU)  # 256
+    assert (wide.block_m, wide.block_n, wide.warps) == (128, 128, 8)
+    # very many per expert: dequantize + grouped_mm only where grouped_mm runs (not on CPU)
+    assert isinstance(moe_layout_config(4096, 2, 8, 14336, 4096, CPU), MoeGemmTile)
+
+
+def test_which_layers_are_repacked():
+    assert moe_layout_supported(768, 2048, True, (9, 0))
+    assert moe_layout_supported(768, 2048, True, (8, 0))
+    assert not moe_layout_supported(768, 2048, True, (7, 5))  # no bf16 mma.sync
+    assert not moe_layout_supported(768, 2048, True, None)  # no GPU
+    assert not moe_layout_supported(768, 2048, False, (9, 0))  # not gated
+    assert not moe_layout_supported(720, 2048, True, (9, 0))  # I not a multiple of 64
+    assert not moe_layout_supported(768, 2000, True, (9, 0))
+
+
+def test_prepare_moe_keeps_the_canonical_stacks_off_the_gpu():
+    ex = make_experts("nvfp4", 2, 128, 64, seed=15)
+    w13, w2, meta = stacked(ex)
+    names = ("packed", "block_scale", "global_scale")
+    request = Request.make("nvfp4", "moe", torch.bfloat16)
+    prepared = get_backend("triton").prepare_moe(w13, w2, names, meta, request, gated=True)
+    assert prepared.names == names and prepared.meta == tuple(meta)
+    assert all(a is b for a, b in zip(prepared.w13, w13, strict=True))
+
+
+# ---- bad input --------------------------------------------------------------------------------
+
+
+def test_bad_inputs():
+    ex = make_experts("nvfp4", 2, 128, 64, seed=16)
+    r13, r2, _, _ = repacked(ex, torch.bfloat16)
+    x = rand_x(3, 128, torch.bfloat16, seed=17)
+    ids, w = routing(3, 2, 1, seed=18)
+    cfg = MoeGemmTile(16)
+    with pytest.raises(InputError, match="the layout places codes for one 16-bit dtype"):
+        run(r13, r2, x.half(), ids, w, cfg, packed_for=torch.bfloat16)
+    with pytest.raises(InputError, match="gated activations"):
+        run(r13, r2, x, ids, w, cfg, activation="relu2")
+    with pytest.raises(WeightFormatError, match="repacked expert words are int32"):
+        run([r13[0].view(torch.uint8), *r13[1:]], r2, x, ids, w, cfg)
+    with pytest.raises(WeightFormatError, match="repacked expert scales are uint8"):
+        run([r13[0], r13[1][:, :1], r13[2]], r2, x, ids, w, cfg)
+    with pytest.raises(WeightFormatError, match="global scales"):
+        run([*r13[:2], r13[2][:1]], r2, x, ids, w, cfg)
+    with pytest.raises(WeightFormatError, match=r"w2 \[E=1"):
+        run(r13, [t[:1] for t in r2], x, ids, w, cfg)
+    with pytest.raises(InputError, match=r"int32/int64 \[M=3"):
+        run(r13, r2, x, ids[:2], w, cfg)
+    with pytest.raises(InputError, match="topk_weights"):
+        run(r13, r2, x, ids, w.double(), cfg)
+    with pytest.raises(WeightFormatError, match="float32"):
+        run(r13, r2, x, ids, w, cfg, b13=torch.zeros(2, 63))
+    with pytest.raises(InputError, match="the mma kernels are PTX"):
+        run(r13, r2, x, ids, w, moe_layout_config(1, 1, 2, 64, 128, CPU))
+    with pytest.raises(InputError, match="MoeGemmTile with block_m a multiple of 16"):
+        run(r13, r2, x, ids, w, MoeGemmTile(8))
