@@ -56,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from quantdispatch.backends.reference import ReferenceBackend
 from quantdispatch.kernels import fused_moe as fm
-from quantdispatch.kernels.fp4_mma_ckpt import MmaMoeConfig
+from quantdispatch.kernels.fp4_mma_ckpt import MmaGemmConfig, MmaMoeConfig
 from quantdispatch.kernels.fp4_mma_moe import (
     MoeGemmTile,
     mma_layout_moe,
@@ -404,6 +404,11 @@ SWEEP_POINTS = [("qwen3-30b-a3b", 16), ("qwen3-30b-a3b", 64), ("qwen3-30b-a3b", 
                 ("deepseek-v3", 1024)]  # 32  # fmt: skip
 
 
+WARP_SWEEP = [((1, 2, 2), (1, 1, 2)), ((1, 4, 2), (1, 2, 2)), ((1, 2, 2), (1, 2, 2)),
+              ((1, 1, 2), (1, 1, 2)), ((1, 4, 1), (1, 1, 1)), ((2, 2, 2), (2, 1, 2)),
+              ((1, 2, 1), (1, 1, 1))]  # fmt: skip
+
+
 def sweep_configs(m: int, top_k: int, e: int, i: int, h: int) -> list:
     """The mma.sync kernels (the heuristic's warps; 8- and 16-pair blocks) up to 16 tokens per
     expert, grouped GEMM tiles from 2 on."""
@@ -411,6 +416,11 @@ def sweep_configs(m: int, top_k: int, e: int, i: int, h: int) -> list:
 
     tpe = m * top_k / e
     out: list = []
+    if tpe <= 1:  # single pairs or 8-pair blocks, warps per GEMM (wt, wk, unroll) around the pick
+        for direct in (True, False):
+            for g1, g2 in WARP_SWEEP:
+                out.append(MmaMoeConfig(1, MmaGemmConfig(*g1), MmaGemmConfig(*g2), direct))
+        return out
     if tpe <= 16:
         out += [mma_moe_config(m * top_k, e, i, h, direct=False, nt=nt) for nt in (1, 2)]
     if tpe >= 2:
@@ -459,6 +469,8 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--sweep", action="store_true", help="then time alternative tile configs")
     ap.add_argument("--sweep-budget", type=float, default=90.0)
+    ap.add_argument("--sweep-points", help="MODEL:M,... instead of the built-in sweep points")
+    ap.add_argument("--ms", help="comma-separated M values instead of the default list")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter")
     ap.add_argument("--rebuild", type=Path, help="rescale the floors of a result JSON, no GPU")
     ap.add_argument("--bandwidth-tbps", type=float, help="with --rebuild: the bandwidth to use")
@@ -475,6 +487,11 @@ def main() -> None:
     dev = torch.device("cpu" if smoke else "cuda")
     models = SMOKE_MODELS if smoke else {k: MODELS[k] for k in args.models.split(",")}
     ms = SMOKE_MS if smoke else (QUICK_MS if args.quick else MS)
+    if args.ms:
+        ms = [int(v) for v in args.ms.split(",")]
+    if args.sweep_points:
+        pts = [p.rsplit(":", 1) for p in args.sweep_points.split(",")]
+        SWEEP_POINTS[:] = [(name, int(m)) for name, m in pts]
     dev_name = "cpu-interpreter" if smoke else torch.cuda.get_device_name()
     slug = dev_name.lower().replace("nvidia ", "").replace(" ", "-")
     date = dt.date.today().isoformat()

@@ -618,18 +618,48 @@ def _gemm_config(blocks: int, tiles: int, chunks: int) -> MmaGemmConfig:
     return MmaGemmConfig(1, wk, 2 if chunks >= 4 * wk else 1)
 
 
+#: Repacked experts, single pairs: warps (programs x K split) a GEMM should reach at least.
+MIN_WARPS_REPACKED = 1536
+
+
+def _gemm_config_repacked(blocks: int, tiles: int, chunks: int, gate_up: bool) -> MmaGemmConfig:
+    """The checkpoint layout's choice, adjusted for the repacked kernels on single pairs (its
+    decode is cheaper, so small experts need more warps, not longer loops). From the H200
+    sweep (benchmarks/results/moe-sweep-h200-*.json, Qwen3-30B-A3B; us per layer): at M=1
+    (8 pairs) a 4-way K split for gate/up and 2 for down, 15.6 vs 19.2 (too few warps: raise
+    the split until MIN_WARPS_REPACKED); at M=4 (32 pairs) no split for gate/up, 34.5 vs 38.2
+    (enough programs; two tiles per warp already hold many registers). Long weights (Mixtral,
+    DeepSeek-V3) keep the first rule (they have the programs)."""
+    cfg = _gemm_config(blocks, tiles, chunks)
+    wk = cfg.wk
+    while wk < 4 and blocks * tiles * wk < MIN_WARPS_REPACKED and chunks >= 8 * wk:
+        wk *= 2
+    if gate_up and blocks * tiles >= MIN_WARPS_REPACKED and chunks <= 32:
+        wk = 1
+    return MmaGemmConfig(1, wk, 2 if chunks >= 4 * wk else 1)
+
+
 def mma_moe_config(
-    pairs: int, experts: int, inter: int, hidden: int, *, direct: bool, nt: int = 1
+    pairs: int,
+    experts: int,
+    inter: int,
+    hidden: int,
+    *,
+    direct: bool,
+    nt: int = 1,
+    repacked: bool = False,
 ) -> MmaMoeConfig:
     """Config for ``pairs`` (token, slot) pairs: ``direct`` one block per pair, else blocks of
-    8 * nt expert-sorted pairs (at most min(pairs, experts) of them hold tokens)."""
+    8 * nt expert-sorted pairs (at most min(pairs, experts) of them hold tokens). ``repacked``:
+    for the mma16x64 experts of :mod:`.fp4_mma_moe` (single pairs tuned apart)."""
     blocks = pairs if direct else min(pairs, experts)
-    return MmaMoeConfig(
-        1 if direct else nt,
-        _gemm_config(blocks, inter // 16, hidden // 64),
-        _gemm_config(blocks, hidden // 16, inter // 64),
-        direct,
-    )
+    if repacked and direct:
+        g1 = _gemm_config_repacked(blocks, inter // 16, hidden // 64, True)
+        g2 = _gemm_config_repacked(blocks, hidden // 16, inter // 64, False)
+    else:
+        g1 = _gemm_config(blocks, inter // 16, hidden // 64)
+        g2 = _gemm_config(blocks, hidden // 16, inter // 64)
+    return MmaMoeConfig(1 if direct else nt, g1, g2, direct)
 
 
 def _launch(cfg: MmaGemmConfig, blocks: int, tiles: int, **kw: object) -> None:

@@ -174,7 +174,9 @@ def moe_layout_config(
     ):
         return DequantMoeConfig()
     if tpe <= MMA_MAX_TOKENS_PER_EXPERT:
-        return mma_moe_config(pairs, experts, inter, hidden, direct=4 * pairs <= experts)
+        return mma_moe_config(
+            pairs, experts, inter, hidden, direct=4 * pairs <= experts, repacked=True
+        )
     if tpe <= 12:
         return MoeGemmTile(16, stages=3)
     if tpe <= 24:

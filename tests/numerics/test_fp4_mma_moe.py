@@ -26,7 +26,7 @@ import quantdispatch.kernels.fp4_mma_moe as mm  # noqa: E402
 import quantdispatch.kernels.fused_moe as fm  # noqa: E402
 from quantdispatch.backends import get_backend  # noqa: E402
 from quantdispatch.errors import InputError, WeightFormatError  # noqa: E402
-from quantdispatch.kernels.fp4_mma_ckpt import MmaMoeConfig  # noqa: E402
+from quantdispatch.kernels.fp4_mma_ckpt import MmaMoeConfig, mma_moe_config  # noqa: E402
 from quantdispatch.kernels.fp4_mma_moe import (  # noqa: E402
     MoeGemmTile,
     mma_layout_moe,
@@ -164,6 +164,12 @@ def test_block_n_falls_back_to_64_where_128_does_not_divide():
 def test_regimes_from_tokens_per_expert():
     cfg = moe_layout_config(1, 8, 128, 768, 2048, CPU)  # 8 pairs on 128 experts
     assert isinstance(cfg, MmaMoeConfig) and cfg.direct
+    assert (cfg.gemm1.wk, cfg.gemm2.wk) == (4, 2)  # small experts, 8 pairs: split K for warps
+    cfg = moe_layout_config(4, 8, 128, 768, 2048, CPU)  # 32 pairs: enough programs
+    assert cfg.direct and (cfg.gemm1.wk, cfg.gemm2.wk) == (1, 1)
+    for m, k, e, i, h in [(1, 2, 8, 14336, 4096), (1, 8, 256, 2048, 7168)]:  # long weights
+        pairs = m * k
+        assert moe_layout_config(m, k, e, i, h, CPU) == mma_moe_config(pairs, e, i, h, direct=True)
     cfg = moe_layout_config(64, 8, 128, 768, 2048, CPU)  # 4 per expert
     assert isinstance(cfg, MmaMoeConfig) and not cfg.direct
     assert moe_layout_config(128, 8, 128, 768, 2048, CPU).block_m == 16  # 8 per expert
