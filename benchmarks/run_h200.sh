@@ -11,7 +11,7 @@ export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl >"$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
 export PYTHONPATH=/tmp/site:$PWD
-STEPS=${STEPS:-"doctor doctor-json verify gpu-tests dequant-sweep bench-linear bench-moe"}  # also: mma-sweep gemm-sweep
+STEPS=${STEPS:-"doctor doctor-json verify gpu-tests dequant-sweep bench-linear bench-moe"}  # also: mma-sweep gemm-sweep stream-small
 step() {  # step NAME SECONDS CMD...   (runs only if NAME is in $STEPS)
   local name=$1 limit=$2; shift 2
   case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
@@ -32,5 +32,6 @@ TAIL=40 step mma-sweep "${MMA_S:-300}" python3 benchmarks/mma_sweep.py ${MMA_ARG
 TAIL=40 step gemm-sweep "${GEMM_S:-300}" python3 benchmarks/gemm_sweep.py ${GEMM_ARGS:-}
 step bench-linear "${LINEAR_S:-200}" python3 benchmarks/linear.py --out "$OUT"
 step bench-moe "${MOE_S:-150}" python3 benchmarks/moe.py --out "$OUT" ${MOE_ARGS:-}
+step stream-small 90 python3 benchmarks/stream_small.py --out "$OUT"
 ls -la "$OUT"
 tar czf "$DEST/results.tgz" -C "$OUT" .
