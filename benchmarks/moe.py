@@ -40,7 +40,6 @@ if "--smoke" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
 import argparse
-import dataclasses
 import datetime as dt
 import json
 import math
@@ -288,14 +287,13 @@ def config_dict(cfg: fm.MoeConfig | MmaMoeConfig | fm.DequantMoeConfig | MoeGemm
         "kernel": "mma" if isinstance(cfg, MmaMoeConfig) else "tl.dot",
         "block_m": cfg.block_m,
         "direct": cfg.direct,
-        "pdl": getattr(cfg, "pdl", False),
         "gemm1": vars(cfg.gemm1).copy(),
         "gemm2": vars(cfg.gemm2).copy(),
     }
 
 
 def config_label(c: dict) -> str:
-    direct = (" direct" if c.get("direct") else "") + (" pdl" if c.get("pdl") else "")
+    direct = " direct" if c.get("direct") else ""
     g1, g2 = c.get("gemm1", {}), c.get("gemm2", {})
     if c.get("kernel") == "dequant+grouped_mm":
         return "dequant + grouped_mm"
@@ -421,8 +419,7 @@ def sweep_configs(m: int, top_k: int, e: int, i: int, h: int) -> list:
     if tpe <= 1:  # single pairs or 8-pair blocks, warps per GEMM (wt, wk, unroll) around the pick
         for direct in (True, False):
             for g1, g2 in WARP_SWEEP:
-                cfg = MmaMoeConfig(1, MmaGemmConfig(*g1), MmaGemmConfig(*g2), direct)
-                out += [cfg, dataclasses.replace(cfg, pdl=True)] if direct else [cfg]
+                out.append(MmaMoeConfig(1, MmaGemmConfig(*g1), MmaGemmConfig(*g2), direct))
         return out
     if tpe <= 16:
         out += [mma_moe_config(m * top_k, e, i, h, direct=False, nt=nt) for nt in (1, 2)]

@@ -50,7 +50,7 @@ from quantdispatch.kernels.fp4_mma import (
     _load_x,
     _mma_step,
 )
-from quantdispatch.kernels.fused_moe import _activation, gdc_launch_dependents, gdc_wait
+from quantdispatch.kernels.fused_moe import _activation
 
 __all__ = [
     "CHECKPOINT_TABLES",
@@ -285,21 +285,6 @@ def _x_perm(x0, x1, x2, x3, x4, x5, x6, x7):
     )
 
 
-_PREFETCH_L2 = tl.constexpr(
-    "{ .reg .pred p; setp.ne.b32 p, $1, 0;\n"
-    "@p prefetch.global.L2 [$2];\n@p prefetch.global.L2 [$3];\nmov.b32 $0, 0; }"
-)
-
-
-@triton.jit
-def _prefetch_l2(w_ptrs, s_ptrs, ok):
-    """Ask L2 for the lines of a lane's words and scales (no registers, no wait)."""
-    return tl.inline_asm_elementwise(
-        _PREFETCH_L2, "=r,r,l,l", [ok.to(tl.int32), w_ptrs, s_ptrs], dtype=tl.int32,
-        is_pure=False, pack=1,
-    )  # fmt: skip
-
-
 @triton.jit
 def _load_chunk(w_ptrs, s_ptrs, stride_wn, stride_sn, ok, ALL: tl.constexpr,
                 REPACKED: tl.constexpr):  # fmt: skip
@@ -382,7 +367,6 @@ def _mma_ckpt_kernel(
     CHUNKS: tl.constexpr, GATE_UP: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
     DIRECT: tl.constexpr, LINEAR: tl.constexpr, NT: tl.constexpr, WT: tl.constexpr,
     WK: tl.constexpr, UNROLL: tl.constexpr, BF16: tl.constexpr, REPACKED: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """One program = one block (LINEAR: 8 * NT consecutive rows of x, T = M; DIRECT: one
     (token, slot) pair; else 8 * NT expert-sorted pairs) x WT 16-row tiles, with WT * WK warps
@@ -397,12 +381,7 @@ def _mma_ckpt_kernel(
     REPACKED: the weights are in the mma16x64 layout of :mod:`.fp4_mma` (words [E, N/16, K/64,
     32, 4] int32, scales [E, N/16, K/64, 32, 2] viewed as int16; strides in those elements):
     one 16-byte load per chunk, the 11-op decode, and the activations in their natural order
-    (the layout's K permutation keeps each lane's B fragments contiguous).
-
-    PDL (programmatic dependent launch, SM 9.0+): gate/up lets the next kernel launch at once;
-    down, launched that way, asks L2 for all of its weight lines, then waits for gate/up's
-    intermediate (``gdc_wait``) and lets the top-k sum launch. So the down weights stream
-    while gate/up finishes (the caller enables it only when they fit L2 easily)."""
+    (the layout's K permutation keeps each lane's B fragments contiguous)."""
     WARPS: tl.constexpr = WT * WK
     BM: tl.constexpr = 8 * NT
     b = tl.program_id(0)
@@ -415,8 +394,6 @@ def _mma_ckpt_kernel(
     else:
         skip = b >= tl.load(nvalid_ptr)
         e = tl.load(bexp_ptr + b)
-    if PDL and GATE_UP:
-        gdc_launch_dependents()
     if skip:
         return
     e64 = e.to(tl.int64)
@@ -473,12 +450,6 @@ def _mma_ckpt_kernel(
             w_base + up_w + chunk0 * W_STEP, s_base + up_s + chunk0 * S_STEP, stride_wn,
             stride_sn, ok0, EVEN, REPACKED,
         )  # fmt: skip
-    if PDL and not GATE_UP:
-        for c1 in range(0, CHUNKS, WK):  # this warp's chunks
-            cp = c1 + wk
-            _prefetch_l2(w_base + cp * W_STEP, s_base + cp * S_STEP, cp < CHUNKS)
-        gdc_wait()
-        gdc_launch_dependents()
     for c0 in range(0, CHUNKS, STEP):
         c = c0 + chunk0
         nxt = tl.minimum(c + STEP, CHUNKS - 1) if EVEN else c + STEP
@@ -617,7 +588,6 @@ class MmaMoeConfig:
     gemm1: MmaGemmConfig
     gemm2: MmaGemmConfig
     direct: bool = False
-    pdl: bool = False  # down and the top-k sum as programmatic dependents (SM 9.0+)
 
     @property
     def block_m(self) -> int:
@@ -692,17 +662,13 @@ def mma_moe_config(
     return MmaMoeConfig(1 if direct else nt, g1, g2, direct)
 
 
-def _launch(
-    cfg: MmaGemmConfig, blocks: int, tiles: int, *, launch_pdl: bool = False, **kw: object
-) -> None:
+def _launch(cfg: MmaGemmConfig, blocks: int, tiles: int, **kw: object) -> None:
     if tiles % cfg.wt:
         raise ValueError(f"WT={cfg.wt} does not divide the {tiles} tiles")
     grid = (blocks, tiles // cfg.wt)
-    extra = {"launch_pdl": True} if launch_pdl else {}
     _mma_ckpt_kernel[grid](
-        **kw, WT=cfg.wt, WK=cfg.wk, UNROLL=cfg.unroll, num_warps=cfg.wt * cfg.wk, num_stages=1,
-        **extra,
-    )  # fmt: skip
+        **kw, WT=cfg.wt, WK=cfg.wk, UNROLL=cfg.unroll, num_warps=cfg.wt * cfg.wk, num_stages=1
+    )
 
 
 def mma_moe_gemms(
@@ -749,7 +715,6 @@ def mma_moe_gemms(
         ids_ptr=ids, sorted_ptr=sorted_ids, bexp_ptr=block_expert, nvalid_ptr=num_blocks,
         tw_ptr=tw, T=pairs, E=e, top_k=top_k, alpha=float(alpha), limit=float(limit),
         ACT=act_code, DIRECT=cfg.direct, LINEAR=False, NT=cfg.nt, BF16=bf16, REPACKED=repacked,
-        PDL=cfg.pdl,
     )  # fmt: skip
     _launch(
         cfg.gemm1, n_blocks, inter // 16,
@@ -760,7 +725,7 @@ def mma_moe_gemms(
         CHUNKS=hidden // 64, GATE_UP=True, HAS_BIAS=b13 is not None, **common,
     )  # fmt: skip
     _launch(
-        cfg.gemm2, n_blocks, hidden // 16, launch_pdl=cfg.pdl,
+        cfg.gemm2, n_blocks, hidden // 16,
         x_ptr=a, w_ptr=c2, s_ptr=s2, gs_ptr=g2, bias_ptr=b2 if b2 is not None else g2,
         out_ptr=y, up_off=0, stride_xm=a.stride(0), stride_we=c2.stride(0),
         stride_wn=rows2, stride_se=s2.stride(0), stride_sn=sn2,

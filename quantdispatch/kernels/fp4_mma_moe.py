@@ -28,7 +28,6 @@ The layout places codes for one 16-bit activation dtype (bf16 or fp16), fixed at
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -68,20 +67,6 @@ MMA_MAX_TOKENS_PER_EXPERT = 4
 #: From this many tokens per expert (SM 9.0+), dequantize + torch._grouped_mm (as fused_moe).
 DEQUANT_MIN_TOKENS_PER_EXPERT = 512
 DEQUANT_MAX_BUFFER_BYTES = 4 * 2**30
-#: Single pairs on SM 9.0+: the down GEMM and the top-k sum are launched as programmatic
-#: dependents (the down weights stream into L2 while gate/up runs) when the down weights the
-#: pairs touch are at most this many bytes (a fraction of the 50 MB L2 of an H100 / H200, so
-#: the prefetched lines are still there when they are read).
-PDL_MAX_DOWN_BYTES = 16 * 2**20
-
-
-def _pdl_capable(device: torch.device) -> bool:
-    """Programmatic dependent launch: SM 9.0+ and a Triton that has it."""
-    from quantdispatch.kernels.fused_moe import HAS_PDL
-
-    if device.type != "cuda" or _interpreting() or not HAS_PDL:
-        return False
-    return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 def moe_layout_supported(
@@ -189,12 +174,9 @@ def moe_layout_config(
     ):
         return DequantMoeConfig()
     if tpe <= MMA_MAX_TOKENS_PER_EXPERT:
-        direct = 4 * pairs <= experts
-        cfg = mma_moe_config(pairs, experts, inter, hidden, direct=direct, repacked=True)
-        down_bytes = pairs * hidden * inter * 9 // 16
-        if direct and down_bytes <= PDL_MAX_DOWN_BYTES and _pdl_capable(device):
-            cfg = dataclasses.replace(cfg, pdl=True)
-        return cfg
+        return mma_moe_config(
+            pairs, experts, inter, hidden, direct=4 * pairs <= experts, repacked=True
+        )
     if tpe <= 12:
         return MoeGemmTile(16, stages=3)
     if tpe <= 24:
@@ -442,7 +424,7 @@ def mma_layout_moe(
             tuple(w13), tuple(w2), w13_bias, w2_bias, a, y,  # type: ignore[arg-type]
             top_k=top_k, act_code=spec.code, alpha=alpha, limit=limit, cfg=cfg,
         )  # fmt: skip
-        _reduce(y, ids, out, e, pdl=cfg.pdl)
+        _reduce(y, ids, out, e)
         return out
     if not isinstance(cfg, MoeGemmTile) or cfg.block_m % 16 or cfg.block_n % 64:
         _fail(f"config {cfg!r}", "MoeGemmTile with block_m a multiple of 16, block_n of 64",

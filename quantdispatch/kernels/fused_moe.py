@@ -59,22 +59,6 @@ from quantdispatch.kernels.decode import (
 )
 from quantdispatch.moe_math import get_activation
 
-try:  # programmatic dependent launch (SM 9.0+; Triton 3.4+): see fp4_mma_moe
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
-    HAS_PDL = True
-except ImportError:  # pragma: no cover - older Triton: the PDL flag is never set
-    HAS_PDL = False
-
-    @triton.jit
-    def gdc_wait():
-        pass
-
-    @triton.jit
-    def gdc_launch_dependents():
-        pass
-
-
 if TYPE_CHECKING:
     from quantdispatch.kernels.fp4_mma_ckpt import MmaMoeConfig
 
@@ -510,9 +494,7 @@ def _moe_gemm2_kernel(
 
 @triton.jit
 def _moe_reduce_kernel(y_ptr, ids_ptr, out_ptr, N, E, top_k, stride_ym, stride_om,
-                       TOPK_P: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-    if PDL:  # launched before the down GEMM finished: wait for its rows
-        gdc_wait()
+                       TOPK_P: tl.constexpr, BN: tl.constexpr):  # fmt: skip
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
     j = tl.arange(0, TOPK_P)
@@ -941,18 +923,14 @@ def fused_moe(
     return out
 
 
-def _reduce(
-    y: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, experts: int, *, pdl: bool = False
-) -> None:
-    """out[t] = the sum of token t's valid slot rows of y (step 4). ``pdl``: launched as a
-    programmatic dependent of the down GEMM (which must trigger it; fp4_mma_moe)."""
+def _reduce(y: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, experts: int) -> None:
+    """out[t] = the sum of token t's valid slot rows of y (step 4)."""
     m, hidden = out.shape
     top_k = ids.shape[1]
     bnr = min(1024, triton.next_power_of_2(hidden))
-    extra = {"launch_pdl": True} if pdl else {}
     _moe_reduce_kernel[(m, triton.cdiv(hidden, bnr))](
         y, ids, out, hidden, experts, top_k, y.stride(0), out.stride(0),
-        TOPK_P=triton.next_power_of_2(max(top_k, 2)), BN=bnr, PDL=pdl, num_warps=4, **extra,
+        TOPK_P=triton.next_power_of_2(max(top_k, 2)), BN=bnr, num_warps=4,
     )  # fmt: skip
 
 

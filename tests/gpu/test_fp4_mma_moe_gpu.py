@@ -11,7 +11,6 @@ so an element that is not written fails. Oracle and bounds from test_moe_gpu.py.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 import pytest
 import torch
@@ -69,10 +68,6 @@ def call(r13, r2, x, ids, w, cfg, **kw):
 E, TOP_K, H, INTER = 128, 8, 2048, 768  # Qwen3-30B-A3B
 REGIMES = [
     ("mma-direct", lambda m: mma_moe_config(m * TOP_K, E, INTER, H, direct=True)),
-    (
-        "mma-direct-pdl",
-        lambda m: replace(mma_moe_config(m * TOP_K, E, INTER, H, direct=True), pdl=True),
-    ),
     ("mma-nt1", lambda m: mma_moe_config(m * TOP_K, E, INTER, H, direct=False)),
     ("mma-nt2", lambda m: mma_moe_config(m * TOP_K, E, INTER, H, direct=False, nt=2)),
     ("gemm16", lambda m: MoeGemmTile(16)),
@@ -90,8 +85,6 @@ def test_every_regime_matches_float64(nan_empty, m, regime, dtype):
     """Qwen3-30B-A3B sizes; a quarter of the experts live on another rank (ids -> -1)."""
     if regime[0] == "dequant" and not fm._grouped_mm_capable(DEV):
         pytest.skip("torch._grouped_mm needs SM 9.0+")
-    if regime[0].endswith("pdl") and not mm._pdl_capable(DEV):
-        pytest.skip("programmatic dependent launch needs SM 9.0+ and a Triton with it")
     w13, w2, r13, r2, gen = experts(E, H, INTER, seed=m, dtype=dtype)
     ids, w = routing(m, E, TOP_K, gen)
     ids = torch.where(ids % 4 == 3, -1, ids)  # foreign experts: contribute nothing
@@ -116,15 +109,6 @@ def test_gpt_oss_like_clamped_swiglu_with_biases(nan_empty):
         out = call(r13, r2, x, ids, w, cfg, activation="swiglu_oai", params=params, b13=b13,
                    b2=b2)  # fmt: skip
         assert rel(out, ref) < BOUND[torch.bfloat16], cfg
-
-
-def test_heuristic_launches_small_down_gemms_as_dependents():
-    """Single pairs on small experts (Qwen3 M=1: 7 MB of down weights) use PDL where the GPU
-    has it; large experts (DeepSeek-V3 M=1: 66 MB) and blocks never do."""
-    pdl = mm._pdl_capable(DEV)
-    assert moe_layout_config(1, 8, 128, 768, 2048, DEV).pdl == pdl
-    assert not moe_layout_config(1, 8, 256, 2048, 7168, DEV).pdl
-    assert not moe_layout_config(64, 8, 128, 768, 2048, DEV).pdl
 
 
 def test_agrees_with_the_checkpoint_layout_kernels():
