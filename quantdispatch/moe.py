@@ -2,7 +2,8 @@
 
 Same life cycle as :class:`~quantdispatch.layers.QuantLinear`: the kernel decision is made once
 at construction (``select(fmt, op="moe", ...)``), the layer keeps only the stacked packed
-expert tensors (its buffers: a state-dict round trip restores it), and ``forward`` runs
+expert tensors as the backend prepared them (its buffers: a state-dict round trip restores it;
+the triton backend on an SM 8.0+ GPU repacks NVFP4 experts, same bytes), and ``forward`` runs
 ``torch.ops.quantdispatch.moe`` (a custom op: torch.compile(fullgraph=True) and CUDA graphs see
 one opaque call).
 

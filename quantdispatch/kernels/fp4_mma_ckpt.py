@@ -20,13 +20,15 @@ in registers (``prmt``, two per step) after the usual two 16-byte loads. Block s
 the 16-bit multiplier with the integer multiply-add of :mod:`.fp4_mma` (E4M3 normal codes
 ``b`` give ``u = b + 16``, subnormals come from an 8-entry byte table, a zero scale gives 0).
 
-Where it runs: MoE experts with few tokens per expert (:mod:`.fused_moe` picks it), because the
-experts' larger-M kernels read the checkpoint layout. Linear layers are repacked instead
-(:mod:`.fp4_mma`): on the H200 the repacked kernel is 30-45% faster at M <= 16 (gate_up M=1
-22 vs 32 us; benchmarks/results/mma-sweep-h200-*-ckpt.log), since this decode costs more
-instructions (15 vs 11 per word, activation permutes, byte-wise scale loads) and the kernel is
-issue bound. The LINEAR mode is kept for that comparison (``benchmarks/mma_sweep.py --ckpt``)
-and tested with the rest.
+Where it runs: :func:`.fused_moe.fused_moe` takes it for NVFP4 experts in the checkpoint
+layout with few tokens per expert. ``QuantMoE`` on an SM 8.0+ GPU repacks the experts of the
+layers this kernel serves (:mod:`.fp4_mma_moe`) and runs the same kernel in its REPACKED mode:
+on the H200 the repacked decode is 30-45% faster per weight (linear gate_up M=1 22 vs 32 us,
+benchmarks/results/mma-sweep-h200-*-ckpt.log; MoE Mixtral M=1 69 vs 97 us,
+moe-h200-2026-11-30.md), since this decode costs more instructions (15 vs 11 per word,
+activation permutes, byte-wise scale loads) and the kernel is issue bound. The checkpoint mode
+stays for direct callers of ``fused_moe`` and as the benchmarks' comparison column; LINEAR mode
+for ``benchmarks/mma_sweep.py --ckpt``; all tested.
 
 One kernel, three modes: LINEAR (rows are tokens, ``y = x W^T * global scale + bias``);
 MoE gate/up (gate tile and up tile of one warp share the activation fragments, the activation

@@ -31,7 +31,8 @@ Which kernels run is :func:`moe_config`'s choice from the static sizes: NVFP4 wi
 per expert on SM 8.0+ runs steps 2-3 as the ``mma.sync`` kernels of :mod:`.fp4_mma_ckpt`
 (8-pair blocks or single pairs); very many tokens per expert on SM 9.0+ dequantize each GEMM's
 experts and run ``torch._grouped_mm`` (:func:`_run_dequant`); everything else takes the tl.dot
-kernels below.
+kernels below. (``QuantMoE`` on an SM 8.0+ GPU repacks NVFP4 experts of gated layers and runs
+:mod:`.fp4_mma_moe` instead, which reuses the alignment, the activations and step 4 from here.)
 
 Tiles: few tokens per expert take 16-row blocks, narrow N tiles (enough programs to cover
 the GPU) and long K steps; many tokens per expert take 64/128-row blocks. K and N need not be
