@@ -158,6 +158,24 @@ def test_block_n_falls_back_to_64_where_128_does_not_divide():
     assert rel_err(out, moe64(x, ids, w, w13, w2)) < BOUND[torch.float16]
 
 
+def test_triton_backend_runs_repacked_stacks_behind_the_custom_op():
+    """meta [MMA_LAYOUT_TAG, bf16] sends torch.ops.quantdispatch.moe to this path (9 pairs per
+    expert here: the grouped GEMM, which the interpreter runs); an empty batch is [0, H]."""
+    from quantdispatch.backends.triton import MMA_LAYOUT_TAG
+
+    ex = make_experts("nvfp4", 2, 128, 64, seed=19)
+    r13, r2, w13, w2 = repacked(ex, torch.bfloat16)
+    ids, w = routing(9, 2, 2, seed=20)
+    x = rand_x(9, 128, torch.bfloat16, seed=21)
+    meta = [MMA_LAYOUT_TAG, 1]
+    out = torch.ops.quantdispatch.moe(x, ids, w, r13, r2, None, None, "triton", "nvfp4", "silu",
+                                      [], meta)  # fmt: skip
+    assert torch.equal(out, run(r13, r2, x, ids, w, None))
+    assert rel_err(out, moe64(x, ids, w, w13, w2)) < BOUND[torch.bfloat16]
+    empty = run(r13, r2, x[:0], ids[:0], w[:0], None)
+    assert empty.shape == (0, 128) and empty.dtype == torch.bfloat16
+
+
 # ---- regime choice ------------------------------------------------------------------------------
 
 
