@@ -134,8 +134,49 @@ class MoeGemmTile:
     warps: int = 4
     stages: int = 4
 
+    def shared_bytes(self, gate_up: bool = True) -> int:
+        """Shared memory the pipelined loop needs, an upper bound: per stage the activation
+        tile (block_m x 64 chunks x 2 B) and the words (32 B per weight row and chunk) and
+        scale pairs (4 B) of one weight tile, two for gate/up. (Triton 3.9 compiled for sm_90
+        / sm_86 uses 36-96 / 24-64 KB for the four tiles of :func:`moe_layout_config`, this
+        says 39-150: it does not always stage the words.)"""
+        tiles = 2 if gate_up else 1
+        per_stage = self.block_m * 128 * self.chunks + tiles * self.block_n * self.chunks * 36
+        return self.stages * per_stage
+
     def label(self) -> str:
         return f"gemm BM{self.block_m} {self.block_n}x{64 * self.chunks}w{self.warps}s{self.stages}"
+
+
+#: Opt-in shared memory per block (bytes) by compute capability where torch does not report it:
+#: 163 KB on A100 / Orin, 227 KB on Hopper and datacenter Blackwell, 99 KB on the others (RTX
+#: 30 / 40 / 50 series, L40S, A10).
+_SHARED_BY_CAPABILITY = {(8, 0): 163 * 1024, (8, 7): 163 * 1024, (9, 0): 227 * 1024,
+                         (10, 0): 227 * 1024, (10, 3): 227 * 1024}  # fmt: skip
+_SHARED_DEFAULT = 99 * 1024
+#: Kept free for what the estimate does not count (epilogue layout conversions, barriers).
+_SHARED_MARGIN = 8 * 1024
+
+
+def _max_shared_memory(device: torch.device) -> int:
+    """Shared memory one program may use on ``device`` (bytes; no limit off the GPU)."""
+    if device.type != "cuda":
+        return 227 * 1024
+    props = torch.cuda.get_device_properties(device)
+    optin = getattr(props, "shared_memory_per_block_optin", None)
+    if optin:
+        return int(optin)
+    return _SHARED_BY_CAPABILITY.get((props.major, props.minor), _SHARED_DEFAULT)
+
+
+def _fit_shared(tile: MoeGemmTile, limit: int) -> MoeGemmTile:
+    """``tile``, or the largest smaller one whose pipeline fits ``limit`` bytes (e.g. the
+    128-pair tile needs ~150 KB: fine on A100 / H100, not on a 99 KB RTX or L40S)."""
+    smaller = [MoeGemmTile(64, stages=3), MoeGemmTile(32, stages=3), MoeGemmTile(16, stages=3)]
+    for t in [tile, *smaller]:
+        if t.block_m <= tile.block_m and t.shared_bytes() + _SHARED_MARGIN <= limit:
+            return t
+    return MoeGemmTile(16, stages=2)
 
 
 def moe_layout_config(
@@ -160,7 +201,8 @@ def moe_layout_config(
     172, Mixtral 310 vs 353, DeepSeek-V3 2777 vs 2564) and the GEMM wins the sum; 16 per expert:
     32-pair blocks (Qwen3 M=256 199 vs 229 for 16, 266 for 64); 32: 64 (DeepSeek-V3 M=1024 4229
     vs 4529 for 32); 256: 128 (Mixtral M=1024 1862 vs 2162 for 64). Three stages beat four
-    (e.g. Qwen3 M=1024 395 vs 431)."""
+    (e.g. Qwen3 M=1024 395 vs 431). A tile whose pipeline does not fit the GPU's shared memory
+    gives way to a smaller one (:func:`_fit_shared`)."""
     from quantdispatch.kernels.fp4_mma_ckpt import mma_moe_config
 
     pairs = m * top_k
@@ -178,12 +220,14 @@ def moe_layout_config(
             pairs, experts, inter, hidden, direct=4 * pairs <= experts, repacked=True
         )
     if tpe <= 12:
-        return MoeGemmTile(16, stages=3)
-    if tpe <= 24:
-        return MoeGemmTile(32, stages=3)
-    if tpe <= 160:
-        return MoeGemmTile(64, stages=3)
-    return MoeGemmTile(128, block_n=128, warps=8, stages=3)
+        tile = MoeGemmTile(16, stages=3)
+    elif tpe <= 24:
+        tile = MoeGemmTile(32, stages=3)
+    elif tpe <= 160:
+        tile = MoeGemmTile(64, stages=3)
+    else:
+        tile = MoeGemmTile(128, block_n=128, warps=8, stages=3)
+    return _fit_shared(tile, _max_shared_memory(device))
 
 
 # --------------------------------------------------------------------------------------------

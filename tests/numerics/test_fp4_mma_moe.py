@@ -199,6 +199,23 @@ def test_regimes_from_tokens_per_expert():
     assert isinstance(moe_layout_config(4096, 2, 8, 14336, 4096, CPU), MoeGemmTile)
 
 
+def test_tiles_fit_the_gpus_shared_memory(monkeypatch):
+    """The 128-pair tile (~150 KB of pipeline) runs where 227 KB are available (H100 / H200);
+    a 99 KB GPU (RTX 30/40/50, L40S) gets the 64-pair tile instead of a launch failure."""
+    big = moe_layout_config(4096, 8, 128, 768, 2048, CPU)
+    assert big.block_m == 128 and big.shared_bytes() > 99 * 1024
+    monkeypatch.setattr(mm, "_max_shared_memory", lambda device: 99 * 1024)
+    small = moe_layout_config(4096, 8, 128, 768, 2048, CPU)
+    assert small.block_m == 64 and small.shared_bytes() + mm._SHARED_MARGIN <= 99 * 1024
+    # the smaller tiles fit as they are
+    assert [moe_layout_config(m, 8, 128, 768, 2048, CPU).block_m for m in (128, 256, 512)] == [
+        16,
+        32,
+        64,
+    ]
+    assert mm._fit_shared(MoeGemmTile(16, stages=3), 20 * 1024) == MoeGemmTile(16, stages=2)
+
+
 def test_which_layers_are_repacked():
     assert moe_layout_supported(768, 2048, True, (9, 0))
     assert moe_layout_supported(768, 2048, True, (8, 0))
