@@ -170,8 +170,9 @@ def _max_shared_memory(device: torch.device) -> int:
 
 
 def _fit_shared(tile: MoeGemmTile, limit: int) -> MoeGemmTile:
-    """``tile``, or the largest smaller one whose pipeline fits ``limit`` bytes (e.g. the
-    128-pair tile needs ~150 KB: fine on A100 / H100, not on a 99 KB RTX or L40S)."""
+    """``tile``, or the largest smaller one whose pipeline fits ``limit`` bytes by the upper
+    bound of :meth:`MoeGemmTile.shared_bytes` (the 128-pair tile's is ~150 KB: kept on A100 /
+    H100, the 64-pair tile on a 99 KB RTX or L40S, none of which was measured)."""
     smaller = [MoeGemmTile(64, stages=3), MoeGemmTile(32, stages=3), MoeGemmTile(16, stages=3)]
     for t in [tile, *smaller]:
         if t.block_m <= tile.block_m and t.shared_bytes() + _SHARED_MARGIN <= limit:
