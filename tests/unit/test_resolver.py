@@ -233,7 +233,8 @@ def test_scheme_defaults_follow_the_format():
     [
         ("h200", "linear", "mma.sync kernel", "tl.dot kernels on the checkpoint"),
         ("h200", "moe", "torch._grouped_mm", None),
-        ("a100", "moe", "mma.sync kernels", "torch._grouped_mm"),  # no _grouped_mm path < SM 9.0
+        ("h200", "moe", "experts repacked once (mma16x64", None),
+        ("a100", "moe", "grouped tl.dot GEMM", "torch._grouped_mm"),  # no _grouped_mm < SM 9.0
         ("t4", "moe", "fused tl.dot kernels", "mma.sync"),  # no bf16 mma.sync before SM 8.0
         ("t4", "linear", "tl.dot kernels on the checkpoint layout", "mma16x64"),
     ],
