@@ -171,13 +171,20 @@ def _codes(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((p & 0xF, p >> 4), dim=-1).reshape(packed.shape[0], -1)
 
 
+#: Weights are repacked in slabs of about this many elements (whole 16-row tiles), so the
+#: temporaries (int32 / int64 code tensors, several bytes per weight) stay near 200 MB whatever
+#: the weight's size, instead of several GB for a fused MoE or gate_up weight.
+REPACK_SLAB_ELEMENTS = 2**24
+
+
 def repack(
     packed: torch.Tensor, block_scale_u8: torch.Tensor, act_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Checkpoint layout (packed [N, K/2] uint8, scales [N, K/16] E4M3 codes) -> the mma layout.
 
     Returns ``words`` int32 [N/16, K/64, 32, 4] and ``scales`` uint8 [N/16, K/64, 32, 2]: the
-    same number of bytes. Runs on the tensors' device, once, at load.
+    same number of bytes. Runs on the tensors' device, once, at load, slab by slab
+    (:data:`REPACK_SLAB_ELEMENTS`).
     """
     table = DECODE_TABLES[act_dtype]
     n, k = packed.shape[0], packed.shape[1] * 2
@@ -191,7 +198,25 @@ def repack(
             )
         )
     tiles, chunks = n // TILE_N, k // CHUNK_K
-    u = encode_scales(block_scale_u8)  # [N, K/16]
+    u = encode_scales(block_scale_u8)  # [N, K/16]; checks every scale once
+    words = torch.empty((tiles, chunks, 32, 4), dtype=torch.int32, device=packed.device)
+    scales = torch.empty((tiles, chunks, 32, 2), dtype=torch.uint8, device=packed.device)
+    rows = max(TILE_N, REPACK_SLAB_ELEMENTS // k // TILE_N * TILE_N)
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        t0, t1 = r0 // TILE_N, r1 // TILE_N
+        words[t0:t1], scales[t0:t1] = _repack_slab(
+            packed[r0:r1], block_scale_u8[r0:r1], u[r0:r1], table
+        )
+    return words, scales
+
+
+def _repack_slab(
+    packed: torch.Tensor, block_scale_u8: torch.Tensor, u: torch.Tensor, table: DecodeTable
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`repack` of whole 16-row tiles (``u``: their encoded scales)."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    tiles, chunks = n // TILE_N, k // CHUNK_K
     codes = _codes(packed)  # [N, K]
     zero_block = (block_scale_u8 == 0).repeat_interleave(16, dim=1)
     codes = torch.where(zero_block, torch.zeros_like(codes), codes)
@@ -211,7 +236,7 @@ def repack(
     words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
     # scales[tile, c, lane, rr] = u[16 tile + 8 rr + g, 4c + t]
     s = u.reshape(tiles, 2, 8, chunks, 4).permute(0, 3, 2, 4, 1).reshape(tiles, chunks, 32, 2)
-    return words.contiguous(), s.contiguous()
+    return words, s
 
 
 def _word_codes(words: torch.Tensor, table: DecodeTable) -> torch.Tensor:

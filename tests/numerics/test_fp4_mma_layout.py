@@ -56,6 +56,18 @@ def test_repack_unpack_round_trip(dtype: torch.dtype, n: int, k: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_repack_in_slabs_equals_one_pass(dtype: torch.dtype, monkeypatch) -> None:
+    """Slabs of 16 / 32 / 48 rows (a last slab shorter than the others) give the same bytes
+    as the whole 80-row weight at once; zero-scale blocks included."""
+    packed, scales = _random_weight(80, 192, seed=7)
+    whole = fp4_mma.repack(packed, scales, dtype)
+    for slab_rows in (16, 32, 48):
+        monkeypatch.setattr(fp4_mma, "REPACK_SLAB_ELEMENTS", slab_rows * 192)
+        words, s = fp4_mma.repack(packed, scales, dtype)
+        assert torch.equal(words, whole[0]) and torch.equal(s, whole[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_emulated_decode_is_exact(dtype: torch.dtype) -> None:
     n, k = 48, 256
     packed, scales = _random_weight(n, k, seed=7)
