@@ -200,8 +200,9 @@ def test_regimes_from_tokens_per_expert():
 
 
 def test_tiles_fit_the_gpus_shared_memory(monkeypatch):
-    """The 128-pair tile (~150 KB of pipeline) runs where 227 KB are available (H100 / H200);
-    a 99 KB GPU (RTX 30/40/50, L40S) gets the 64-pair tile instead of a launch failure."""
+    """The 128-pair tile (~150 KB of pipeline by the upper bound) runs where 227 KB are
+    available (H100 / H200); a 99 KB GPU (RTX 30/40/50, L40S) gets the 64-pair tile, which
+    fits by that bound."""
     big = moe_layout_config(4096, 8, 128, 768, 2048, CPU)
     assert big.block_m == 128 and big.shared_bytes() > 99 * 1024
     monkeypatch.setattr(mm, "_max_shared_memory", lambda device: 99 * 1024)
