@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import triton
@@ -49,6 +50,9 @@ from quantdispatch.kernels.fused_moe import (
 )
 from quantdispatch.moe_math import get_activation
 
+if TYPE_CHECKING:
+    from quantdispatch.kernels.fp4_mma_ckpt import MmaMoeConfig
+
 __all__ = [
     "MMA_MAX_TOKENS_PER_EXPERT",
     "MoeGemmTile",
@@ -66,6 +70,7 @@ __all__ = [
 MMA_MAX_TOKENS_PER_EXPERT = 4
 #: From this many tokens per expert (SM 9.0+), dequantize + torch._grouped_mm (as fused_moe).
 DEQUANT_MIN_TOKENS_PER_EXPERT = 512
+#: ... as long as the transient 16-bit copy of one GEMM's experts stays below this (bytes).
 DEQUANT_MAX_BUFFER_BYTES = 4 * 2**30
 
 
@@ -189,7 +194,7 @@ def moe_layout_config(
     device: torch.device,
     *,
     allow_dequant: bool = True,
-):  # -> MmaMoeConfig | MoeGemmTile | DequantMoeConfig
+) -> MmaMoeConfig | MoeGemmTile | DequantMoeConfig:
     """The regime from the static sizes only (graphs and compile see no data dependence).
 
     Tokens per expert ``tpe = M * top_k / E``: <= MMA_MAX_TOKENS_PER_EXPERT the mma.sync
@@ -386,7 +391,7 @@ def mma_layout_moe(
     activation: str,
     params: Sequence[float],
     packed_for: torch.dtype,
-    config=None,  # MmaMoeConfig | MoeGemmTile | DequantMoeConfig | None
+    config: MmaMoeConfig | MoeGemmTile | DequantMoeConfig | None = None,
 ) -> torch.Tensor:
     """Routed experts on repacked stacks: [M, H] in x.dtype. ``topk_ids`` hold local expert ids
     (others contribute nothing), ``topk_weights`` (float32) are final. ``config`` overrides the
