@@ -16,12 +16,16 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import statistics
+import sys
 from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from linear import time_calls  # benchmarks/linear.py: median us per call over graph replays
 
 FLOOR_TBPS = 4.24  # the large-copy streaming rate of the linear / MoE floors (anchors)
 L2_ROTATE_BYTES = 400 * 2**20  # buffers per size cover this much, > 8x the H200's L2
@@ -58,31 +62,6 @@ def buffers(nbytes: int) -> list[torch.Tensor]:
     return [torch.ones(nbytes // 4, dtype=torch.int32, device="cuda") for _ in range(count)]
 
 
-def time_graph(step, count: int, reps: int = 20) -> float:
-    """Median us per step over graph replays of ``count`` steps (each on its own buffers)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for i in range(count):
-            step(i)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(count):
-            step(i)
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / count)
-    return statistics.median(times)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
@@ -91,12 +70,11 @@ def main() -> None:
     for name, nbytes in SINGLE.items():
         bufs = buffers(nbytes)
         out = torch.empty(triton.cdiv(nbytes // 4, 4096), dtype=torch.int32, device="cuda")
-        us = time_graph(lambda i, bufs=bufs, out=out: read(bufs[i % len(bufs)], out), len(bufs))
+        us = time_calls([lambda b=b, out=out: read(b, out) for b in bufs], 20)
         rows.append((name, "1 read", nbytes, us))
         del bufs
     for name, parts in CHAINS.items():
         sets = buffers(sum(parts))
-        count = len(sets)
         views = []
         for b in sets:  # carve each rotation buffer into the chain's parts
             off, vs = 0, []
@@ -107,11 +85,11 @@ def main() -> None:
         outs = [torch.empty(triton.cdiv(p // 4, 4096), dtype=torch.int32, device="cuda")
                 for p in parts]  # fmt: skip
 
-        def chain(i, views=views, outs=outs):
-            for v, o in zip(views[i % len(views)], outs, strict=True):
+        def chain(vs, outs=outs):
+            for v, o in zip(vs, outs, strict=True):
                 read(v, o)
 
-        us = time_graph(chain, count)
+        us = time_calls([lambda vs=vs: chain(vs) for vs in views], 20)
         rows.append((name, f"{len(parts)} dependent reads", sum(parts), us))
         del sets, views
     date = dt.date.today().isoformat()

@@ -250,26 +250,23 @@ class TritonBackend(Backend):
         """NVFP4 experts of a gated layer on an SM 8.0+ GPU (I and H multiples of 64) are
         repacked into the mma16x64 layout (kernels/fp4_mma_moe.py; same bytes, one copy that
         every token count reads); everything else keeps the canonical stacks."""
-        if request.format == "nvfp4" and len(w13) == 3:
-            device = w13[0].device
-            capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-            inter, hidden = w2[0].shape[2] * 2, w2[0].shape[1]
-            if request.act_dtype in (torch.bfloat16, torch.float16) and w13[0].shape[1] == (
-                2 * inter if gated else inter
-            ):
-                from quantdispatch.kernels.fp4_mma_moe import moe_layout_supported, repack_experts
+        if request.format != "nvfp4":
+            return super().prepare_moe(w13, w2, names, meta, request, gated=gated)
+        from quantdispatch.kernels.fp4_mma_moe import moe_layout_supported, repack_experts
 
-                if moe_layout_supported(inter, hidden, gated, capability):
-                    r13 = repack_experts(w13[0], w13[1], request.act_dtype)
-                    r2 = repack_experts(w2[0], w2[1], request.act_dtype)
-                    bf16 = request.act_dtype == torch.bfloat16
-                    return PreparedMoe(
-                        ("mma_words", "mma_scales", "global_scale"),
-                        (*r13, w13[2]),
-                        (*r2, w2[2]),
-                        (MMA_LAYOUT_TAG, int(bf16)),
-                    )
-        return super().prepare_moe(w13, w2, names, meta, request, gated=gated)
+        device = w13[0].device
+        capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+        inter, hidden = w2[0].shape[2] * 2, w2[0].shape[1]  # w2 is [E, H, I/2] packed
+        if not moe_layout_supported(inter, hidden, gated, capability):
+            return super().prepare_moe(w13, w2, names, meta, request, gated=gated)
+        r13 = repack_experts(w13[0], w13[1], request.act_dtype)
+        r2 = repack_experts(w2[0], w2[1], request.act_dtype)
+        return PreparedMoe(
+            ("mma_words", "mma_scales", "global_scale"),
+            (*r13, w13[2]),
+            (*r2, w2[2]),
+            (MMA_LAYOUT_TAG, int(request.act_dtype == torch.bfloat16)),
+        )
 
     def linear(
         self,

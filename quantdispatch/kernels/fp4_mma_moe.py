@@ -30,28 +30,28 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
 from quantdispatch.errors import InputError, WeightFormatError, format_error
+from quantdispatch.kernels import fused_moe
 from quantdispatch.kernels.fp4_mma import CHUNK_K, TILE_N, mma_dequant_rows, repack, unpack
+from quantdispatch.kernels.fp4_mma_ckpt import MmaMoeConfig, mma_moe_config
 from quantdispatch.kernels.fp4_mma_gemm import _weight_tile, kappa_order
 from quantdispatch.kernels.fused_moe import (
     DequantMoeConfig,
     _activation,
+    _check_call,
     _grouped_mm_capable,
+    _interpreting,
     _reduce,
     _run_dequant,
-    empty,
+    _run_mma,
     moe_align,
 )
 from quantdispatch.moe_math import get_activation
-
-if TYPE_CHECKING:
-    from quantdispatch.kernels.fp4_mma_ckpt import MmaMoeConfig
 
 __all__ = [
     "MMA_MAX_TOKENS_PER_EXPERT",
@@ -122,7 +122,7 @@ def dequant_experts(
     """All experts of one stacked repacked weight as 16-bit [E, N, K] (natural row and column
     order, each value rounded once)."""
     e, n, k = words.shape[0], words.shape[1] * TILE_N, words.shape[2] * CHUNK_K
-    out = empty((e, n, k), dtype, words.device)
+    out = fused_moe.empty((e, n, k), dtype, words.device)
     for i in range(e):
         mma_dequant_rows(words[i], scales[i], gs[i], 0, n, out[i])
     return out
@@ -209,8 +209,6 @@ def moe_layout_config(
     vs 4529 for 32); 256: 128 (Mixtral M=1024 1862 vs 2162 for 64). Three stages beat four
     (e.g. Qwen3 M=1024 395 vs 431). A tile whose pipeline does not fit the GPU's shared memory
     gives way to a smaller one (:func:`_fit_shared`)."""
-    from quantdispatch.kernels.fp4_mma_ckpt import mma_moe_config
-
     pairs = m * top_k
     tpe = pairs / max(experts, 1)
     buffer = experts * max(2 * inter * hidden, hidden * inter) * 2
@@ -346,10 +344,6 @@ def _moe_gemm_kernel(
 # host side
 
 
-def _interpreting() -> bool:
-    return type(_moe_gemm_kernel).__name__ == "InterpretedFunction"
-
-
 def _fail(what: str, rule: str, fix: str, exc: type[Exception] = WeightFormatError) -> None:
     raise exc(format_error(f"mma16x64 MoE: {what}", rule, fix))
 
@@ -396,8 +390,6 @@ def mma_layout_moe(
     """Routed experts on repacked stacks: [M, H] in x.dtype. ``topk_ids`` hold local expert ids
     (others contribute nothing), ``topk_weights`` (float32) are final. ``config`` overrides the
     regime choice (tests and tuning only)."""
-    from quantdispatch.kernels.fp4_mma_ckpt import MmaMoeConfig, mma_moe_gemms
-
     spec = get_activation(activation)
     if not spec.gated:
         _fail(
@@ -424,18 +416,8 @@ def mma_layout_moe(
             "pass the weights that belong to this layer",
         )
     m = x.shape[0]
-    int_ids = (torch.int32, torch.int64)
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != m or topk_ids.dtype not in int_ids:
-        _fail(f"topk_ids is {topk_ids.dtype} {tuple(topk_ids.shape)}",
-              f"int32/int64 [M={m}, top_k]", "pass the router's top-k ids", InputError)  # fmt: skip
-    top_k = topk_ids.shape[1]
-    if tuple(topk_weights.shape) != (m, top_k) or topk_weights.dtype != torch.float32:
-        _fail(f"topk_weights is {topk_weights.dtype} {tuple(topk_weights.shape)}",
-              f"float32 [{m}, {top_k}]", "pass the router's final weights", InputError)  # fmt: skip
-    for name, bias, n in (("w13_bias", w13_bias, n13), ("w2_bias", w2_bias, n2)):
-        if bias is not None and (tuple(bias.shape) != (e, n) or bias.dtype != torch.float32):
-            _fail(f"{name} is {bias.dtype} {tuple(bias.shape)}", f"float32 [{e}, {n}]", "")
-    out = empty((m, hidden), x.dtype, x.device)
+    top_k = _check_call(x, topk_ids, topk_weights, e, n13, n2, w13_bias, w2_bias, w13[0], w2[0])
+    out = fused_moe.empty((m, hidden), x.dtype, x.device)
     if m == 0:
         return out
     x = x if x.is_contiguous() else x.contiguous()
@@ -460,21 +442,8 @@ def mma_layout_moe(
         if _interpreting() or x.device.type != "cuda":
             _fail("an mma.sync config off a CUDA GPU", "the mma kernels are PTX",
                   "use a GEMM config (MoeGemmTile) under the interpreter", InputError)  # fmt: skip
-        if cfg.direct:
-            n_blocks = pairs
-            a = empty((pairs, inter), x.dtype, x.device)
-            sorted_ids = block_expert = num_blocks = ids  # unused by the direct kernels
-        else:
-            sorted_ids, block_expert, num_blocks = moe_align(ids, e, cfg.block_m)
-            n_blocks = block_expert.shape[0]
-            a = empty((n_blocks * cfg.block_m, inter), x.dtype, x.device)
-        y = empty((pairs, hidden), x.dtype, x.device)
-        mma_moe_gemms(
-            x, ids, sorted_ids, block_expert, num_blocks, tw, n_blocks,
-            tuple(w13), tuple(w2), w13_bias, w2_bias, a, y,  # type: ignore[arg-type]
-            top_k=top_k, act_code=spec.code, alpha=alpha, limit=limit, cfg=cfg,
-        )  # fmt: skip
-        _reduce(y, ids, out, e)
+        _run_mma(x, ids, tw, tuple(w13), tuple(w2), w13_bias, w2_bias, spec.code,  # type: ignore[arg-type]
+                 alpha, limit, cfg, out)  # fmt: skip
         return out
     if not isinstance(cfg, MoeGemmTile) or cfg.block_m % 16 or cfg.block_n % 64:
         _fail(f"config {cfg!r}", "MoeGemmTile with block_m a multiple of 16, block_n of 64",
@@ -482,8 +451,8 @@ def mma_layout_moe(
     bm = cfg.block_m
     sorted_ids, block_expert, num_blocks = moe_align(ids, e, bm)
     n_blocks = block_expert.shape[0]
-    a = empty((n_blocks * bm, inter), x.dtype, x.device)
-    y = empty((pairs, hidden), x.dtype, x.device)
+    a = fused_moe.empty((n_blocks * bm, inter), x.dtype, x.device)
+    y = fused_moe.empty((pairs, hidden), x.dtype, x.device)
     common = dict(
         sorted_ptr=sorted_ids, bexp_ptr=block_expert, nvalid_ptr=num_blocks, tw_ptr=tw,
         T=pairs, top_k=top_k, n_blocks=n_blocks, alpha=float(alpha), limit=float(limit),

@@ -747,6 +747,58 @@ def _strides(fmt: str, scale: torch.Tensor) -> tuple[int, int, int, int]:
     return scale.stride(0), scale.stride(1), scale.stride(2), 2
 
 
+def _check_call(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    experts: int,
+    n13: int,
+    n2: int,
+    w13_bias: torch.Tensor | None,
+    w2_bias: torch.Tensor | None,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+) -> int:
+    """The checks every MoE kernel entry shares (x already checked as [M, H] 16-bit): x on a
+    GPU, routing shapes and dtypes, biases, one device. Returns top_k."""
+    if x.device.type != "cuda" and not _interpreting():
+        _fail(
+            f"x is on {x.device}",
+            "the Triton kernels run on CUDA devices",
+            "use the reference backend on CPU",
+            InputError,
+        )
+    m = x.shape[0]
+    int_ids = (torch.int32, torch.int64)
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != m or topk_ids.dtype not in int_ids:
+        _fail(
+            f"topk_ids is {topk_ids.dtype} {tuple(topk_ids.shape)}",
+            f"topk_ids are int32/int64 [M={m}, top_k]",
+            "pass the router's top-k expert ids",
+            InputError,
+        )
+    top_k = topk_ids.shape[1]
+    if tuple(topk_weights.shape) != (m, top_k) or topk_weights.dtype != torch.float32:
+        _fail(
+            f"topk_weights is {topk_weights.dtype} {tuple(topk_weights.shape)}",
+            f"topk_weights are float32 [M, top_k] = [{m}, {top_k}]",
+            "pass the router's final weights as float32",
+            InputError,
+        )
+    for name, bias, n in (("w13_bias", w13_bias, n13), ("w2_bias", w2_bias, n2)):
+        if bias is not None and (tuple(bias.shape) != (experts, n) or bias.dtype != torch.float32):
+            _fail(
+                f"{name} is {bias.dtype} {tuple(bias.shape)}",
+                f"expert biases are float32 [E, N] = [{experts}, {n}]",
+                "stack them as float32",
+            )
+    for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights), ("w13", w13),
+                    ("w2", w2), ("w13_bias", w13_bias), ("w2_bias", w2_bias)):  # fmt: skip
+        if t is not None and t.device != x.device:
+            _fail(f"{name} is on {t.device}, x on {x.device}", "one device", "", InputError)
+    return top_k
+
+
 def fused_moe(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -774,30 +826,7 @@ def fused_moe(
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype not in half:
         got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
         _fail(f"x is {got}", "x is float16/bfloat16 [M, H]", "flatten and cast it", InputError)
-    if x.device.type != "cuda" and not _interpreting():
-        _fail(
-            f"x is on {x.device}",
-            "the Triton kernels run on CUDA devices",
-            "use the reference backend on CPU",
-            InputError,
-        )
     m, hidden = x.shape
-    int_ids = (torch.int32, torch.int64)
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != m or topk_ids.dtype not in int_ids:
-        _fail(
-            f"topk_ids is {topk_ids.dtype} {tuple(topk_ids.shape)}",
-            f"topk_ids are int32/int64 [M={m}, top_k]",
-            "pass the router's top-k expert ids",
-            InputError,
-        )
-    top_k = topk_ids.shape[1]
-    if tuple(topk_weights.shape) != (m, top_k) or topk_weights.dtype != torch.float32:
-        _fail(
-            f"topk_weights is {topk_weights.dtype} {tuple(topk_weights.shape)}",
-            f"topk_weights are float32 [M, top_k] = [{m}, {top_k}]",
-            "pass the router's final weights as float32",
-            InputError,
-        )
     c13, s13, g13, e, n13, k13 = _unpack_weights(fmt, w13, "w13", meta)
     c2, s2, g2, e2, n2, k2 = _unpack_weights(fmt, w2, "w2", meta)
     inter = n13 // 2 if spec.gated else n13
@@ -808,18 +837,7 @@ def fused_moe(
             "w13 is [E, 2I (gated) or I, H] and w2 [E, H, I]",
             "pass the weights that belong to this layer",
         )
-    for name, bias, n in (("w13_bias", w13_bias, n13), ("w2_bias", w2_bias, n2)):
-        if bias is not None and (tuple(bias.shape) != (e, n) or bias.dtype != torch.float32):
-            _fail(
-                f"{name} is {bias.dtype} {tuple(bias.shape)}",
-                f"expert biases are float32 [E, N] = [{e}, {n}]",
-                "stack them as float32",
-            )
-    for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights), ("w13", c13),
-                    ("w2", c2), ("w13_bias", w13_bias), ("w2_bias", w2_bias)):  # fmt: skip
-        if t is not None and t.device != x.device:
-            _fail(f"{name} is on {t.device}, x on {x.device}", "one device", "", InputError)
-
+    top_k = _check_call(x, topk_ids, topk_weights, e, n13, n2, w13_bias, w2_bias, c13, c2)
     out = empty((m, hidden), x.dtype, x.device)
     if m == 0:
         return out

@@ -5,13 +5,11 @@ The grouped GEMM (the mid regime) runs here: its decode has an interpreter twin 
 activation, the intermediate written in the MMA K order, the routing weights and the slot sum
 are checked against the float64 oracle of test_moe.py. The mma.sync and dequantize regimes are
 PTX / grouped_mm and run in tests/gpu/test_moe_gpu.py. Buffers the call allocates are poisoned
-(NaN / 0) as in test_fused_moe_kernel.py. Bounds as there (three roundings to the activation
-dtype; the interpreter truncates to bf16).
+(NaN / 0) by test_fused_moe_kernel.py's autouse fixture. Bounds as there (three roundings to the
+activation dtype; the interpreter truncates to bf16).
 """
 
 from __future__ import annotations
-
-import math
 
 import pytest
 import torch
@@ -19,7 +17,7 @@ import torch
 triton = pytest.importorskip("triton", reason="triton is not installed (optional extra)")
 
 from ref64 import rel_err  # noqa: E402
-from test_fused_moe_kernel import routing, stacked  # noqa: E402
+from test_fused_moe_kernel import poisoned, routing, stacked  # noqa: E402, F401 (autouse fixture)
 from test_moe import make_experts, moe64, rand_x  # noqa: E402
 
 import quantdispatch.kernels.fp4_mma_moe as mm  # noqa: E402
@@ -47,17 +45,6 @@ if not fm._interpreting():
 BOUND = {torch.bfloat16: 3e-2, torch.float16: 2e-3}
 DTYPES = [torch.bfloat16, torch.float16]
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(autouse=True)
-def poisoned(monkeypatch):
-    def empty(shape, dtype, device):
-        if dtype.is_floating_point:
-            return torch.full(shape, math.nan, dtype=dtype, device=device)
-        return torch.zeros(shape, dtype=dtype, device=device)
-
-    monkeypatch.setattr(fm, "empty", empty)
-    monkeypatch.setattr(mm, "empty", empty)
 
 
 def repacked(ex, dtype, zero_blocks=False):
