@@ -443,7 +443,7 @@ def mma_layout_moe(
             _fail("an mma.sync config off a CUDA GPU", "the mma kernels are PTX",
                   "use a GEMM config (MoeGemmTile) under the interpreter", InputError)  # fmt: skip
         _run_mma(x, ids, tw, tuple(w13), tuple(w2), w13_bias, w2_bias, spec.code,  # type: ignore[arg-type]
-                 alpha, limit, cfg, out)  # fmt: skip
+                 alpha, limit, cfg, out, inter)  # fmt: skip
         return out
     if not isinstance(cfg, MoeGemmTile) or cfg.block_m % 16 or cfg.block_n % 64:
         _fail(f"config {cfg!r}", "MoeGemmTile with block_m a multiple of 16, block_n of 64",

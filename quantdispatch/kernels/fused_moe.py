@@ -878,7 +878,7 @@ def fused_moe(
                 InputError,
             )
         _run_mma(x, ids, tw, (c13, s13, g13), (c2, s2, g2), w13_bias, w2_bias, spec.code,
-                 alpha, limit, cfg, out)  # fmt: skip
+                 alpha, limit, cfg, out, inter)  # fmt: skip
         return out
     bm = cfg.block_m
     if cfg.direct:
@@ -1063,14 +1063,17 @@ def _run_mma(
     limit: float,
     cfg: MmaMoeConfig,
     out: torch.Tensor,
+    inter: int,
 ) -> None:
-    """Steps 1-4 with the mma.sync gate/up and down kernels of :mod:`.fp4_mma_ckpt`."""
+    """Steps 1-4 with the mma.sync gate/up and down kernels of :mod:`.fp4_mma_ckpt`.
+    ``inter`` (I) is passed, not read off w13: the checkpoint and the repacked layouts shape
+    their code tensors differently."""
     from quantdispatch.kernels.fp4_mma_ckpt import mma_moe_gemms
 
     m, hidden = x.shape
     top_k = ids.shape[1]
     pairs = m * top_k
-    e, inter = w13[0].shape[0], w13[0].shape[1] // 2
+    e = w13[0].shape[0]
     if x.stride(0) % 8 or x.data_ptr() % 16:  # 16-byte activation loads
         x = x.clone(memory_format=torch.contiguous_format)
     if cfg.direct:

@@ -166,6 +166,39 @@ def test_triton_backend_runs_repacked_stacks_behind_the_custom_op():
 # ---- regime choice ------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "sorted"])
+def test_mma_path_sizes_its_buffers_by_the_layers_sizes(monkeypatch, direct):
+    """The mma.sync kernels are PTX (GPU only), so what the host side hands them is checked here:
+    the intermediate is [pairs or padded pairs, I] and the per-pair output [pairs, H] for both
+    layouts. (A session read I off w13's shape, which the repacked words do not carry.)"""
+    import quantdispatch.kernels.fp4_mma_ckpt as ck
+
+    seen = {}
+
+    def fake_gemms(x, ids, sorted_ids, block_expert, num_blocks, tw, n_blocks, w13, w2, b13,
+                   b2, a, y, **kw):  # fmt: skip
+        seen["a"], seen["y"] = tuple(a.shape), tuple(y.shape)
+        y.zero_()
+
+    monkeypatch.setattr(ck, "mma_moe_gemms", fake_gemms)
+    e, hidden, inter, m, top_k = 4, 128, 192, 5, 2
+    ex = make_experts("nvfp4", e, hidden, inter, seed=3)
+    w13, w2, _ = stacked(ex)
+    r13 = (*repack_experts(w13[0], w13[1], torch.bfloat16), w13[2])
+    r2 = (*repack_experts(w2[0], w2[1], torch.bfloat16), w2[2])
+    ids, tw = routing(m, e, top_k, seed=1)
+    cfg = mma_moe_config(m * top_k, e, inter, hidden, direct=direct)
+    for a13, a2 in ((tuple(w13), tuple(w2)), (r13, r2)):
+        out = torch.empty(m, hidden, dtype=torch.bfloat16)
+        x = rand_x(m, hidden, torch.bfloat16, seed=2)
+        fm._run_mma(x, ids, tw, a13, a2, None, None, 0, 0.0, 0.0, cfg, out, inter)
+        assert seen["a"][1] == inter and seen["y"] == (m * top_k, hidden)
+        if direct:
+            assert seen["a"][0] == m * top_k
+        else:
+            assert seen["a"][0] >= m * top_k and seen["a"][0] % cfg.block_m == 0
+
+
 def test_regimes_from_tokens_per_expert():
     cfg = moe_layout_config(1, 8, 128, 768, 2048, CPU)  # 8 pairs on 128 experts
     assert isinstance(cfg, MmaMoeConfig) and cfg.direct
