@@ -63,6 +63,7 @@ from quantdispatch.kernels.fp4_mma_moe import (
     moe_layout_config,
     repack_experts,
 )
+from quantdispatch.kernels.fp4_mma_moe_fused import FusedMoeConfig
 
 MODELS: dict[str, tuple[int, int, int, int]] = {
     "qwen3-30b-a3b": (128, 8, 2048, 768),
@@ -279,6 +280,8 @@ def distinct_experts(ids: torch.Tensor) -> int:
 
 
 def config_dict(cfg: fm.MoeConfig | MmaMoeConfig | fm.DequantMoeConfig | MoeGemmTile) -> dict:
+    if isinstance(cfg, FusedMoeConfig):
+        return {"kernel": "fused", **vars(cfg)}
     if isinstance(cfg, fm.DequantMoeConfig):
         return {"kernel": "dequant+grouped_mm"}
     if isinstance(cfg, MoeGemmTile):
@@ -297,6 +300,8 @@ def config_label(c: dict) -> str:
     g1, g2 = c.get("gemm1", {}), c.get("gemm2", {})
     if c.get("kernel") == "dequant+grouped_mm":
         return "dequant + grouped_mm"
+    if c.get("kernel") == "fused":
+        return FusedMoeConfig(**{k: v for k, v in c.items() if k != "kernel"}).label()
     if c.get("kernel") == "gemm":
         tile = {k: v for k, v in c.items() if k != "kernel"}
         return MoeGemmTile(**tile).label()
@@ -416,6 +421,9 @@ def sweep_configs(m: int, top_k: int, e: int, i: int, h: int) -> list:
 
     tpe = m * top_k / e
     out: list = []
+    if 4 * m * top_k <= e:  # one launch for the whole layer (kernels/fp4_mma_moe_fused.py)
+        out += [FusedMoeConfig(w, u, True, p) for w in (4, 8) for u in (1, 2) for p in (1, 2)]
+        out += [FusedMoeConfig(4, 2, False), FusedMoeConfig(8, 2, False)]
     if tpe <= 1:  # single pairs or 8-pair blocks, warps per GEMM (wt, wk, unroll) around the pick
         for direct in (True, False):
             for g1, g2 in WARP_SWEEP:

@@ -40,6 +40,7 @@ from quantdispatch.kernels import fused_moe
 from quantdispatch.kernels.fp4_mma import CHUNK_K, TILE_N, mma_dequant_rows, repack, unpack
 from quantdispatch.kernels.fp4_mma_ckpt import MmaMoeConfig, mma_moe_config
 from quantdispatch.kernels.fp4_mma_gemm import _weight_tile, kappa_order
+from quantdispatch.kernels.fp4_mma_moe_fused import FusedMoeConfig, fused_moe_small
 from quantdispatch.kernels.fused_moe import (
     DequantMoeConfig,
     _activation,
@@ -437,6 +438,16 @@ def mma_layout_moe(
             lambda: dequant_experts(*w13, x.dtype), lambda: dequant_experts(*w2, x.dtype),
             w13_bias, w2_bias, spec.code, True, alpha, limit, out,
         )  # fmt: skip
+        return out
+    if isinstance(cfg, FusedMoeConfig):
+        if _interpreting() or x.device.type != "cuda":
+            _fail("a fused config off a CUDA GPU", "the fused kernel is PTX",
+                  "use a GEMM config (MoeGemmTile) under the interpreter", InputError)  # fmt: skip
+        if x.stride(0) % 8 or x.data_ptr() % 16:  # 16-byte activation loads
+            x = x.clone(memory_format=torch.contiguous_format)
+        a = fused_moe.empty((pairs, inter), x.dtype, x.device)
+        fused_moe_small(x, ids, tw, tuple(w13), tuple(w2), w13_bias, w2_bias, spec.code,  # type: ignore[arg-type]
+                        alpha, limit, cfg, out, inter, a)  # fmt: skip
         return out
     if isinstance(cfg, MmaMoeConfig):
         if _interpreting() or x.device.type != "cuda":

@@ -28,6 +28,7 @@ from quantdispatch.kernels.fp4_mma_moe import (  # noqa: E402
     moe_layout_config,
     repack_experts,
 )
+from quantdispatch.kernels.fp4_mma_moe_fused import FusedMoeConfig  # noqa: E402
 from quantdispatch.kernels.fused_moe import DequantMoeConfig  # noqa: E402
 from quantdispatch.moe import QuantMoE  # noqa: E402
 
@@ -73,6 +74,9 @@ REGIMES = [
     ("gemm64", lambda m: MoeGemmTile(64, stages=3)),
     ("gemm64-n128", lambda m: MoeGemmTile(64, block_n=128, warps=8, stages=3)),
     ("dequant", lambda m: DequantMoeConfig()),
+    ("fused", lambda m: FusedMoeConfig()),
+    ("fused-w8u1x2", lambda m: FusedMoeConfig(8, 1, True, 2)),
+    ("fused-2launch", lambda m: FusedMoeConfig(fused=False)),
 ]
 
 
@@ -148,3 +152,33 @@ def test_fp16_layer_runs_its_fp16_layout():
     ids, w = layer.route(logits)
     assert isinstance(moe_layout_config(4, 2, 8, 256, 512, DEV), MmaMoeConfig)
     assert rel(layer(x, logits), moe64("nvfp4", x, ids, w, w13, w2)) < BOUND[torch.float16]
+
+
+@pytest.mark.parametrize("cfg", [FusedMoeConfig(), FusedMoeConfig(fused=False)],
+                         ids=["fused", "2launch"])  # fmt: skip
+def test_fused_kernel_biases_uneven_chunks_graphs_and_determinism(nan_empty, cfg):
+    """gpt-oss-like (45 chunks per row: not a multiple of the warps' K step; biases; clamped
+    SwiGLU) against float64; a CUDA graph replay equals eager bit for bit, and so do repeated
+    calls (the top-k sum has a fixed order)."""
+    w13, w2, r13, r2, gen = experts(32, 2880, 2880, seed=21, dtype=torch.bfloat16)
+    b13 = torch.randn(32, 5760, generator=gen, device=DEV)
+    b2 = torch.randn(32, 2880, generator=gen, device=DEV)
+    params = [1.702, 7.0]
+    kw = dict(activation="swiglu_oai", params=params, b13=b13, b2=b2)
+    for m in (1, 5):
+        ids, w = routing(m, 32, 4, gen)
+        x = torch.randn(m, 2880, generator=gen, device=DEV).to(torch.bfloat16)
+        ref = moe64("nvfp4", x, ids, w, w13, w2, b13, b2, "swiglu_oai", params)
+        out = call(r13, r2, x, ids, w, cfg, **dict(kw))
+        assert rel(out, ref) < BOUND[torch.bfloat16]
+        assert torch.equal(call(r13, r2, x, ids, w, cfg, **dict(kw)), out)
+    x_static = x.clone()
+    graph = torch.cuda.CUDAGraph()
+    call(r13, r2, x_static, ids, w, cfg, **dict(kw))  # compile outside the capture
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        replayed = call(r13, r2, x_static, ids, w, cfg, **dict(kw))
+    x_static.copy_(torch.randn(5, 2880, generator=gen, device=DEV).to(torch.bfloat16))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(replayed, call(r13, r2, x_static, ids, w, cfg, **dict(kw)))

@@ -1,0 +1,352 @@
+"""NVFP4 MoE for a few tokens in one launch: gate/up, activation, down and the top-k sum.
+
+Why: with a handful of tokens (decode) a MoE layer streams the experts its tokens picked once,
+and three dependent launches (gate/up, down, top-k sum) cost more than the bytes: on the H200 a
+kernel that only *reads* Qwen3-30B-A3B's M=1 bytes as three dependent launches takes 2.2x the
+streaming floor (benchmarks/results/stream-small-h200-2026-11-30.md), the three mma kernels
+3.2x. This kernel runs the whole layer in one cooperative launch of at most one program per
+SM-slot (persistent programs, static work split):
+
+* phase 1, units (pair, 16-row tile of I): the mma.sync gate and up tiles of
+  :mod:`.fp4_mma_ckpt` (REPACKED mode) on the pair's token, activation fused, the 16
+  intermediate values stored to a small scratch ``a`` [pairs, I];
+* a grid barrier (each program arrives once; a counter zeroed per call);
+* phase 2, units (token, 16-row tile of H): the down tile summed over the token's top-k slots
+  *inside* the unit (jobs = (slot, 64-column chunk) spread over the warps, each job scaled by
+  its routing weight x global scale), so the top-k sum needs no third pass and is
+  deterministic (a fixed order, no atomics on data).
+
+The cooperative launch makes the driver refuse a grid whose programs cannot all be resident
+at once, so the barrier cannot deadlock. ``fused=False`` runs the two phases as two ordinary
+launches (same code; the kernel boundary is the barrier). Experts in the mma16x64 layout of
+:mod:`.fp4_mma` (:func:`.fp4_mma_moe.repack_experts`); PTX, so GPU only (SM 8.0+).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from quantdispatch.kernels.fp4_mma import _load_w, _load_x
+from quantdispatch.kernels.fp4_mma_ckpt import _chunk_mma, _k_reduce
+from quantdispatch.kernels.fused_moe import _activation
+
+__all__ = ["FusedMoeConfig", "fused_moe_small", "fused_units"]
+
+
+@dataclass(frozen=True)
+class FusedMoeConfig:
+    """``warps`` per program (all split K: each unit is one 16-row tile), ``unroll`` chunks in
+    flight per warp, ``fused`` one cooperative launch (else two launches), at most
+    ``programs_per_sm`` programs per SM (fused)."""
+
+    warps: int = 4
+    unroll: int = 2
+    fused: bool = True
+    programs_per_sm: int = 1
+
+    def label(self) -> str:
+        kind = f"fused x{self.programs_per_sm}/SM" if self.fused else "2 launches"
+        return f"{kind} w{self.warps}u{self.unroll}"
+
+
+def fused_units(m: int, top_k: int, inter: int, hidden: int) -> tuple[int, int]:
+    """(phase-1 units, phase-2 units): (pairs x I/16, tokens x H/16)."""
+    return m * top_k * (inter // 16), m * (hidden // 16)
+
+
+# --------------------------------------------------------------------------------------------
+# PTX helpers
+
+# The intermediate is written by this launch (fused): read it through L2 (.cg), never through
+# the non-coherent read-only path the weight and activation loads use.
+_LOAD_A_ASM = tl.constexpr(
+    "{ .reg .pred p; setp.ne.b32 p, $8, 0;\n"
+    "mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0;\n"
+    "mov.b32 $4, 0; mov.b32 $5, 0; mov.b32 $6, 0; mov.b32 $7, 0;\n"
+    "@p ld.global.cg.v4.b32 {$0, $1, $2, $3}, [$9];\n"
+    "@p ld.global.cg.v4.b32 {$4, $5, $6, $7}, [$9+16]; }"
+)
+# Arrive at the grid barrier: thread 0 of the program, after the program's barrier, makes the
+# program's stores visible GPU-wide (fence) and counts the arrival.
+_ARRIVE_ASM = tl.constexpr(
+    "{ .reg .pred p; setp.eq.u32 p, $1, 0;\n"
+    "@p fence.acq_rel.gpu;\n"
+    "@p red.relaxed.gpu.global.add.u32 [$2], 1;\n"
+    "mov.b32 $0, 0; }"
+)
+# After the wait: order the later loads after the observed count (acquire side). Returns $1,
+# which the caller uses as the intermediate's row stride: a data dependence the compiler
+# cannot move the loads above.
+_ACQUIRE_ASM = tl.constexpr("fence.acq_rel.gpu;\nmov.b32 $0, $1;")
+
+
+@triton.jit
+def _load_a(a_ptrs, ok):
+    """A lane's B fragments for one chunk of the intermediate: 32 bytes of one row (L2)."""
+    return tl.inline_asm_elementwise(
+        _LOAD_A_ASM,
+        "=r,=r,=r,=r,=r,=r,=r,=r,r,l",
+        [ok.to(tl.int32), a_ptrs],
+        dtype=(tl.int32,) * 8,
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit
+def _grid_barrier(cnt_ptr, idx, programs, stride_am):
+    """All programs' phase-1 stores visible, then every program past this point. Returns the
+    intermediate's row stride (see _ACQUIRE_ASM)."""
+    tl.debug_barrier()
+    tl.inline_asm_elementwise(
+        _ARRIVE_ASM, "=r,r,l", [idx, cnt_ptr + idx * 0], dtype=tl.int32, is_pure=False, pack=1
+    )
+    n = tl.load(cnt_ptr, volatile=True)
+    while n < programs:
+        n = tl.load(cnt_ptr, volatile=True)
+    s = tl.inline_asm_elementwise(
+        _ACQUIRE_ASM, "=r,r", [stride_am + n * 0 + idx * 0], dtype=tl.int32, is_pure=False,
+        pack=1,
+    )  # fmt: skip
+    tl.debug_barrier()
+    return s
+
+
+# --------------------------------------------------------------------------------------------
+# the two units
+
+
+@triton.jit
+def _gate_up_unit(
+    u, x_ptr, ids_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, a_ptr, E,
+    stride_xm, stride_we, stride_se, stride_be, stride_am, alpha, limit, lane, warp,
+    TOP_K: tl.constexpr, CH: tl.constexpr, TILES: tl.constexpr, W: tl.constexpr,
+    U: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, BF16: tl.constexpr,
+):  # fmt: skip
+    """Gate and up tile ``u % TILES`` of pair ``u // TILES`` over all H (K split over the
+    warps), activation, 16 intermediate values stored. A foreign expert stores nothing (phase
+    2 never reads its row)."""
+    p = u // TILES
+    tile = u % TILES
+    e = tl.load(ids_ptr + p).to(tl.int32)
+    if (e >= 0) & (e < E):
+        e64 = e.to(tl.int64)
+        t = lane % 4
+        x_row = (x_ptr + (p // TOP_K).to(tl.int64) * stride_xm + 16 * t)[None, None, :]
+        tile64 = tile.to(tl.int64) * CH
+        w_base = (w_ptr + e64 * stride_we + tile64 * 128 + 4 * lane)[None, :]
+        s_base = (s_ptr + e64 * stride_se + tile64 * 32 + lane)[None, :]
+        UP_W: tl.constexpr = TILES * CH * 128  # the up tiles follow the gate tiles
+        UP_S: tl.constexpr = TILES * CH * 32
+        chunk0 = tl.arange(0, U)[:, None] * W + warp[None, :]  # [U, 32W]
+        STEP: tl.constexpr = W * U
+        EVEN: tl.constexpr = CH % STEP == 0
+        acc0 = tl.zeros((U, 1, 32 * W), dtype=tl.float32)
+        acc1 = tl.zeros((U, 1, 32 * W), dtype=tl.float32)
+        acc2 = tl.zeros((U, 1, 32 * W), dtype=tl.float32)
+        acc3 = tl.zeros((U, 1, 32 * W), dtype=tl.float32)
+        v0 = tl.zeros((U, 1, 32 * W), dtype=tl.float32)
+        v1 = tl.zeros((U, 1, 32 * W), dtype=tl.float32)
+        v2 = tl.zeros((U, 1, 32 * W), dtype=tl.float32)
+        v3 = tl.zeros((U, 1, 32 * W), dtype=tl.float32)
+        ok0 = chunk0 < CH
+        q = _load_w(w_base + chunk0 * 128, s_base + chunk0 * 32, ok0, EVEN)
+        qu = _load_w(w_base + UP_W + chunk0 * 128, s_base + UP_S + chunk0 * 32, ok0, EVEN)
+        for c0 in range(0, CH, STEP):
+            c = c0 + chunk0
+            nxt = tl.minimum(c + STEP, CH - 1) if EVEN else c + STEP
+            okn = nxt < CH
+            qn = _load_w(w_base + nxt * 128, s_base + nxt * 32, okn, EVEN)
+            qun = _load_w(w_base + UP_W + nxt * 128, s_base + UP_S + nxt * 32, okn, EVEN)
+            xs = _load_x(x_row + (c * 64)[:, None, :], (c < CH)[:, None, :], EVEN)
+            acc0, acc1, acc2, acc3 = _chunk_mma(acc0, acc1, acc2, acc3, q, xs, BF16, True)
+            v0, v1, v2, v3 = _chunk_mma(v0, v1, v2, v3, qu, xs, BF16, True)
+            q = qn
+            qu = qun
+        # column 0 of the MMA output is the token (lanes t == 0): rows g (acc0) and g + 8 (acc2)
+        factor = tl.load(gs_ptr + e64) * 256.0
+        g_lo = _k_reduce(acc0, 1, W, 1) * factor
+        g_hi = _k_reduce(acc2, 1, W, 1) * factor
+        u_lo = _k_reduce(v0, 1, W, 1) * factor
+        u_hi = _k_reduce(v2, 1, W, 1) * factor
+        lo = tl.arange(0, 32)[None, :]
+        n = tile * 16 + lo // 4
+        keep = lo % 4 == 0
+        if HAS_BIAS:
+            g_lo += tl.load(b_ptr + e64 * stride_be + n)
+            g_hi += tl.load(b_ptr + e64 * stride_be + n + 8)
+            u_lo += tl.load(b_ptr + e64 * stride_be + TILES * 16 + n)
+            u_hi += tl.load(b_ptr + e64 * stride_be + TILES * 16 + n + 8)
+        row = a_ptr + p.to(tl.int64) * stride_am + n
+        h_lo = _activation(g_lo, u_lo, alpha, limit, ACT)
+        h_hi = _activation(g_hi, u_hi, alpha, limit, ACT)
+        tl.store(row, h_lo.to(a_ptr.dtype.element_ty), mask=keep)
+        tl.store(row + 8, h_hi.to(a_ptr.dtype.element_ty), mask=keep)
+
+
+@triton.jit
+def _down_unit(
+    v, a_ptr, ids_ptr, tw_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr, E,
+    stride_am, stride_we, stride_se, stride_be, stride_om, lane, warp,
+    TOP_K: tl.constexpr, CH: tl.constexpr, TILES: tl.constexpr, W: tl.constexpr,
+    U: tl.constexpr, HAS_BIAS: tl.constexpr, BF16: tl.constexpr,
+):  # fmt: skip
+    """Output tile ``v % TILES`` of token ``v // TILES``: the sum over the token's slots of
+    routing weight x down(expert, intermediate row), as jobs (slot, chunk) over the warps."""
+    m = v // TILES
+    tile = v % TILES
+    t = lane % 4
+    JOBS: tl.constexpr = TOP_K * CH
+    STEP: tl.constexpr = W * U
+    j0 = tl.arange(0, U)[:, None] * W + warp[None, :]  # [U, 32W]
+    tile64 = tile.to(tl.int64) * CH
+    acc0 = tl.zeros((U, 1, 32 * W), dtype=tl.float32)
+    acc2 = tl.zeros((U, 1, 32 * W), dtype=tl.float32)
+    zero = tl.zeros((U, 1, 32 * W), dtype=tl.float32)
+    # job j: slot j // CH, chunk j % CH; a foreign expert's jobs load nothing and weigh 0
+    j = j0
+    ok = j < JOBS
+    pair = m * TOP_K + j // CH
+    e = tl.load(ids_ptr + pair, mask=ok, other=-1).to(tl.int32)
+    ok = ok & (e >= 0) & (e < E)
+    e64 = tl.where(ok, e, 0).to(tl.int64)
+    c = j % CH
+    q = _load_w(w_ptr + e64 * stride_we + (tile64 + c) * 128 + 4 * lane,
+                s_ptr + e64 * stride_se + (tile64 + c) * 32 + lane, ok, False)  # fmt: skip
+    for _ in range(0, JOBS, STEP):
+        # the next jobs' weights first (in flight during this step's MMAs)
+        jn = j + STEP
+        okn = jn < JOBS
+        pairn = m * TOP_K + jn // CH
+        en = tl.load(ids_ptr + pairn, mask=okn, other=-1).to(tl.int32)
+        okn = okn & (en >= 0) & (en < E)
+        e64n = tl.where(okn, en, 0).to(tl.int64)
+        cn = jn % CH
+        qn = _load_w(w_ptr + e64n * stride_we + (tile64 + cn) * 128 + 4 * lane,
+                     s_ptr + e64n * stride_se + (tile64 + cn) * 32 + lane, okn, False)  # fmt: skip
+        a_ptrs = a_ptr + pair.to(tl.int64) * stride_am + c * 64 + 16 * t
+        xs = _load_a(a_ptrs[:, None, :], ok[:, None, :])
+        f = tl.load(tw_ptr + pair, mask=ok, other=0.0) * tl.load(gs_ptr + e64, mask=ok, other=0.0)
+        r0, _, r2, _ = _chunk_mma(zero, zero, zero, zero, q, xs, BF16, True)
+        acc0 += r0 * f[:, None, :]
+        acc2 += r2 * f[:, None, :]
+        j = jn
+        ok = okn
+        pair = pairn
+        e64 = e64n
+        c = cn
+        q = qn
+    lo = tl.arange(0, 32)[None, :]
+    n = tile * 16 + lo // 4
+    keep = lo % 4 == 0
+    y_lo = _k_reduce(acc0, 1, W, 1) * 256.0
+    y_hi = _k_reduce(acc2, 1, W, 1) * 256.0
+    if HAS_BIAS:
+        for s in tl.static_range(TOP_K):
+            es = tl.load(ids_ptr + m * TOP_K + s).to(tl.int32)
+            valid = (es >= 0) & (es < E)
+            ws = tl.where(valid, tl.load(tw_ptr + m * TOP_K + s), 0.0)
+            es64 = tl.where(valid, es, 0).to(tl.int64)
+            y_lo += ws * tl.load(b_ptr + es64 * stride_be + n)
+            y_hi += ws * tl.load(b_ptr + es64 * stride_be + n + 8)
+    row = out_ptr + m.to(tl.int64) * stride_om + n
+    tl.store(row, y_lo.to(out_ptr.dtype.element_ty), mask=keep)
+    tl.store(row + 8, y_hi.to(out_ptr.dtype.element_ty), mask=keep)
+
+
+@triton.jit(do_not_specialize=["units1", "units2", "programs"])
+def _fused_moe_kernel(
+    x_ptr, ids_ptr, tw_ptr, w13_ptr, s13_ptr, gs13_ptr, b13_ptr,
+    w2_ptr, s2_ptr, gs2_ptr, b2_ptr, a_ptr, out_ptr, cnt_ptr,
+    units1, units2, programs, E,
+    stride_xm, stride_w13, stride_s13, stride_b13, stride_w2, stride_s2, stride_b2,
+    stride_am, stride_om, alpha, limit,
+    TOP_K: tl.constexpr, CH1: tl.constexpr, TILES1: tl.constexpr, CH2: tl.constexpr,
+    TILES2: tl.constexpr, W: tl.constexpr, U: tl.constexpr, ACT: tl.constexpr,
+    HAS_B13: tl.constexpr, HAS_B2: tl.constexpr, BF16: tl.constexpr, PHASE: tl.constexpr,
+):  # fmt: skip
+    """PHASE 0: both phases with the grid barrier between (cooperative launch, ``programs``
+    persistent programs, unit i of a phase on program i % programs); 1 / 2: one phase."""
+    pid = tl.program_id(0)
+    idx = tl.arange(0, 32 * W)
+    lane = idx % 32
+    warp = idx // 32
+    if PHASE != 2:
+        for u in range(pid, units1, programs):
+            _gate_up_unit(
+                u, x_ptr, ids_ptr, w13_ptr, s13_ptr, gs13_ptr, b13_ptr, a_ptr, E,
+                stride_xm, stride_w13, stride_s13, stride_b13, stride_am, alpha, limit,
+                lane, warp, TOP_K, CH1, TILES1, W, U, ACT, HAS_B13, BF16,
+            )  # fmt: skip
+    stride_a = stride_am
+    if PHASE == 0:
+        stride_a = tl.max(_grid_barrier(cnt_ptr, idx, programs, stride_am), axis=0)
+    if PHASE != 1:
+        for v in range(pid, units2, programs):
+            _down_unit(
+                v, a_ptr, ids_ptr, tw_ptr, w2_ptr, s2_ptr, gs2_ptr, b2_ptr, out_ptr, E,
+                stride_a, stride_w2, stride_s2, stride_b2, stride_om, lane, warp,
+                TOP_K, CH2, TILES2, W, U, HAS_B2, BF16,
+            )  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# host side
+
+
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def fused_moe_small(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    tw: torch.Tensor,
+    w13: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    w2: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    b13: torch.Tensor | None,
+    b2: torch.Tensor | None,
+    act_code: int,
+    alpha: float,
+    limit: float,
+    cfg: FusedMoeConfig,
+    out: torch.Tensor,
+    inter: int,
+    a: torch.Tensor,
+) -> None:
+    """out [M, H] = the routed experts of x (checked by the caller: repacked stacks, x [M, H]
+    16-bit with 16-byte aligned rows, ids [M, top_k] contiguous, tw float32 [M * top_k]).
+    ``a`` is the scratch intermediate [M * top_k, I] in x.dtype."""
+    c13, s13, g13 = w13
+    c2, s2, g2 = w2
+    s13, s2 = s13.view(torch.int16), s2.view(torch.int16)  # scale pairs
+    m, hidden = x.shape
+    top_k = ids.shape[1]
+    units1, units2 = fused_units(m, top_k, inter, hidden)
+    kw = dict(
+        x_ptr=x, ids_ptr=ids, tw_ptr=tw, w13_ptr=c13, s13_ptr=s13, gs13_ptr=g13,
+        b13_ptr=b13 if b13 is not None else g13, w2_ptr=c2, s2_ptr=s2, gs2_ptr=g2,
+        b2_ptr=b2 if b2 is not None else g2, a_ptr=a, out_ptr=out,
+        units1=units1, units2=units2, E=c13.shape[0],
+        stride_xm=x.stride(0), stride_w13=c13.stride(0), stride_s13=s13.stride(0),
+        stride_b13=b13.stride(0) if b13 is not None else 0, stride_w2=c2.stride(0),
+        stride_s2=s2.stride(0), stride_b2=b2.stride(0) if b2 is not None else 0,
+        stride_am=a.stride(0), stride_om=out.stride(0), alpha=float(alpha), limit=float(limit),
+        TOP_K=top_k, CH1=hidden // 64, TILES1=inter // 16, CH2=inter // 64,
+        TILES2=hidden // 16, W=cfg.warps, U=cfg.unroll, ACT=act_code,
+        HAS_B13=b13 is not None, HAS_B2=b2 is not None, BF16=x.dtype == torch.bfloat16,
+        num_warps=cfg.warps, num_stages=1,
+    )  # fmt: skip
+    if cfg.fused:
+        programs = min(max(units1, units2), _sm_count(x.device) * cfg.programs_per_sm)
+        cnt = torch.zeros(1, dtype=torch.int32, device=x.device)
+        _fused_moe_kernel[(programs,)](
+            cnt_ptr=cnt, programs=programs, PHASE=0, launch_cooperative_grid=True, **kw
+        )
+    else:
+        _fused_moe_kernel[(units1,)](cnt_ptr=tw, programs=units1, PHASE=1, **kw)
+        _fused_moe_kernel[(units2,)](cnt_ptr=tw, programs=units2, PHASE=2, **kw)
