@@ -414,7 +414,7 @@ WARP_SWEEP = [((1, 2, 2), (1, 1, 2)), ((1, 4, 2), (1, 2, 2)), ((1, 2, 2), (1, 2,
               ((1, 2, 1), (1, 1, 1))]  # fmt: skip
 
 
-def sweep_configs(m: int, top_k: int, e: int, i: int, h: int) -> list:
+def sweep_configs(m: int, top_k: int, e: int, i: int, h: int, only_fused: bool = False) -> list:
     """The mma.sync kernels (the heuristic's warps; 8- and 16-pair blocks) up to 16 tokens per
     expert, grouped GEMM tiles from 2 on."""
     from quantdispatch.kernels.fp4_mma_ckpt import mma_moe_config
@@ -422,8 +422,11 @@ def sweep_configs(m: int, top_k: int, e: int, i: int, h: int) -> list:
     tpe = m * top_k / e
     out: list = []
     if 4 * m * top_k <= e:  # one launch for the whole layer (kernels/fp4_mma_moe_fused.py)
-        out += [FusedMoeConfig(w, u, True, p) for w in (4, 8) for u in (1, 2) for p in (1, 2)]
-        out += [FusedMoeConfig(4, 2, False), FusedMoeConfig(8, 2, False)]
+        out += [FusedMoeConfig(4, 2, True, p) for p in (2, 3, 4)]
+        out += [FusedMoeConfig(8, u, True, p) for u in (1, 2) for p in (1, 2)]
+        out += [FusedMoeConfig(w, 2, False) for w in (4, 8)]
+        if only_fused:
+            return out
     if tpe <= 1:  # single pairs or 8-pair blocks, warps per GEMM (wt, wk, unroll) around the pick
         for direct in (True, False):
             for g1, g2 in WARP_SWEEP:
@@ -439,7 +442,7 @@ def sweep_configs(m: int, top_k: int, e: int, i: int, h: int) -> list:
     return out
 
 
-def sweep(layers: dict[str, Layer], gen, budget_s: float) -> list[dict]:
+def sweep(layers: dict[str, Layer], gen, budget_s: float, only_fused: bool = False) -> list[dict]:
     t0 = time.time()
     rows = []
     for name, m in SWEEP_POINTS:
@@ -448,7 +451,7 @@ def sweep(layers: dict[str, Layer], gen, budget_s: float) -> list[dict]:
             continue
         inputs = layer.routings(m, ROUTINGS, gen)
         ref = layer.reference(*inputs[0])
-        for cfg in sweep_configs(m, layer.top_k, layer.e, layer.i, layer.h):
+        for cfg in sweep_configs(m, layer.top_k, layer.e, layer.i, layer.h, only_fused):
             if time.time() - t0 > budget_s:
                 log("sweep: budget spent")
                 return rows
@@ -478,6 +481,7 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="then time alternative tile configs")
     ap.add_argument("--sweep-budget", type=float, default=90.0)
     ap.add_argument("--sweep-points", help="MODEL:M,... instead of the built-in sweep points")
+    ap.add_argument("--sweep-fused", action="store_true", help="sweep only the one-launch kernel")
     ap.add_argument("--ms", help="comma-separated M values instead of the default list")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter")
     ap.add_argument("--rebuild", type=Path, help="rescale the floors of a result JSON, no GPU")
@@ -545,7 +549,7 @@ def main() -> None:
             torch.cuda.empty_cache()
     log(markdown(meta, rows))
     if args.sweep and not smoke:
-        srows = sweep(layers, gen, args.sweep_budget)
+        srows = sweep(layers, gen, args.sweep_budget, args.sweep_fused)
         (out_dir / f"moe-sweep-{slug}-{date}.json").write_text(
             json.dumps({"meta": meta, "rows": srows}, indent=1)
         )

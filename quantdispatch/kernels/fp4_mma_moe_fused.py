@@ -196,55 +196,54 @@ def _down_unit(
     U: tl.constexpr, HAS_BIAS: tl.constexpr, BF16: tl.constexpr,
 ):  # fmt: skip
     """Output tile ``v % TILES`` of token ``v // TILES``: the sum over the token's slots of
-    routing weight x down(expert, intermediate row), as jobs (slot, chunk) over the warps."""
+    routing weight x down(expert, intermediate row). The warps take min(TOP_K, W) slots at a
+    time (a fixed expert per warp and pass, its chunks split over W // that many warps); the
+    cross-warp sum at the end is the top-k sum, in a fixed order."""
     m = v // TILES
     tile = v % TILES
     t = lane % 4
-    JOBS: tl.constexpr = TOP_K * CH
-    STEP: tl.constexpr = W * U
-    j0 = tl.arange(0, U)[:, None] * W + warp[None, :]  # [U, 32W]
+    SPP: tl.constexpr = TOP_K if TOP_K < W else W  # slots per pass
+    WS: tl.constexpr = W // SPP  # warps per slot
+    PASSES: tl.constexpr = (TOP_K + SPP - 1) // SPP
+    STEP: tl.constexpr = WS * U
+    active = warp < SPP * WS
+    chunk0 = tl.arange(0, U)[:, None] * WS + (warp // SPP)[None, :]  # [U, 32W]
     tile64 = tile.to(tl.int64) * CH
-    acc0 = tl.zeros((U, 1, 32 * W), dtype=tl.float32)
-    acc2 = tl.zeros((U, 1, 32 * W), dtype=tl.float32)
-    zero = tl.zeros((U, 1, 32 * W), dtype=tl.float32)
-    # job j: slot j // CH, chunk j % CH; a foreign expert's jobs load nothing and weigh 0
-    j = j0
-    ok = j < JOBS
-    pair = m * TOP_K + j // CH
-    e = tl.load(ids_ptr + pair, mask=ok, other=-1).to(tl.int32)
-    ok = ok & (e >= 0) & (e < E)
-    e64 = tl.where(ok, e, 0).to(tl.int64)
-    c = j % CH
-    q = _load_w(w_ptr + e64 * stride_we + (tile64 + c) * 128 + 4 * lane,
-                s_ptr + e64 * stride_se + (tile64 + c) * 32 + lane, ok, False)  # fmt: skip
-    for _ in range(0, JOBS, STEP):
-        # the next jobs' weights first (in flight during this step's MMAs)
-        jn = j + STEP
-        okn = jn < JOBS
-        pairn = m * TOP_K + jn // CH
-        en = tl.load(ids_ptr + pairn, mask=okn, other=-1).to(tl.int32)
-        okn = okn & (en >= 0) & (en < E)
-        e64n = tl.where(okn, en, 0).to(tl.int64)
-        cn = jn % CH
-        qn = _load_w(w_ptr + e64n * stride_we + (tile64 + cn) * 128 + 4 * lane,
-                     s_ptr + e64n * stride_se + (tile64 + cn) * 32 + lane, okn, False)  # fmt: skip
-        a_ptrs = a_ptr + pair.to(tl.int64) * stride_am + c * 64 + 16 * t
-        xs = _load_a(a_ptrs[:, None, :], ok[:, None, :])
-        f = tl.load(tw_ptr + pair, mask=ok, other=0.0) * tl.load(gs_ptr + e64, mask=ok, other=0.0)
-        r0, _, r2, _ = _chunk_mma(zero, zero, zero, zero, q, xs, BF16, True)
-        acc0 += r0 * f[:, None, :]
-        acc2 += r2 * f[:, None, :]
-        j = jn
-        ok = okn
-        pair = pairn
-        e64 = e64n
-        c = cn
-        q = qn
+    sum_lo = tl.zeros((U, 1, 32 * W), dtype=tl.float32)  # rows g (acc0) of the token column
+    sum_hi = tl.zeros((U, 1, 32 * W), dtype=tl.float32)  # rows g + 8 (acc2)
+    for ps in tl.static_range(PASSES):
+        slot = ps * SPP + warp % SPP
+        pair = m * TOP_K + slot
+        ok_s = active & (slot < TOP_K)
+        e = tl.load(ids_ptr + pair, mask=ok_s, other=-1).to(tl.int32)
+        ok_s = ok_s & (e >= 0) & (e < E)
+        e64 = tl.where(ok_s, e, 0).to(tl.int64)
+        f = tl.load(tw_ptr + pair, mask=ok_s, other=0.0) * tl.load(gs_ptr + e64, mask=ok_s,
+                                                                   other=0.0)  # fmt: skip
+        w_base = (w_ptr + e64 * stride_we + tile64 * 128 + 4 * lane)[None, :]
+        s_base = (s_ptr + e64 * stride_se + tile64 * 32 + lane)[None, :]
+        a_row = (a_ptr + pair.to(tl.int64) * stride_am + 16 * t)[None, None, :]
+        ok_s2 = ok_s[None, :]
+        acc0 = tl.zeros((U, 1, 32 * W), dtype=tl.float32)
+        acc1 = tl.zeros((U, 1, 32 * W), dtype=tl.float32)
+        acc2 = tl.zeros((U, 1, 32 * W), dtype=tl.float32)
+        acc3 = tl.zeros((U, 1, 32 * W), dtype=tl.float32)
+        q = _load_w(w_base + chunk0 * 128, s_base + chunk0 * 32, (chunk0 < CH) & ok_s2, False)
+        for c0 in range(0, CH, STEP):
+            c = c0 + chunk0
+            nxt = c + STEP
+            qn = _load_w(w_base + nxt * 128, s_base + nxt * 32, (nxt < CH) & ok_s2, False)
+            ok = (c < CH) & ok_s2
+            xs = _load_a(a_row + (c * 64)[:, None, :], ok[:, None, :])
+            acc0, acc1, acc2, acc3 = _chunk_mma(acc0, acc1, acc2, acc3, q, xs, BF16, True)
+            q = qn
+        sum_lo += acc0 * f[None, None, :]
+        sum_hi += acc2 * f[None, None, :]
     lo = tl.arange(0, 32)[None, :]
     n = tile * 16 + lo // 4
     keep = lo % 4 == 0
-    y_lo = _k_reduce(acc0, 1, W, 1) * 256.0
-    y_hi = _k_reduce(acc2, 1, W, 1) * 256.0
+    y_lo = _k_reduce(sum_lo, 1, W, 1) * 256.0
+    y_hi = _k_reduce(sum_hi, 1, W, 1) * 256.0
     if HAS_BIAS:
         for s in tl.static_range(TOP_K):
             es = tl.load(ids_ptr + m * TOP_K + s).to(tl.int32)
