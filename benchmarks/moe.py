@@ -422,9 +422,8 @@ def sweep_configs(m: int, top_k: int, e: int, i: int, h: int, only_fused: bool =
     tpe = m * top_k / e
     out: list = []
     if 4 * m * top_k <= e:  # one launch for the whole layer (kernels/fp4_mma_moe_fused.py)
-        out += [FusedMoeConfig(4, 2, True, p) for p in (2, 3, 4)]
-        out += [FusedMoeConfig(8, u, True, p) for u in (1, 2) for p in (1, 2)]
-        out += [FusedMoeConfig(w, 2, False) for w in (4, 8)]
+        out += [FusedMoeConfig(4, 2, w, u) for w in (4, 8, 16) for u in (1, 2)]
+        out += [FusedMoeConfig(w, 2, 8, 2) for w in (2, 8)] + [FusedMoeConfig(4, 1, 8, 2)]
         if only_fused:
             return out
     if tpe <= 1:  # single pairs or 8-pair blocks, warps per GEMM (wt, wk, unroll) around the pick

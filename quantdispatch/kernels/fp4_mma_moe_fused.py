@@ -39,18 +39,16 @@ __all__ = ["FusedMoeConfig", "fused_moe_small", "fused_units"]
 
 @dataclass(frozen=True)
 class FusedMoeConfig:
-    """``warps`` per program (all split K: each unit is one 16-row tile), ``unroll`` chunks in
-    flight per warp, ``fused`` one cooperative launch (else two launches), at most
-    ``programs_per_sm`` programs per SM (fused)."""
+    """Warps and chunks in flight per warp of the gate/up programs (one 16-row tile each, K
+    split over the warps) and of the down programs (one 16-row output tile of one token)."""
 
     warps: int = 4
     unroll: int = 2
-    fused: bool = True
-    programs_per_sm: int = 1
+    warps_down: int = 8
+    unroll_down: int = 2
 
     def label(self) -> str:
-        kind = f"fused x{self.programs_per_sm}/SM" if self.fused else "2 launches"
-        return f"{kind} w{self.warps}u{self.unroll}"
+        return f"topk-sum w{self.warps}u{self.unroll}/w{self.warps_down}u{self.unroll_down}"
 
 
 def fused_units(m: int, top_k: int, inter: int, hidden: int) -> tuple[int, int]:
@@ -70,18 +68,6 @@ _LOAD_A_ASM = tl.constexpr(
     "@p ld.global.cg.v4.b32 {$0, $1, $2, $3}, [$9];\n"
     "@p ld.global.cg.v4.b32 {$4, $5, $6, $7}, [$9+16]; }"
 )
-# Arrive at the grid barrier: thread 0 of the program, after the program's barrier, makes the
-# program's stores visible GPU-wide (fence) and counts the arrival.
-_ARRIVE_ASM = tl.constexpr(
-    "{ .reg .pred p; setp.eq.u32 p, $1, 0;\n"
-    "@p fence.acq_rel.gpu;\n"
-    "@p red.relaxed.gpu.global.add.u32 [$2], 1;\n"
-    "mov.b32 $0, 0; }"
-)
-# After the wait: order the later loads after the observed count (acquire side). Returns $1,
-# which the caller uses as the intermediate's row stride: a data dependence the compiler
-# cannot move the loads above.
-_ACQUIRE_ASM = tl.constexpr("fence.acq_rel.gpu;\nmov.b32 $0, $1;")
 
 
 @triton.jit
@@ -95,25 +81,6 @@ def _load_a(a_ptrs, ok):
         is_pure=True,
         pack=1,
     )
-
-
-@triton.jit
-def _grid_barrier(cnt_ptr, idx, programs, stride_am):
-    """All programs' phase-1 stores visible, then every program past this point. Returns the
-    intermediate's row stride (see _ACQUIRE_ASM)."""
-    tl.debug_barrier()
-    tl.inline_asm_elementwise(
-        _ARRIVE_ASM, "=r,r,l", [idx, cnt_ptr + idx * 0], dtype=tl.int32, is_pure=False, pack=1
-    )
-    n = tl.load(cnt_ptr, volatile=True)
-    while n < programs:
-        n = tl.load(cnt_ptr, volatile=True)
-    s = tl.inline_asm_elementwise(
-        _ACQUIRE_ASM, "=r,r", [stride_am + n * 0 + idx * 0], dtype=tl.int32, is_pure=False,
-        pack=1,
-    )  # fmt: skip
-    tl.debug_barrier()
-    return s
 
 
 # --------------------------------------------------------------------------------------------
@@ -257,48 +224,36 @@ def _down_unit(
     tl.store(row + 8, y_hi.to(out_ptr.dtype.element_ty), mask=keep)
 
 
-@triton.jit(do_not_specialize=["units1", "units2", "programs"])
-def _fused_moe_kernel(
+@triton.jit
+def _small_moe_kernel(
     x_ptr, ids_ptr, tw_ptr, w13_ptr, s13_ptr, gs13_ptr, b13_ptr,
-    w2_ptr, s2_ptr, gs2_ptr, b2_ptr, a_ptr, out_ptr, cnt_ptr,
-    units1, units2, programs, E,
+    w2_ptr, s2_ptr, gs2_ptr, b2_ptr, a_ptr, out_ptr, E,
     stride_xm, stride_w13, stride_s13, stride_b13, stride_w2, stride_s2, stride_b2,
     stride_am, stride_om, alpha, limit,
     TOP_K: tl.constexpr, CH1: tl.constexpr, TILES1: tl.constexpr, CH2: tl.constexpr,
     TILES2: tl.constexpr, W: tl.constexpr, U: tl.constexpr, ACT: tl.constexpr,
-    HAS_B13: tl.constexpr, HAS_B2: tl.constexpr, BF16: tl.constexpr, PHASE: tl.constexpr,
+    HAS_B13: tl.constexpr, HAS_B2: tl.constexpr, BF16: tl.constexpr, GATE_UP: tl.constexpr,
 ):  # fmt: skip
-    """PHASE 0: both phases with the grid barrier between (cooperative launch, ``programs``
-    persistent programs, unit i of a phase on program i % programs); 1 / 2: one phase."""
-    pid = tl.program_id(0)
+    """One unit per program: GATE_UP (pair, I tile) or down (token, H tile)."""
     idx = tl.arange(0, 32 * W)
     lane = idx % 32
     warp = idx // 32
-    if PHASE != 2:
-        for u in range(pid, units1, programs):
-            _gate_up_unit(
-                u, x_ptr, ids_ptr, w13_ptr, s13_ptr, gs13_ptr, b13_ptr, a_ptr, E,
-                stride_xm, stride_w13, stride_s13, stride_b13, stride_am, alpha, limit,
-                lane, warp, TOP_K, CH1, TILES1, W, U, ACT, HAS_B13, BF16,
-            )  # fmt: skip
-    stride_a = stride_am
-    if PHASE == 0:
-        stride_a = tl.max(_grid_barrier(cnt_ptr, idx, programs, stride_am), axis=0)
-    if PHASE != 1:
-        for v in range(pid, units2, programs):
-            _down_unit(
-                v, a_ptr, ids_ptr, tw_ptr, w2_ptr, s2_ptr, gs2_ptr, b2_ptr, out_ptr, E,
-                stride_a, stride_w2, stride_s2, stride_b2, stride_om, lane, warp,
-                TOP_K, CH2, TILES2, W, U, HAS_B2, BF16,
-            )  # fmt: skip
+    if GATE_UP:
+        _gate_up_unit(
+            tl.program_id(0), x_ptr, ids_ptr, w13_ptr, s13_ptr, gs13_ptr, b13_ptr, a_ptr, E,
+            stride_xm, stride_w13, stride_s13, stride_b13, stride_am, alpha, limit,
+            lane, warp, TOP_K, CH1, TILES1, W, U, ACT, HAS_B13, BF16,
+        )  # fmt: skip
+    else:
+        _down_unit(
+            tl.program_id(0), a_ptr, ids_ptr, tw_ptr, w2_ptr, s2_ptr, gs2_ptr, b2_ptr, out_ptr,
+            E, stride_am, stride_w2, stride_s2, stride_b2, stride_om, lane, warp,
+            TOP_K, CH2, TILES2, W, U, HAS_B2, BF16,
+        )  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
 # host side
-
-
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def fused_moe_small(
@@ -330,22 +285,19 @@ def fused_moe_small(
         x_ptr=x, ids_ptr=ids, tw_ptr=tw, w13_ptr=c13, s13_ptr=s13, gs13_ptr=g13,
         b13_ptr=b13 if b13 is not None else g13, w2_ptr=c2, s2_ptr=s2, gs2_ptr=g2,
         b2_ptr=b2 if b2 is not None else g2, a_ptr=a, out_ptr=out,
-        units1=units1, units2=units2, E=c13.shape[0],
+        E=c13.shape[0],
         stride_xm=x.stride(0), stride_w13=c13.stride(0), stride_s13=s13.stride(0),
         stride_b13=b13.stride(0) if b13 is not None else 0, stride_w2=c2.stride(0),
         stride_s2=s2.stride(0), stride_b2=b2.stride(0) if b2 is not None else 0,
         stride_am=a.stride(0), stride_om=out.stride(0), alpha=float(alpha), limit=float(limit),
         TOP_K=top_k, CH1=hidden // 64, TILES1=inter // 16, CH2=inter // 64,
-        TILES2=hidden // 16, W=cfg.warps, U=cfg.unroll, ACT=act_code,
-        HAS_B13=b13 is not None, HAS_B2=b2 is not None, BF16=x.dtype == torch.bfloat16,
-        num_warps=cfg.warps, num_stages=1,
+        TILES2=hidden // 16, ACT=act_code, HAS_B13=b13 is not None, HAS_B2=b2 is not None,
+        BF16=x.dtype == torch.bfloat16,
     )  # fmt: skip
-    if cfg.fused:
-        programs = min(max(units1, units2), _sm_count(x.device) * cfg.programs_per_sm)
-        cnt = torch.zeros(1, dtype=torch.int32, device=x.device)
-        _fused_moe_kernel[(programs,)](
-            cnt_ptr=cnt, programs=programs, PHASE=0, launch_cooperative_grid=True, **kw
-        )
-    else:
-        _fused_moe_kernel[(units1,)](cnt_ptr=tw, programs=units1, PHASE=1, **kw)
-        _fused_moe_kernel[(units2,)](cnt_ptr=tw, programs=units2, PHASE=2, **kw)
+    _small_moe_kernel[(units1,)](
+        **kw, W=cfg.warps, U=cfg.unroll, GATE_UP=True, num_warps=cfg.warps, num_stages=1
+    )
+    _small_moe_kernel[(units2,)](
+        **kw, W=cfg.warps_down, U=cfg.unroll_down, GATE_UP=False, num_warps=cfg.warps_down,
+        num_stages=1,
+    )  # fmt: skip

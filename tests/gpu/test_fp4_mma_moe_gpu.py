@@ -74,9 +74,9 @@ REGIMES = [
     ("gemm64", lambda m: MoeGemmTile(64, stages=3)),
     ("gemm64-n128", lambda m: MoeGemmTile(64, block_n=128, warps=8, stages=3)),
     ("dequant", lambda m: DequantMoeConfig()),
-    ("fused", lambda m: FusedMoeConfig()),
-    ("fused-w8u1x2", lambda m: FusedMoeConfig(8, 1, True, 2)),
-    ("fused-2launch", lambda m: FusedMoeConfig(fused=False)),
+    ("topk-sum", lambda m: FusedMoeConfig()),
+    ("topk-sum-w4", lambda m: FusedMoeConfig(4, 2, 4, 2)),
+    ("topk-sum-w16", lambda m: FusedMoeConfig(2, 1, 16, 1)),
 ]
 
 
@@ -154,8 +154,8 @@ def test_fp16_layer_runs_its_fp16_layout():
     assert rel(layer(x, logits), moe64("nvfp4", x, ids, w, w13, w2)) < BOUND[torch.float16]
 
 
-@pytest.mark.parametrize("cfg", [FusedMoeConfig(), FusedMoeConfig(fused=False)],
-                         ids=["fused", "2launch"])  # fmt: skip
+@pytest.mark.parametrize("cfg", [FusedMoeConfig(), FusedMoeConfig(8, 1, 16, 1)],
+                         ids=["default", "w16"])  # fmt: skip
 def test_fused_kernel_biases_uneven_chunks_graphs_and_determinism(nan_empty, cfg):
     """gpt-oss-like (45 chunks per row: not a multiple of the warps' K step; biases; clamped
     SwiGLU) against float64; a CUDA graph replay equals eager bit for bit, and so do repeated
