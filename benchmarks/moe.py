@@ -63,7 +63,7 @@ from quantdispatch.kernels.fp4_mma_moe import (
     moe_layout_config,
     repack_experts,
 )
-from quantdispatch.kernels.fp4_mma_moe_fused import FusedMoeConfig
+from quantdispatch.kernels.fp4_mma_moe_small import SmallMoeConfig
 
 MODELS: dict[str, tuple[int, int, int, int]] = {
     "qwen3-30b-a3b": (128, 8, 2048, 768),
@@ -280,7 +280,7 @@ def distinct_experts(ids: torch.Tensor) -> int:
 
 
 def config_dict(cfg: fm.MoeConfig | MmaMoeConfig | fm.DequantMoeConfig | MoeGemmTile) -> dict:
-    if isinstance(cfg, FusedMoeConfig):
+    if isinstance(cfg, SmallMoeConfig):
         return {"kernel": "fused", **vars(cfg)}
     if isinstance(cfg, fm.DequantMoeConfig):
         return {"kernel": "dequant+grouped_mm"}
@@ -301,7 +301,7 @@ def config_label(c: dict) -> str:
     if c.get("kernel") == "dequant+grouped_mm":
         return "dequant + grouped_mm"
     if c.get("kernel") == "fused":
-        return FusedMoeConfig(**{k: v for k, v in c.items() if k != "kernel"}).label()
+        return SmallMoeConfig(**{k: v for k, v in c.items() if k != "kernel"}).label()
     if c.get("kernel") == "gemm":
         tile = {k: v for k, v in c.items() if k != "kernel"}
         return MoeGemmTile(**tile).label()
@@ -421,9 +421,9 @@ def sweep_configs(m: int, top_k: int, e: int, i: int, h: int, only_fused: bool =
 
     tpe = m * top_k / e
     out: list = []
-    if 4 * m * top_k <= e:  # one launch for the whole layer (kernels/fp4_mma_moe_fused.py)
-        out += [FusedMoeConfig(4, 2, w, u) for w in (4, 8, 16) for u in (1, 2)]
-        out += [FusedMoeConfig(w, 2, 8, 2) for w in (2, 8)] + [FusedMoeConfig(4, 1, 8, 2)]
+    if 4 * m * top_k <= e:  # one launch for the whole layer (kernels/fp4_mma_moe_small.py)
+        out += [SmallMoeConfig(4, 2, w, u) for w in (4, 8, 16) for u in (1, 2)]
+        out += [SmallMoeConfig(w, 2, 8, 2) for w in (2, 8)] + [SmallMoeConfig(4, 1, 8, 2)]
         if only_fused:
             return out
     if tpe <= 1:  # single pairs or 8-pair blocks, warps per GEMM (wt, wk, unroll) around the pick

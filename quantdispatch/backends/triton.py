@@ -148,8 +148,9 @@ class TritonBackend(Backend):
                 few, many = "few", "very many"
             text = (
                 "gated layers with I and H multiples of 64: experts repacked once (mma16x64, "
-                f"same bytes); {few} tokens per expert: mma.sync kernels with PTX decode; more: "
-                "a grouped tl.dot GEMM decoding the same weight"
+                f"same bytes); {few} tokens per expert: mma.sync kernels with PTX decode (the "
+                "top-k sum inside the down kernel where each pair has its own expert); more: a "
+                "grouped tl.dot GEMM decoding the same weight"
             )
             if profile.capability >= (9, 0):
                 text += f"; {many}: experts dequantized per GEMM + torch._grouped_mm"

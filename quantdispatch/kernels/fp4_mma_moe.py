@@ -9,8 +9,12 @@ checkpoint layout because their larger-M kernels read it; with the tl.dot GEMM t
 repacked layout (:mod:`.fp4_mma_gemm`) every regime can read the repacked copy, and it holds the
 same bytes (no second copy):
 
+* single (token, slot) pairs (4 x pairs <= E: decode): the mma.sync gate/up tiles of
+  :mod:`.fp4_mma_ckpt` and a down kernel that also sums the top-k slots
+  (:mod:`.fp4_mma_moe_small`: two launches instead of three);
 * few tokens per expert: the mma.sync gate/up + down kernels of :mod:`.fp4_mma_ckpt` in their
-  REPACKED mode (gate and up tiles of a warp share the activation fragments, activation fused);
+  REPACKED mode (gate and up tiles of a warp share the activation fragments, activation fused)
+  on 8-pair blocks;
 * mid: a grouped GEMM (:func:`_moe_gemm_kernel`): expert-sorted blocks of ``block_m`` pairs
   (:func:`.fused_moe.moe_align`) times 64-row weight tiles, the weight decoded into the wgmma A
   operand as in :mod:`.fp4_mma_gemm` (swap AB: weight rows x tokens). Gate/up programs run the
@@ -40,7 +44,7 @@ from quantdispatch.kernels import fused_moe
 from quantdispatch.kernels.fp4_mma import CHUNK_K, TILE_N, mma_dequant_rows, repack, unpack
 from quantdispatch.kernels.fp4_mma_ckpt import MmaMoeConfig, mma_moe_config
 from quantdispatch.kernels.fp4_mma_gemm import _weight_tile, kappa_order
-from quantdispatch.kernels.fp4_mma_moe_fused import FusedMoeConfig, fused_moe_small
+from quantdispatch.kernels.fp4_mma_moe_small import SmallMoeConfig, small_moe, small_moe_config
 from quantdispatch.kernels.fused_moe import (
     DequantMoeConfig,
     _activation,
@@ -195,11 +199,12 @@ def moe_layout_config(
     device: torch.device,
     *,
     allow_dequant: bool = True,
-) -> MmaMoeConfig | MoeGemmTile | DequantMoeConfig:
+) -> SmallMoeConfig | MmaMoeConfig | MoeGemmTile | DequantMoeConfig:
     """The regime from the static sizes only (graphs and compile see no data dependence).
 
     Tokens per expert ``tpe = M * top_k / E``: <= MMA_MAX_TOKENS_PER_EXPERT the mma.sync
-    kernels (single pairs when 4 * pairs <= E, else 8-pair blocks); >=
+    kernels (single pairs when 4 * pairs <= E, with the top-k sum in the down kernel,
+    :func:`.fp4_mma_moe_small.small_moe_config`; else 8-pair blocks); >=
     DEQUANT_MIN_TOKENS_PER_EXPERT on SM 9.0+ dequantize + grouped_mm; in between the grouped
     GEMM, with blocks of 16 / 32 / 64 pairs (64-row weight tiles, 4 warps) and from 160 tokens
     per expert 128 pairs on 128-row tiles (8 warps). From the H200 sweep
@@ -221,9 +226,11 @@ def moe_layout_config(
     ):
         return DequantMoeConfig()
     if tpe <= MMA_MAX_TOKENS_PER_EXPERT:
-        return mma_moe_config(
-            pairs, experts, inter, hidden, direct=4 * pairs <= experts, repacked=True
-        )
+        direct = 4 * pairs <= experts
+        cfg = mma_moe_config(pairs, experts, inter, hidden, direct=direct, repacked=True)
+        if direct:  # single pairs: the top-k sum inside the down kernel (fp4_mma_moe_small)
+            return small_moe_config(cfg.gemm1.wk, cfg.gemm1.unroll, m, hidden)
+        return cfg
     if tpe <= 12:
         tile = MoeGemmTile(16, stages=3)
     elif tpe <= 24:
@@ -439,14 +446,14 @@ def mma_layout_moe(
             w13_bias, w2_bias, spec.code, True, alpha, limit, out,
         )  # fmt: skip
         return out
-    if isinstance(cfg, FusedMoeConfig):
+    if isinstance(cfg, SmallMoeConfig):
         if _interpreting() or x.device.type != "cuda":
             _fail("a fused config off a CUDA GPU", "the fused kernel is PTX",
                   "use a GEMM config (MoeGemmTile) under the interpreter", InputError)  # fmt: skip
         if x.stride(0) % 8 or x.data_ptr() % 16:  # 16-byte activation loads
             x = x.clone(memory_format=torch.contiguous_format)
         a = fused_moe.empty((pairs, inter), x.dtype, x.device)
-        fused_moe_small(x, ids, tw, tuple(w13), tuple(w2), w13_bias, w2_bias, spec.code,  # type: ignore[arg-type]
+        small_moe(x, ids, tw, tuple(w13), tuple(w2), w13_bias, w2_bias, spec.code,  # type: ignore[arg-type]
                         alpha, limit, cfg, out, inter, a)  # fmt: skip
         return out
     if isinstance(cfg, MmaMoeConfig):

@@ -28,7 +28,7 @@ from quantdispatch.kernels.fp4_mma_moe import (  # noqa: E402
     moe_layout_config,
     repack_experts,
 )
-from quantdispatch.kernels.fp4_mma_moe_fused import FusedMoeConfig  # noqa: E402
+from quantdispatch.kernels.fp4_mma_moe_small import SmallMoeConfig  # noqa: E402
 from quantdispatch.kernels.fused_moe import DequantMoeConfig  # noqa: E402
 from quantdispatch.moe import QuantMoE  # noqa: E402
 
@@ -74,9 +74,9 @@ REGIMES = [
     ("gemm64", lambda m: MoeGemmTile(64, stages=3)),
     ("gemm64-n128", lambda m: MoeGemmTile(64, block_n=128, warps=8, stages=3)),
     ("dequant", lambda m: DequantMoeConfig()),
-    ("topk-sum", lambda m: FusedMoeConfig()),
-    ("topk-sum-w4", lambda m: FusedMoeConfig(4, 2, 4, 2)),
-    ("topk-sum-w16", lambda m: FusedMoeConfig(2, 1, 16, 1)),
+    ("topk-sum", lambda m: SmallMoeConfig()),
+    ("topk-sum-w4", lambda m: SmallMoeConfig(4, 2, 4, 2)),
+    ("topk-sum-w16", lambda m: SmallMoeConfig(2, 1, 16, 1)),
 ]
 
 
@@ -154,7 +154,7 @@ def test_fp16_layer_runs_its_fp16_layout():
     assert rel(layer(x, logits), moe64("nvfp4", x, ids, w, w13, w2)) < BOUND[torch.float16]
 
 
-@pytest.mark.parametrize("cfg", [FusedMoeConfig(), FusedMoeConfig(8, 1, 16, 1)],
+@pytest.mark.parametrize("cfg", [SmallMoeConfig(), SmallMoeConfig(8, 1, 16, 1)],
                          ids=["default", "w16"])  # fmt: skip
 def test_fused_kernel_biases_uneven_chunks_graphs_and_determinism(nan_empty, cfg):
     """gpt-oss-like (45 chunks per row: not a multiple of the warps' K step; biases; clamped

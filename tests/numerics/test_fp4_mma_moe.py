@@ -33,6 +33,10 @@ from quantdispatch.kernels.fp4_mma_moe import (  # noqa: E402
     repack_experts,
     unpack_experts,
 )
+from quantdispatch.kernels.fp4_mma_moe_small import (  # noqa: E402
+    SmallMoeConfig,
+    small_moe_config,
+)
 from quantdispatch.request import Request  # noqa: E402
 
 if not fm._interpreting():
@@ -199,15 +203,55 @@ def test_mma_path_sizes_its_buffers_by_the_layers_sizes(monkeypatch, direct):
             assert seen["a"][0] >= m * top_k and seen["a"][0] % cfg.block_m == 0
 
 
+def test_small_moe_launches_one_program_per_unit(monkeypatch):
+    """The top-k-sum kernels are PTX (GPU only): what the host side launches is checked here.
+    Gate/up: one program per (pair, 16-row I tile); down: one per (token, 16-row H tile), each
+    with its own warps; the scratch intermediate is [pairs, I]."""
+    import quantdispatch.kernels.fp4_mma_moe_small as small
+
+    launches = []
+
+    class FakeKernel:
+        def __getitem__(self, grid):
+            def run(**kw):
+                launches.append((grid, kw))
+                if not kw["GATE_UP"]:
+                    kw["out_ptr"].zero_()
+
+            return run
+
+    monkeypatch.setattr(small, "_small_moe_kernel", FakeKernel())
+    e, hidden, inter, m, top_k = 4, 128, 192, 3, 2
+    ex = make_experts("nvfp4", e, hidden, inter, seed=3)
+    w13, w2, _ = stacked(ex)
+    r13 = (*repack_experts(w13[0], w13[1], torch.bfloat16), w13[2])
+    r2 = (*repack_experts(w2[0], w2[1], torch.bfloat16), w2[2])
+    ids, tw = routing(m, e, top_k, seed=1)
+    x = rand_x(m, hidden, torch.bfloat16, seed=2)
+    out = torch.empty(m, hidden, dtype=torch.bfloat16)
+    a = torch.empty(m * top_k, inter, dtype=torch.bfloat16)
+    cfg = SmallMoeConfig(2, 1, 8, 2)
+    small.small_moe(x, ids, tw, r13, r2, None, None, 0, 0.0, 0.0, cfg, out, inter, a)
+    (g1, k1), (g2, k2) = launches
+    assert g1 == (m * top_k * inter // 16,) and (k1["W"], k1["num_warps"], k1["U"]) == (2, 2, 1)
+    assert g2 == (m * hidden // 16,) and (k2["W"], k2["num_warps"], k2["U"]) == (8, 8, 2)
+    assert (k1["CH1"], k1["TILES1"], k1["CH2"], k1["TILES2"]) == (2, 12, 3, 8)
+    assert k1["stride_am"] == inter and k1["TOP_K"] == top_k
+
+
 def test_regimes_from_tokens_per_expert():
-    cfg = moe_layout_config(1, 8, 128, 768, 2048, CPU)  # 8 pairs on 128 experts
-    assert isinstance(cfg, MmaMoeConfig) and cfg.direct
-    assert (cfg.gemm1.wk, cfg.gemm2.wk) == (4, 2)  # small experts, 8 pairs: split K for warps
+    # single pairs (4 x pairs <= E): gate/up warps as the per-pair mma kernels were tuned, down
+    # programs (one per token and 16-row output tile) widened until the grid has 3072 warps
+    cfg = moe_layout_config(1, 8, 128, 768, 2048, CPU)  # 8 pairs on 128 experts, 128 tiles
+    assert cfg == SmallMoeConfig(4, 2, 16, 2)  # small experts: split K for warps
     cfg = moe_layout_config(4, 8, 128, 768, 2048, CPU)  # 32 pairs: enough programs
-    assert cfg.direct and (cfg.gemm1.wk, cfg.gemm2.wk) == (1, 1)
-    for m, k, e, i, h in [(1, 2, 8, 14336, 4096), (1, 8, 256, 2048, 7168)]:  # long weights
-        pairs = m * k
-        assert moe_layout_config(m, k, e, i, h, CPU) == mma_moe_config(pairs, e, i, h, direct=True)
+    assert cfg == SmallMoeConfig(1, 2, 8, 2)
+    for m, k, e, i, h, down in [(1, 2, 8, 14336, 4096, 16), (1, 8, 256, 2048, 7168, 8),
+                                (8, 8, 256, 2048, 7168, 4)]:  # fmt: skip
+        gate_up = mma_moe_config(m * k, e, i, h, direct=True, repacked=True).gemm1
+        want = SmallMoeConfig(gate_up.wk, gate_up.unroll, down, 2)
+        assert moe_layout_config(m, k, e, i, h, CPU) == want
+    assert small_moe_config(4, 2, 1, 64 * 16) == SmallMoeConfig(4, 2, 16, 2)  # cap at 16
     cfg = moe_layout_config(64, 8, 128, 768, 2048, CPU)  # 4 per expert
     assert isinstance(cfg, MmaMoeConfig) and not cfg.direct
     assert moe_layout_config(128, 8, 128, 768, 2048, CPU).block_m == 16  # 8 per expert

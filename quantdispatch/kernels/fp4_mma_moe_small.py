@@ -1,25 +1,27 @@
-"""NVFP4 MoE for a few tokens in one launch: gate/up, activation, down and the top-k sum.
+"""NVFP4 MoE for single (token, slot) pairs in two launches: the top-k sum inside the down kernel.
 
 Why: with a handful of tokens (decode) a MoE layer streams the experts its tokens picked once,
-and three dependent launches (gate/up, down, top-k sum) cost more than the bytes: on the H200 a
-kernel that only *reads* Qwen3-30B-A3B's M=1 bytes as three dependent launches takes 2.2x the
-streaming floor (benchmarks/results/stream-small-h200-2026-11-30.md), the three mma kernels
-3.2x. This kernel runs the whole layer in one cooperative launch of at most one program per
-SM-slot (persistent programs, static work split):
+and each dependent launch costs time of its own: on the H200 a kernel that only *reads*
+Qwen3-30B-A3B's M=1 bytes as three dependent launches (gate/up, down, top-k sum) takes 2.2x the
+streaming floor (benchmarks/results/stream-small-h200-2026-11-30.md). This module drops the
+third launch:
 
-* phase 1, units (pair, 16-row tile of I): the mma.sync gate and up tiles of
-  :mod:`.fp4_mma_ckpt` (REPACKED mode) on the pair's token, activation fused, the 16
-  intermediate values stored to a small scratch ``a`` [pairs, I];
-* a grid barrier (each program arrives once; a counter zeroed per call);
-* phase 2, units (token, 16-row tile of H): the down tile summed over the token's top-k slots
-  *inside* the unit (jobs = (slot, 64-column chunk) spread over the warps, each job scaled by
-  its routing weight x global scale), so the top-k sum needs no third pass and is
-  deterministic (a fixed order, no atomics on data).
+* gate/up programs, one per (pair, 16-row tile of I): the mma.sync gate and up tiles of
+  :mod:`.fp4_mma_ckpt` (REPACKED mode) on the pair's token, K split over the warps,
+  activation fused, 16 intermediate values stored to a small scratch ``a`` [pairs, I];
+* down programs, one per (token, 16-row tile of H): each warp takes one of the token's slots
+  (a fixed expert, so its loads stream like the per-pair kernel's), ``min(top_k, warps)``
+  slots at a time and ``warps // that`` warps per slot splitting the chunks; each slot's sum
+  is scaled by its routing weight x global scale, and the cross-warp sum at the end *is* the
+  top-k sum: no per-pair output, no third launch, a fixed order (deterministic, bit for bit).
 
-The cooperative launch makes the driver refuse a grid whose programs cannot all be resident
-at once, so the barrier cannot deadlock. ``fused=False`` runs the two phases as two ordinary
-launches (same code; the kernel boundary is the barrier). Experts in the mma16x64 layout of
-:mod:`.fp4_mma` (:func:`.fp4_mma_moe.repack_experts`); PTX, so GPU only (SM 8.0+).
+Measured on the H200 against the per-pair kernels + sum (benchmarks/NOTES.md, session 6):
+Qwen3-30B-A3B M=1 13.7 vs 15.9 us, Mixtral-8x7B M=1 66.9 vs 70.0; wide down programs (16
+warps) matter where there are few output tiles. Tried and dropped: both phases in one
+cooperative launch with a grid barrier between them (persistent programs): never faster than
+the kernel boundary (Qwen3 M=1 19.1 vs 18.5 us at equal warps), so the barrier went.
+Experts in the mma16x64 layout of :mod:`.fp4_mma` (:func:`.fp4_mma_moe.repack_experts`);
+PTX, so GPU only (SM 8.0+).
 """
 
 from __future__ import annotations
@@ -34,11 +36,11 @@ from quantdispatch.kernels.fp4_mma import _load_w, _load_x
 from quantdispatch.kernels.fp4_mma_ckpt import _chunk_mma, _k_reduce
 from quantdispatch.kernels.fused_moe import _activation
 
-__all__ = ["FusedMoeConfig", "fused_moe_small", "fused_units"]
+__all__ = ["DOWN_MIN_WARPS", "SmallMoeConfig", "small_moe", "small_moe_config", "small_units"]
 
 
 @dataclass(frozen=True)
-class FusedMoeConfig:
+class SmallMoeConfig:
     """Warps and chunks in flight per warp of the gate/up programs (one 16-row tile each, K
     split over the warps) and of the down programs (one 16-row output tile of one token)."""
 
@@ -51,16 +53,35 @@ class FusedMoeConfig:
         return f"topk-sum w{self.warps}u{self.unroll}/w{self.warps_down}u{self.unroll_down}"
 
 
-def fused_units(m: int, top_k: int, inter: int, hidden: int) -> tuple[int, int]:
-    """(phase-1 units, phase-2 units): (pairs x I/16, tokens x H/16)."""
+def small_units(m: int, top_k: int, inter: int, hidden: int) -> tuple[int, int]:
+    """(gate/up programs, down programs): (pairs x I/16, tokens x H/16)."""
     return m * top_k * (inter // 16), m * (hidden // 16)
+
+
+#: Down programs get warps until they hold at least this many warps in all (memory parallelism
+#: of the output-tile-parallel kernel; at most 16 per program).
+DOWN_MIN_WARPS = 3072
+
+
+def small_moe_config(warps: int, unroll: int, m: int, hidden: int) -> SmallMoeConfig:
+    """Gate/up: ``warps`` x ``unroll`` (the per-pair kernel's tuning for the same programs,
+    :func:`.fp4_mma_ckpt.mma_moe_config`). Down: the fewest of 4 / 8 / 16 warps per program
+    that give the grid DOWN_MIN_WARPS warps, two chunks in flight. From the H200 sweep
+    (benchmarks/results/moe-sweep-h200-2026-11-30-small.json; us): Qwen3-30B-A3B M=1 (128
+    down programs) 16 warps 13.7, 8 17.5, 4 18.5; Mixtral-8x7B M=1 (256) 16: 66.9, 8: 76.2;
+    DeepSeek-V3 M=1 (448) 8: 72.0, 16: 75.6; Qwen3 M=4 (512) 8: 33.0, 16: 37.7."""
+    programs = m * (hidden // 16)
+    down = 4
+    while down < 16 and programs * down < DOWN_MIN_WARPS:
+        down *= 2
+    return SmallMoeConfig(warps, unroll, down, 2)
 
 
 # --------------------------------------------------------------------------------------------
 # PTX helpers
 
-# The intermediate is written by this launch (fused): read it through L2 (.cg), never through
-# the non-coherent read-only path the weight and activation loads use.
+# The intermediate was written by the previous launch: read through L2 (.cg; a .nc load would
+# be as correct across launches, this keeps the read-only cache for the weights' scales).
 _LOAD_A_ASM = tl.constexpr(
     "{ .reg .pred p; setp.ne.b32 p, $8, 0;\n"
     "mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0;\n"
@@ -95,8 +116,8 @@ def _gate_up_unit(
     U: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, BF16: tl.constexpr,
 ):  # fmt: skip
     """Gate and up tile ``u % TILES`` of pair ``u // TILES`` over all H (K split over the
-    warps), activation, 16 intermediate values stored. A foreign expert stores nothing (phase
-    2 never reads its row)."""
+    warps), activation, 16 intermediate values stored. A foreign expert stores nothing (the
+    down kernel never reads its row)."""
     p = u // TILES
     tile = u % TILES
     e = tl.load(ids_ptr + p).to(tl.int32)
@@ -256,7 +277,7 @@ def _small_moe_kernel(
 # host side
 
 
-def fused_moe_small(
+def small_moe(
     x: torch.Tensor,
     ids: torch.Tensor,
     tw: torch.Tensor,
@@ -267,7 +288,7 @@ def fused_moe_small(
     act_code: int,
     alpha: float,
     limit: float,
-    cfg: FusedMoeConfig,
+    cfg: SmallMoeConfig,
     out: torch.Tensor,
     inter: int,
     a: torch.Tensor,
@@ -280,7 +301,7 @@ def fused_moe_small(
     s13, s2 = s13.view(torch.int16), s2.view(torch.int16)  # scale pairs
     m, hidden = x.shape
     top_k = ids.shape[1]
-    units1, units2 = fused_units(m, top_k, inter, hidden)
+    units1, units2 = small_units(m, top_k, inter, hidden)
     kw = dict(
         x_ptr=x, ids_ptr=ids, tw_ptr=tw, w13_ptr=c13, s13_ptr=s13, gs13_ptr=g13,
         b13_ptr=b13 if b13 is not None else g13, w2_ptr=c2, s2_ptr=s2, gs2_ptr=g2,
