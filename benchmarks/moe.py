@@ -414,17 +414,22 @@ WARP_SWEEP = [((1, 2, 2), (1, 1, 2)), ((1, 4, 2), (1, 2, 2)), ((1, 2, 2), (1, 2,
               ((1, 2, 1), (1, 1, 1))]  # fmt: skip
 
 
-def sweep_configs(m: int, top_k: int, e: int, i: int, h: int, only_fused: bool = False) -> list:
+def sweep_configs(m: int, top_k: int, e: int, i: int, h: int, only_small: bool = False) -> list:
     """The mma.sync kernels (the heuristic's warps; 8- and 16-pair blocks) up to 16 tokens per
     expert, grouped GEMM tiles from 2 on."""
     from quantdispatch.kernels.fp4_mma_ckpt import mma_moe_config
 
     tpe = m * top_k / e
     out: list = []
-    if 4 * m * top_k <= e:  # one launch for the whole layer (kernels/fp4_mma_moe_small.py)
-        out += [SmallMoeConfig(4, 2, w, u) for w in (4, 8, 16) for u in (1, 2)]
-        out += [SmallMoeConfig(w, 2, 8, 2) for w in (2, 8)] + [SmallMoeConfig(4, 1, 8, 2)]
-        if only_fused:
+    if 4 * m * top_k <= e:  # single pairs: the top-k sum inside the down kernel
+        pick = moe_layout_config(m, top_k, e, i, h, torch.device("cuda"))
+        out.append(pick)
+        for w in (2, 4, 8):  # gate/up warps and chunks in flight, the picked down
+            out += [SmallMoeConfig(w, u, pick.warps_down, pick.unroll_down) for u in (1, 2, 4)]
+        for w in (4, 8, 16):  # down, the picked gate/up
+            out += [SmallMoeConfig(pick.warps, pick.unroll, w, u) for u in (1, 2, 4)]
+        out = list(dict.fromkeys(out))
+        if only_small:
             return out
     if tpe <= 1:  # single pairs or 8-pair blocks, warps per GEMM (wt, wk, unroll) around the pick
         for direct in (True, False):
@@ -441,7 +446,7 @@ def sweep_configs(m: int, top_k: int, e: int, i: int, h: int, only_fused: bool =
     return out
 
 
-def sweep(layers: dict[str, Layer], gen, budget_s: float, only_fused: bool = False) -> list[dict]:
+def sweep(layers: dict[str, Layer], gen, budget_s: float, only_small: bool = False) -> list[dict]:
     t0 = time.time()
     rows = []
     for name, m in SWEEP_POINTS:
@@ -450,7 +455,7 @@ def sweep(layers: dict[str, Layer], gen, budget_s: float, only_fused: bool = Fal
             continue
         inputs = layer.routings(m, ROUTINGS, gen)
         ref = layer.reference(*inputs[0])
-        for cfg in sweep_configs(m, layer.top_k, layer.e, layer.i, layer.h, only_fused):
+        for cfg in sweep_configs(m, layer.top_k, layer.e, layer.i, layer.h, only_small):
             if time.time() - t0 > budget_s:
                 log("sweep: budget spent")
                 return rows
@@ -480,7 +485,11 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="then time alternative tile configs")
     ap.add_argument("--sweep-budget", type=float, default=90.0)
     ap.add_argument("--sweep-points", help="MODEL:M,... instead of the built-in sweep points")
-    ap.add_argument("--sweep-fused", action="store_true", help="sweep only the one-launch kernel")
+    ap.add_argument(
+        "--sweep-small",
+        action="store_true",
+        help="sweep only the single-pair kernels (top-k sum in the down kernel)",
+    )
     ap.add_argument("--ms", help="comma-separated M values instead of the default list")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter")
     ap.add_argument("--rebuild", type=Path, help="rescale the floors of a result JSON, no GPU")
@@ -548,7 +557,7 @@ def main() -> None:
             torch.cuda.empty_cache()
     log(markdown(meta, rows))
     if args.sweep and not smoke:
-        srows = sweep(layers, gen, args.sweep_budget, args.sweep_fused)
+        srows = sweep(layers, gen, args.sweep_budget, args.sweep_small)
         (out_dir / f"moe-sweep-{slug}-{date}.json").write_text(
             json.dumps({"meta": meta, "rows": srows}, indent=1)
         )

@@ -15,9 +15,11 @@ for spec in "$@"; do
   python3 benchmarks/profile_mma.py --kernel "$1" --shape "$shape" --m "$3" 2>&1 | tail -1
   [ -n "$NCU" ] || continue
   f="$OUT/ncu-$1-$shape-$3.txt"
-  timeout 150 "$NCU" --kernel-name regex:_mma --launch-skip 3 --launch-count 1 \
+  # NCU_KERNEL / NCU_SKIP / NCU_COUNT: which launches (default: the 4th _mma* kernel)
+  timeout 150 "$NCU" --kernel-name "regex:${NCU_KERNEL:-_mma}" --launch-skip "${NCU_SKIP:-3}" \
+    --launch-count "${NCU_COUNT:-1}" \
     --section SpeedOfLight --section WarpStateStats --section LaunchStats --section Occupancy \
     --section MemoryWorkloadAnalysis --section SchedulerStats \
     python3 benchmarks/profile_mma.py --kernel "$1" --shape "$shape" --m "$3" >"$f" 2>&1
-  grep -E "Duration|Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Issue Slots|Stall|Hit Rate|ERR|Warp Cycles Per Issued|No Eligible|Active Warps Per|Eligible Warps" "$f" | head -40
+  grep -E "^  [a-z_]+.*\(|Duration|Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Issue Slots|Stall|Hit Rate|ERR|Warp Cycles Per Issued|No Eligible|Active Warps Per|Eligible Warps" "$f" | head -40
 done

@@ -5,8 +5,9 @@
 
 ``--kernel mma`` is the repacked mma16x64 linear kernel, ``gemm`` the wgmma GEMM on the same
 layout (its heuristic tile), ``ckpt`` the checkpoint-layout one,
-``moe`` the fused MoE on Qwen3-30B-A3B experts (M tokens, top 8 of 128). Prints the time of
-the last call so a run without the profiler is a quick check too.
+``moe`` the fused MoE on Qwen3-30B-A3B experts (M tokens, top 8 of 128; checkpoint layout),
+``moe-repacked`` what QuantMoE runs on the same experts (repacked, its heuristic). Prints the
+time of the last call so a run without the profiler is a quick check too.
 """
 
 from __future__ import annotations
@@ -16,14 +17,15 @@ import math
 
 import torch
 
-from quantdispatch.kernels import fp4_mma, fp4_mma_ckpt, fp4_mma_gemm, fused_moe
+from quantdispatch.kernels import fp4_mma, fp4_mma_ckpt, fp4_mma_gemm, fp4_mma_moe, fused_moe
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--kernel", default="mma", choices=["mma", "gemm", "ckpt", "moe"])
+    kernels = ["mma", "gemm", "ckpt", "moe", "moe-repacked"]
+    ap.add_argument("--kernel", default="mma", choices=kernels)
     ap.add_argument("--shape", default="gate_up", choices=list(SHAPES))
     ap.add_argument("--m", type=int, default=1)
     ap.add_argument("--config", default="", help="NT,WT,WK,UNROLL (linear kernels)")
@@ -32,7 +34,7 @@ def main() -> None:
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     cfg = tuple(int(v) for v in args.config.split(",")) if args.config else None
-    if args.kernel == "moe":
+    if args.kernel.startswith("moe"):
         e, top_k, h, i = 128, 8, 2048, 768
 
         def stack(n: int, k: int) -> list[torch.Tensor]:
@@ -46,9 +48,19 @@ def main() -> None:
         ids = torch.randn(args.m, e, generator=g, device=dev).topk(top_k, -1).indices.int()
         tw = torch.full((args.m, top_k), 1 / top_k, device=dev)
 
-        def call() -> torch.Tensor:
-            return fused_moe.fused_moe(x, ids, tw, w13, w2, None, None, fmt="nvfp4",
-                                       activation="silu", params=[], meta=[0])  # fmt: skip
+        if args.kernel == "moe-repacked":
+            r13 = [*fp4_mma_moe.repack_experts(w13[0], w13[1].view(torch.uint8), x.dtype), w13[2]]
+            r2 = [*fp4_mma_moe.repack_experts(w2[0], w2[1].view(torch.uint8), x.dtype), w2[2]]
+
+            def call() -> torch.Tensor:
+                return fp4_mma_moe.mma_layout_moe(x, ids, tw, r13, r2, None, None,
+                                                  activation="silu", params=[],
+                                                  packed_for=x.dtype)  # fmt: skip
+        else:
+
+            def call() -> torch.Tensor:
+                return fused_moe.fused_moe(x, ids, tw, w13, w2, None, None, fmt="nvfp4",
+                                           activation="silu", params=[], meta=[0])  # fmt: skip
     else:
         n, k = SHAPES[args.shape]
         packed = torch.randint(0, 256, (n, k // 2), generator=g, device=dev).to(torch.uint8)
