@@ -229,7 +229,7 @@ def moe_layout_config(
         direct = 4 * pairs <= experts
         cfg = mma_moe_config(pairs, experts, inter, hidden, direct=direct, repacked=True)
         if direct:  # single pairs: the top-k sum inside the down kernel (fp4_mma_moe_small)
-            return small_moe_config(cfg.gemm1.wk, cfg.gemm1.unroll, m, hidden)
+            return small_moe_config(m, top_k, inter, hidden, cfg.gemm1.wk, cfg.gemm1.unroll)
         return cfg
     if tpe <= 12:
         tile = MoeGemmTile(16, stages=3)

@@ -36,7 +36,14 @@ from quantdispatch.kernels.fp4_mma import _load_w, _load_x
 from quantdispatch.kernels.fp4_mma_ckpt import _chunk_mma, _k_reduce
 from quantdispatch.kernels.fused_moe import _activation
 
-__all__ = ["DOWN_MIN_WARPS", "SmallMoeConfig", "small_moe", "small_moe_config", "small_units"]
+__all__ = [
+    "DOWN_MIN_WARPS",
+    "GATE_UP_WIDE_MAX_PROGRAMS",
+    "SmallMoeConfig",
+    "small_moe",
+    "small_moe_config",
+    "small_units",
+]
 
 
 @dataclass(frozen=True)
@@ -61,15 +68,25 @@ def small_units(m: int, top_k: int, inter: int, hidden: int) -> tuple[int, int]:
 #: Down programs get warps until they hold at least this many warps in all (memory parallelism
 #: of the output-tile-parallel kernel; at most 16 per program).
 DOWN_MIN_WARPS = 3072
+#: Up to this many gate/up programs (pairs x I/16), 8 warps with one chunk in flight each: a
+#: grid this small holds too few warps per SM for the per-pair kernel's tuning.
+GATE_UP_WIDE_MAX_PROGRAMS = 1024
 
 
-def small_moe_config(warps: int, unroll: int, m: int, hidden: int) -> SmallMoeConfig:
+def small_moe_config(
+    m: int, top_k: int, inter: int, hidden: int, warps: int, unroll: int
+) -> SmallMoeConfig:
     """Gate/up: ``warps`` x ``unroll`` (the per-pair kernel's tuning for the same programs,
-    :func:`.fp4_mma_ckpt.mma_moe_config`). Down: the fewest of 4 / 8 / 16 warps per program
-    that give the grid DOWN_MIN_WARPS warps, two chunks in flight. From the H200 sweep
-    (benchmarks/results/moe-sweep-h200-2026-11-30-small.json; us): Qwen3-30B-A3B M=1 (128
-    down programs) 16 warps 13.7, 8 17.5, 4 18.5; Mixtral-8x7B M=1 (256) 16: 66.9, 8: 76.2;
-    DeepSeek-V3 M=1 (448) 8: 72.0, 16: 75.6; Qwen3 M=4 (512) 8: 33.0, 16: 37.7."""
+    :func:`.fp4_mma_ckpt.mma_moe_config`), or 8 x 1 for grids of at most
+    GATE_UP_WIDE_MAX_PROGRAMS. Down: the fewest of 4 / 8 / 16 warps per program that give the
+    grid DOWN_MIN_WARPS warps, two chunks in flight. From the H200 sweeps
+    (benchmarks/results/moe-sweep-h200-2026-11-30-small*.json; us): down, Qwen3-30B-A3B M=1 (128
+    programs) 16 warps 13.7, 8 17.5, 4 18.5; Mixtral-8x7B M=1 (256) 16: 66.9, 8: 76.2;
+    DeepSeek-V3 M=1 (448) 8: 72.0, 16: 75.6; Qwen3 M=4 (512) 8: 33.0, 16: 37.7. Gate/up 8 x 1
+    against 4 x 2: Qwen3 M=1 (384 programs) 13.3 vs 14.4, DeepSeek-V3 M=1 (1024) 68.3 vs 72.2;
+    bigger grids keep the tuning (Mixtral M=1, 1792: 4 x 2 76.2, 8 x 2 88.3)."""
+    if m * top_k * (inter // 16) <= GATE_UP_WIDE_MAX_PROGRAMS:
+        warps, unroll = 8, 1
     programs = m * (hidden // 16)
     down = 4
     while down < 16 and programs * down < DOWN_MIN_WARPS:
