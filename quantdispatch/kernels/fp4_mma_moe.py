@@ -448,7 +448,7 @@ def mma_layout_moe(
         return out
     if isinstance(cfg, SmallMoeConfig):
         if _interpreting() or x.device.type != "cuda":
-            _fail("a fused config off a CUDA GPU", "the fused kernel is PTX",
+            _fail(f"config {cfg.label()} off a CUDA GPU", "the single-pair kernels are PTX",
                   "use a GEMM config (MoeGemmTile) under the interpreter", InputError)  # fmt: skip
         if x.stride(0) % 8 or x.data_ptr() % 16:  # 16-byte activation loads
             x = x.clone(memory_format=torch.contiguous_format)

@@ -16,10 +16,11 @@ third launch:
   top-k sum: no per-pair output, no third launch, a fixed order (deterministic, bit for bit).
 
 Measured on the H200 against the per-pair kernels + sum (benchmarks/NOTES.md, session 6):
-Qwen3-30B-A3B M=1 13.7 vs 15.9 us, Mixtral-8x7B M=1 66.9 vs 70.0; wide down programs (16
-warps) matter where there are few output tiles. Tried and dropped: both phases in one
-cooperative launch with a grid barrier between them (persistent programs): never faster than
-the kernel boundary (Qwen3 M=1 19.1 vs 18.5 us at equal warps), so the barrier went.
+Qwen3-30B-A3B M=1 13.5 vs 15.9 us, Mixtral-8x7B M=1 67.6 vs 69.5, DeepSeek-V3 M=1 68.1 vs
+69.1; wide programs matter where the grids are small (:func:`small_moe_config`). Tried and
+dropped: both kernels in one cooperative launch with a grid barrier between them (persistent
+programs): one warp count for both, fewer warps in flight; the two launches beat every setting
+of it (Qwen3 M=1 13.6 vs 19.1 us at best).
 Experts in the mma16x64 layout of :mod:`.fp4_mma` (:func:`.fp4_mma_moe.repack_experts`);
 PTX, so GPU only (SM 8.0+).
 """

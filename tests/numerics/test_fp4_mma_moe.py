@@ -333,5 +333,7 @@ def test_bad_inputs():
         run(r13, r2, x, ids, w, cfg, b13=torch.zeros(2, 63))
     with pytest.raises(InputError, match="the mma kernels are PTX"):
         run(r13, r2, x, ids, w, moe_layout_config(1, 1, 2, 64, 128, CPU))
+    with pytest.raises(InputError, match=r"topk-sum w4u2/w8u2 off a CUDA GPU.*single-pair"):
+        run(r13, r2, x, ids, w, SmallMoeConfig())
     with pytest.raises(InputError, match="MoeGemmTile with block_m a multiple of 16"):
         run(r13, r2, x, ids, w, MoeGemmTile(8))
