@@ -156,11 +156,16 @@ def test_fp16_layer_runs_its_fp16_layout():
 
 @pytest.mark.parametrize("cfg", [SmallMoeConfig(), SmallMoeConfig(8, 1, 16, 1)],
                          ids=["default", "w16"])  # fmt: skip
-def test_fused_kernel_biases_uneven_chunks_graphs_and_determinism(nan_empty, cfg):
+def test_single_pair_kernels_biases_uneven_chunks_graphs_and_determinism(nan_empty, cfg):
     """gpt-oss-like (45 chunks per row: not a multiple of the warps' K step; biases; clamped
-    SwiGLU) against float64; a CUDA graph replay equals eager bit for bit, and so do repeated
-    calls (the top-k sum has a fixed order)."""
+    SwiGLU; subnormal and 448 block scales) against float64; a CUDA graph replay equals eager bit
+    for bit, and so do repeated calls (the top-k sum has a fixed order)."""
     w13, w2, r13, r2, gen = experts(32, 2880, 2880, seed=21, dtype=torch.bfloat16)
+    for w in (w13, w2):  # the largest E4M3 block scale (448) on some rows, the weights kept small
+        w[1].view(torch.uint8)[:, 16:32] = 0x7E
+        w[2] /= 448.0
+    r13 = [*repack_experts(w13[0], w13[1], torch.bfloat16), w13[2]]
+    r2 = [*repack_experts(w2[0], w2[1], torch.bfloat16), w2[2]]
     b13 = torch.randn(32, 5760, generator=gen, device=DEV)
     b2 = torch.randn(32, 2880, generator=gen, device=DEV)
     params = [1.702, 7.0]
