@@ -98,8 +98,8 @@ def small_moe_config(
 # --------------------------------------------------------------------------------------------
 # PTX helpers
 
-# The intermediate was written by the previous launch: read through L2 (.cg; a .nc load would
-# be as correct across launches, this keeps the read-only cache for the weights' scales).
+# The intermediate comes from the gate/up launch (a few KB, read by every down program): loaded
+# with .cg, cached in L2 only. Measured as is; the read-only (.nc) path was not tried.
 _LOAD_A_ASM = tl.constexpr(
     "{ .reg .pred p; setp.ne.b32 p, $8, 0;\n"
     "mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0;\n"
