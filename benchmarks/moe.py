@@ -281,7 +281,7 @@ def distinct_experts(ids: torch.Tensor) -> int:
 
 def config_dict(cfg: fm.MoeConfig | MmaMoeConfig | fm.DequantMoeConfig | MoeGemmTile) -> dict:
     if isinstance(cfg, SmallMoeConfig):
-        return {"kernel": "fused", **vars(cfg)}
+        return {"kernel": "topk-sum", **vars(cfg)}
     if isinstance(cfg, fm.DequantMoeConfig):
         return {"kernel": "dequant+grouped_mm"}
     if isinstance(cfg, MoeGemmTile):
@@ -300,8 +300,10 @@ def config_label(c: dict) -> str:
     g1, g2 = c.get("gemm1", {}), c.get("gemm2", {})
     if c.get("kernel") == "dequant+grouped_mm":
         return "dequant + grouped_mm"
-    if c.get("kernel") == "fused":
+    if c.get("kernel") in ("topk-sum", "fused") and "warps_down" in c:  # "fused": early JSONs
         return SmallMoeConfig(**{k: v for k, v in c.items() if k != "kernel"}).label()
+    if c.get("kernel") == "fused":  # session 6's removed grid-barrier kernel (its sweep JSONs)
+        return f"grid barrier w{c.get('warps')}u{c.get('unroll')} x{c.get('programs_per_sm')}/SM"
     if c.get("kernel") == "gemm":
         tile = {k: v for k, v in c.items() if k != "kernel"}
         return MoeGemmTile(**tile).label()
