@@ -450,11 +450,8 @@ def mma_layout_moe(
         if _interpreting() or x.device.type != "cuda":
             _fail(f"config {cfg.label()} off a CUDA GPU", "the single-pair kernels are PTX",
                   "use a GEMM config (MoeGemmTile) under the interpreter", InputError)  # fmt: skip
-        if x.stride(0) % 8 or x.data_ptr() % 16:  # 16-byte activation loads
-            x = x.clone(memory_format=torch.contiguous_format)
-        a = fused_moe.empty((pairs, inter), x.dtype, x.device)
         small_moe(x, ids, tw, tuple(w13), tuple(w2), w13_bias, w2_bias, spec.code,  # type: ignore[arg-type]
-                        alpha, limit, cfg, out, inter, a)  # fmt: skip
+                  alpha, limit, cfg, out, inter)  # fmt: skip
         return out
     if isinstance(cfg, MmaMoeConfig):
         if _interpreting() or x.device.type != "cuda":

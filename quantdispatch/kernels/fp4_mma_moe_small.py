@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from quantdispatch.kernels import fused_moe
 from quantdispatch.kernels.fp4_mma import _load_w, _load_x
 from quantdispatch.kernels.fp4_mma_ckpt import _chunk_mma, _k_reduce
 from quantdispatch.kernels.fused_moe import _activation
@@ -309,16 +310,18 @@ def small_moe(
     cfg: SmallMoeConfig,
     out: torch.Tensor,
     inter: int,
-    a: torch.Tensor,
 ) -> None:
     """out [M, H] = the routed experts of x (checked by the caller: repacked stacks, x [M, H]
-    16-bit with 16-byte aligned rows, ids [M, top_k] contiguous, tw float32 [M * top_k]).
-    ``a`` is the scratch intermediate [M * top_k, I] in x.dtype."""
+    16-bit and contiguous, ids [M, top_k] and tw float32 [M, top_k] contiguous), the same
+    contract as :func:`.fused_moe._run_mma`."""
     c13, s13, g13 = w13
     c2, s2, g2 = w2
     s13, s2 = s13.view(torch.int16), s2.view(torch.int16)  # scale pairs
     m, hidden = x.shape
     top_k = ids.shape[1]
+    if x.stride(0) % 8 or x.data_ptr() % 16:  # 16-byte activation loads
+        x = x.clone(memory_format=torch.contiguous_format)
+    a = fused_moe.empty((m * top_k, inter), x.dtype, x.device)  # the intermediate
     units1, units2 = small_units(m, top_k, inter, hidden)
     kw = dict(
         x_ptr=x, ids_ptr=ids, tw_ptr=tw, w13_ptr=c13, s13_ptr=s13, gs13_ptr=g13,

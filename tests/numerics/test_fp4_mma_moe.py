@@ -188,11 +188,10 @@ def test_mma_path_sizes_its_buffers_by_the_layers_sizes(monkeypatch, direct):
     e, hidden, inter, m, top_k = 4, 128, 192, 5, 2
     ex = make_experts("nvfp4", e, hidden, inter, seed=3)
     w13, w2, _ = stacked(ex)
-    r13 = (*repack_experts(w13[0], w13[1], torch.bfloat16), w13[2])
-    r2 = (*repack_experts(w2[0], w2[1], torch.bfloat16), w2[2])
+    r13, r2, _, _ = repacked(ex, torch.bfloat16)
     ids, tw = routing(m, e, top_k, seed=1)
     cfg = mma_moe_config(m * top_k, e, inter, hidden, direct=direct)
-    for a13, a2 in ((tuple(w13), tuple(w2)), (r13, r2)):
+    for a13, a2 in ((tuple(w13), tuple(w2)), (tuple(r13), tuple(r2))):
         out = torch.empty(m, hidden, dtype=torch.bfloat16)
         x = rand_x(m, hidden, torch.bfloat16, seed=2)
         fm._run_mma(x, ids, tw, a13, a2, None, None, 0, 0.0, 0.0, cfg, out, inter)
@@ -222,21 +221,20 @@ def test_small_moe_launches_one_program_per_unit(monkeypatch):
 
     monkeypatch.setattr(small, "_small_moe_kernel", FakeKernel())
     e, hidden, inter, m, top_k = 4, 128, 192, 3, 2
-    ex = make_experts("nvfp4", e, hidden, inter, seed=3)
-    w13, w2, _ = stacked(ex)
-    r13 = (*repack_experts(w13[0], w13[1], torch.bfloat16), w13[2])
-    r2 = (*repack_experts(w2[0], w2[1], torch.bfloat16), w2[2])
+    r13, r2, _, _ = repacked(make_experts("nvfp4", e, hidden, inter, seed=3), torch.bfloat16)
     ids, tw = routing(m, e, top_k, seed=1)
-    x = rand_x(m, hidden, torch.bfloat16, seed=2)
+    x = rand_x(m, hidden + 1, torch.bfloat16, seed=2)[:, 1:]  # rows 2 bytes off 16-byte alignment
     out = torch.empty(m, hidden, dtype=torch.bfloat16)
-    a = torch.empty(m * top_k, inter, dtype=torch.bfloat16)
     cfg = SmallMoeConfig(2, 1, 8, 2)
-    small.small_moe(x, ids, tw, r13, r2, None, None, 0, 0.0, 0.0, cfg, out, inter, a)
+    small.small_moe(x, ids, tw, tuple(r13), tuple(r2), None, None, 0, 0.0, 0.0, cfg, out, inter)
     (g1, k1), (g2, k2) = launches
     assert g1 == (m * top_k * inter // 16,) and (k1["W"], k1["num_warps"], k1["U"]) == (2, 2, 1)
     assert g2 == (m * hidden // 16,) and (k2["W"], k2["num_warps"], k2["U"]) == (8, 8, 2)
     assert (k1["CH1"], k1["TILES1"], k1["CH2"], k1["TILES2"]) == (2, 12, 3, 8)
+    assert tuple(k1["a_ptr"].shape) == (m * top_k, inter) and k1["a_ptr"] is k2["a_ptr"]
     assert k1["stride_am"] == inter and k1["TOP_K"] == top_k
+    xk = k1["x_ptr"]  # re-aligned for the kernel's 16-byte loads, same values
+    assert xk.data_ptr() % 16 == 0 and xk.stride(0) % 8 == 0 and torch.equal(xk, x)
 
 
 def test_regimes_from_tokens_per_expert():
