@@ -47,6 +47,7 @@ import statistics
 import subprocess
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -426,10 +427,16 @@ def sweep_configs(m: int, top_k: int, e: int, i: int, h: int, only_small: bool =
     if 4 * m * top_k <= e:  # single pairs: the top-k sum inside the down kernel
         pick = moe_layout_config(m, top_k, e, i, h, torch.device("cuda"))
         out.append(pick)
-        for w in (2, 4, 8):  # gate/up warps and chunks in flight, the picked down
-            out += [SmallMoeConfig(w, u, pick.warps_down, pick.unroll_down) for u in (1, 2, 4)]
+        out.append(replace(pick, pdl=False, prefetch=0))
+        if pick.pdl:  # the down launch dependent on gate/up: L2 prefetch of 0 .. all chunks
+            ch = i // 64
+            out += [replace(pick, prefetch=pf) for pf in (0, ch // 8, ch // 4, ch // 2, ch)]
+            out += [replace(pick, prefetch=0, warps_down=w, unroll_down=u)
+                    for w in (8, 16) for u in (2, 4)]  # fmt: skip
+        for w in (2, 4, 8, 16):  # gate/up warps and chunks in flight, the picked down
+            out += [replace(pick, warps=w, unroll=u) for u in (1, 2, 4)]
         for w in (4, 8, 16):  # down, the picked gate/up
-            out += [SmallMoeConfig(pick.warps, pick.unroll, w, u) for u in (1, 2, 4)]
+            out += [replace(pick, warps_down=w, unroll_down=u) for u in (1, 2, 4)]
         out = list(dict.fromkeys(out))
         if only_small:
             return out

@@ -44,7 +44,12 @@ from quantdispatch.kernels import fused_moe
 from quantdispatch.kernels.fp4_mma import CHUNK_K, TILE_N, mma_dequant_rows, repack, unpack
 from quantdispatch.kernels.fp4_mma_ckpt import MmaMoeConfig, mma_moe_config
 from quantdispatch.kernels.fp4_mma_gemm import _weight_tile, kappa_order
-from quantdispatch.kernels.fp4_mma_moe_small import SmallMoeConfig, small_moe, small_moe_config
+from quantdispatch.kernels.fp4_mma_moe_small import (
+    SmallMoeConfig,
+    pdl_capable,
+    small_moe,
+    small_moe_config,
+)
 from quantdispatch.kernels.fused_moe import (
     DequantMoeConfig,
     _activation,
@@ -229,7 +234,9 @@ def moe_layout_config(
         direct = 4 * pairs <= experts
         cfg = mma_moe_config(pairs, experts, inter, hidden, direct=direct, repacked=True)
         if direct:  # single pairs: the top-k sum inside the down kernel (fp4_mma_moe_small)
-            return small_moe_config(m, top_k, inter, hidden, cfg.gemm1.wk, cfg.gemm1.unroll)
+            return small_moe_config(
+                m, top_k, inter, hidden, cfg.gemm1.wk, cfg.gemm1.unroll, pdl_capable(device)
+            )
         return cfg
     if tpe <= 12:
         tile = MoeGemmTile(16, stages=3)
@@ -450,6 +457,10 @@ def mma_layout_moe(
         if _interpreting() or x.device.type != "cuda":
             _fail(f"config {cfg.label()} off a CUDA GPU", "the single-pair kernels are PTX",
                   "use a GEMM config (MoeGemmTile) under the interpreter", InputError)  # fmt: skip
+        if cfg.pdl and not pdl_capable(x.device):
+            _fail(f"config {cfg.label()} on {x.device}",
+                  "a programmatic dependent launch needs SM 9.0+ and Triton's grid dependency "
+                  "control", "use pdl=False", InputError)  # fmt: skip
         small_moe(x, ids, tw, tuple(w13), tuple(w2), w13_bias, w2_bias, spec.code,  # type: ignore[arg-type]
                   alpha, limit, cfg, out, inter)  # fmt: skip
         return out

@@ -15,6 +15,11 @@ third launch:
   is scaled by its routing weight x global scale, and the cross-warp sum at the end *is* the
   top-k sum: no per-pair output, no third launch, a fixed order (deterministic, bit for bit).
 
+On SM 9.0+ the down kernel is a programmatic dependent launch: gate/up programs release it at
+once, its programs start next to them, load their first weight chunks (and on long loops
+prefetch more into L2), and only then wait for the intermediate (``griddepcontrol.wait``:
+gate/up complete, its writes visible). Qwen3-30B-A3B M=1 12.1 vs 13.3 us.
+
 Measured on the H200 against the per-pair kernels + sum (benchmarks/NOTES.md, session 6):
 Qwen3-30B-A3B M=1 13.5 vs 15.9 us, Mixtral-8x7B M=1 67.6 vs 69.5, DeepSeek-V3 M=1 68.1 vs
 69.1; wide programs matter where the grids are small (:func:`small_moe_config`). Tried and
@@ -34,14 +39,33 @@ import triton
 import triton.language as tl
 
 from quantdispatch.kernels import fused_moe
+from quantdispatch.kernels.configs import device_info
 from quantdispatch.kernels.fp4_mma import _load_w, _load_x
 from quantdispatch.kernels.fp4_mma_ckpt import _chunk_mma, _k_reduce
 from quantdispatch.kernels.fused_moe import _activation
 
+try:  # grid dependency control (programmatic dependent launch, SM 9.0+), Triton 3.3+
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    HAS_GDC = True
+except ImportError:  # pragma: no cover - older Triton: configs keep pdl=False
+    HAS_GDC = False
+
+    @triton.jit
+    def gdc_wait():
+        pass
+
+    @triton.jit
+    def gdc_launch_dependents():
+        pass
+
+
 __all__ = [
     "DOWN_MIN_WARPS",
     "GATE_UP_WIDE_MAX_PROGRAMS",
+    "PREFETCH_MAX_BYTES",
     "SmallMoeConfig",
+    "pdl_capable",
     "small_moe",
     "small_moe_config",
     "small_units",
@@ -57,9 +81,22 @@ class SmallMoeConfig:
     unroll: int = 2
     warps_down: int = 8
     unroll_down: int = 2
+    #: SM 9.0+: launch the down kernel as a programmatic dependent launch, so its programs start
+    #: while the gate/up programs run and wait for the intermediate only where they read it.
+    pdl: bool = False
+    #: with ``pdl``: leading chunks (64 columns of I) of every (slot, output tile) the down
+    #: programs prefetch into L2 before they wait (their weights do not depend on gate/up).
+    prefetch: int = 0
 
     def label(self) -> str:
-        return f"topk-sum w{self.warps}u{self.unroll}/w{self.warps_down}u{self.unroll_down}"
+        early = f" pdl pf{self.prefetch}" if self.pdl else ""
+        return f"topk-sum w{self.warps}u{self.unroll}/w{self.warps_down}u{self.unroll_down}{early}"
+
+
+def pdl_capable(device: torch.device) -> bool:
+    """Programmatic dependent launch: a CUDA GPU of SM 9.0+ and a Triton with grid dependency
+    control."""
+    return HAS_GDC and device.type == "cuda" and device_info(device)[1] >= (9, 0)
 
 
 def small_units(m: int, top_k: int, inter: int, hidden: int) -> tuple[int, int]:
@@ -73,10 +110,19 @@ DOWN_MIN_WARPS = 3072
 #: Up to this many gate/up programs (pairs x I/16), 8 warps with one chunk in flight each: a
 #: grid this small holds too few warps per SM for the per-pair kernel's tuning.
 GATE_UP_WIDE_MAX_PROGRAMS = 1024
+#: With a programmatic dependent launch the down programs prefetch at most this many bytes of
+#: their weights into L2 while gate/up runs (L2 is 50 MB on the H100 / H200, more on newer
+#: GPUs; gate/up streams its own weights through it at the same time).
+PREFETCH_MAX_BYTES = 16 << 20
+#: Bytes of one chunk (16 rows x 64 columns) of repacked weights: 512 of codes, 64 of scales.
+CHUNK_BYTES = 576
+#: The L2 prefetch pays only on long down loops: from this many chunks of I (I >= 4096), the
+#: first eighth of them (measured on the H200, see :func:`small_moe_config`).
+PREFETCH_MIN_CHUNKS = 64
 
 
 def small_moe_config(
-    m: int, top_k: int, inter: int, hidden: int, warps: int, unroll: int
+    m: int, top_k: int, inter: int, hidden: int, warps: int, unroll: int, pdl: bool = False
 ) -> SmallMoeConfig:
     """Gate/up: ``warps`` x ``unroll`` (the per-pair kernel's tuning for the same programs,
     :func:`.fp4_mma_ckpt.mma_moe_config`), or 8 x 1 for grids of at most
@@ -86,14 +132,25 @@ def small_moe_config(
     programs) 16 warps 13.7, 8 17.5, 4 18.5; Mixtral-8x7B M=1 (256) 16: 66.9, 8: 76.2;
     DeepSeek-V3 M=1 (448) 8: 72.0, 16: 75.6; Qwen3 M=4 (512) 8: 33.0, 16: 37.7. Gate/up 8 x 1
     against 4 x 2: Qwen3 M=1 (384 programs) 13.3 vs 14.4, DeepSeek-V3 M=1 (1024) 68.3 vs 72.2;
-    bigger grids keep the tuning (Mixtral M=1, 1792: 4 x 2 76.2, 8 x 2 88.3)."""
+    bigger grids keep the tuning (Mixtral M=1, 1792: 4 x 2 76.2, 8 x 2 88.3).
+
+    ``pdl`` (SM 9.0+): the down kernel as a programmatic dependent launch, its first chunks
+    loaded before it waits for gate/up; an L2 prefetch of the first eighth of the chunks of
+    every (slot, output tile) only where I has PREFETCH_MIN_CHUNKS chunks. H200, two sweeps each
+    (results/moe-sweep-h200-2026-11-30-topk-pdl-*.json; us, without PDL / PDL / PDL + prefetch of
+    1/8, 1/4, all): Qwen3 M=1 13.3 / 12.1 / 14.0, 14.1, 13.8; Mixtral M=1 66.7 / 65.5 / 61.8,
+    62.3, 69.1; DeepSeek-V3 M=1 68.0 / 66.7 / 66.4, 68.2, 75.5."""
     if m * top_k * (inter // 16) <= GATE_UP_WIDE_MAX_PROGRAMS:
         warps, unroll = 8, 1
     programs = m * (hidden // 16)
     down = 4
     while down < 16 and programs * down < DOWN_MIN_WARPS:
         down *= 2
-    return SmallMoeConfig(warps, unroll, down, 2)
+    prefetch = 0
+    if pdl and inter // 64 >= PREFETCH_MIN_CHUNKS:  # an eighth, within PREFETCH_MAX_BYTES
+        per_chunk = m * top_k * (hidden // 16) * CHUNK_BYTES
+        prefetch = min(inter // 64 // 8, PREFETCH_MAX_BYTES // per_chunk)
+    return SmallMoeConfig(warps, unroll, down, 2, pdl, prefetch)
 
 
 # --------------------------------------------------------------------------------------------
@@ -119,6 +176,28 @@ def _load_a(a_ptrs, ok):
         [ok.to(tl.int32), a_ptrs],
         dtype=(tl.int32,) * 8,
         is_pure=True,
+        pack=1,
+    )
+
+
+# Start copying ``$3`` bytes at ``$2`` (16-byte aligned, a multiple of 16) into L2; one
+# instruction per range, nothing waits for it (SM 9.0+).
+_PREFETCH_ASM = tl.constexpr(
+    "{ .reg .pred p; setp.ne.b32 p, $1, 0;\n"
+    "@p cp.async.bulk.prefetch.L2.global [$2], $3;\n"
+    "mov.b32 $0, 0; }"
+)
+
+
+@triton.jit
+def _prefetch_l2(ptrs, nbytes, ok):
+    """Prefetch ``nbytes`` from each pointer whose ``ok`` is set into L2."""
+    return tl.inline_asm_elementwise(
+        _PREFETCH_ASM,
+        "=r,r,l,r",
+        [ok.to(tl.int32), ptrs, tl.full(ok.shape, nbytes, tl.int32)],
+        dtype=tl.int32,
+        is_pure=False,
         pack=1,
     )
 
@@ -200,12 +279,15 @@ def _down_unit(
     v, a_ptr, ids_ptr, tw_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr, E,
     stride_am, stride_we, stride_se, stride_be, stride_om, lane, warp,
     TOP_K: tl.constexpr, CH: tl.constexpr, TILES: tl.constexpr, W: tl.constexpr,
-    U: tl.constexpr, HAS_BIAS: tl.constexpr, BF16: tl.constexpr,
+    U: tl.constexpr, HAS_BIAS: tl.constexpr, BF16: tl.constexpr, PDL: tl.constexpr,
+    PF: tl.constexpr,
 ):  # fmt: skip
     """Output tile ``v % TILES`` of token ``v // TILES``: the sum over the token's slots of
     routing weight x down(expert, intermediate row). The warps take min(TOP_K, W) slots at a
     time (a fixed expert per warp and pass, its chunks split over W // that many warps); the
-    cross-warp sum at the end is the top-k sum, in a fixed order."""
+    cross-warp sum at the end is the top-k sum, in a fixed order. PDL (a programmatic dependent
+    launch): the first PF chunks of every slot's weights go to L2 and the first chunks to
+    registers before the wait for the gate/up launch; routing ids and weights predate it."""
     m = v // TILES
     tile = v % TILES
     t = lane % 4
@@ -218,6 +300,15 @@ def _down_unit(
     tile64 = tile.to(tl.int64) * CH
     sum_lo = tl.zeros((U, 1, 32 * W), dtype=tl.float32)  # rows g (acc0) of the token column
     sum_hi = tl.zeros((U, 1, 32 * W), dtype=tl.float32)  # rows g + 8 (acc2)
+    if PDL and PF > 0:  # one lane per slot: its PF leading chunks of codes and scales
+        for ps in tl.static_range(PASSES):
+            slot = ps * SPP + warp
+            mine = (lane == 0) & (warp < SPP) & (slot < TOP_K)
+            e = tl.load(ids_ptr + m * TOP_K + slot, mask=mine, other=-1).to(tl.int32)
+            mine = mine & (e >= 0) & (e < E)
+            e64 = tl.where(mine, e, 0).to(tl.int64)
+            _prefetch_l2(w_ptr + e64 * stride_we + tile64 * 128, PF * 512, mine)
+            _prefetch_l2(s_ptr + e64 * stride_se + tile64 * 32, PF * 64, mine)
     for ps in tl.static_range(PASSES):
         slot = ps * SPP + warp % SPP
         pair = m * TOP_K + slot
@@ -236,6 +327,8 @@ def _down_unit(
         acc2 = tl.zeros((U, 1, 32 * W), dtype=tl.float32)
         acc3 = tl.zeros((U, 1, 32 * W), dtype=tl.float32)
         q = _load_w(w_base + chunk0 * 128, s_base + chunk0 * 32, (chunk0 < CH) & ok_s2, False)
+        if PDL and ps == 0:
+            gdc_wait()  # the gate/up launch is complete and its intermediate visible
         for c0 in range(0, CH, STEP):
             c = c0 + chunk0
             nxt = c + STEP
@@ -273,12 +366,16 @@ def _small_moe_kernel(
     TOP_K: tl.constexpr, CH1: tl.constexpr, TILES1: tl.constexpr, CH2: tl.constexpr,
     TILES2: tl.constexpr, W: tl.constexpr, U: tl.constexpr, ACT: tl.constexpr,
     HAS_B13: tl.constexpr, HAS_B2: tl.constexpr, BF16: tl.constexpr, GATE_UP: tl.constexpr,
+    PDL: tl.constexpr, PF: tl.constexpr,
 ):  # fmt: skip
-    """One unit per program: GATE_UP (pair, I tile) or down (token, H tile)."""
+    """One unit per program: GATE_UP (pair, I tile) or down (token, H tile). PDL: gate/up
+    programs let the down launch start at once (it waits for their completion itself)."""
     idx = tl.arange(0, 32 * W)
     lane = idx % 32
     warp = idx // 32
     if GATE_UP:
+        if PDL:
+            gdc_launch_dependents()
         _gate_up_unit(
             tl.program_id(0), x_ptr, ids_ptr, w13_ptr, s13_ptr, gs13_ptr, b13_ptr, a_ptr, E,
             stride_xm, stride_w13, stride_s13, stride_b13, stride_am, alpha, limit,
@@ -288,7 +385,7 @@ def _small_moe_kernel(
         _down_unit(
             tl.program_id(0), a_ptr, ids_ptr, tw_ptr, w2_ptr, s2_ptr, gs2_ptr, b2_ptr, out_ptr,
             E, stride_am, stride_w2, stride_s2, stride_b2, stride_om, lane, warp,
-            TOP_K, CH2, TILES2, W, U, HAS_B2, BF16,
+            TOP_K, CH2, TILES2, W, U, HAS_B2, BF16, PDL, PF,
         )  # fmt: skip
 
 
@@ -336,10 +433,12 @@ def small_moe(
         TILES2=hidden // 16, ACT=act_code, HAS_B13=b13 is not None, HAS_B2=b2 is not None,
         BF16=x.dtype == torch.bfloat16,
     )  # fmt: skip
+    pf = min(cfg.prefetch, inter // 64) if cfg.pdl else 0
     _small_moe_kernel[(units1,)](
-        **kw, W=cfg.warps, U=cfg.unroll, GATE_UP=True, num_warps=cfg.warps, num_stages=1
-    )
+        **kw, W=cfg.warps, U=cfg.unroll, GATE_UP=True, PDL=cfg.pdl, PF=0,
+        num_warps=cfg.warps, num_stages=1,
+    )  # fmt: skip
     _small_moe_kernel[(units2,)](
-        **kw, W=cfg.warps_down, U=cfg.unroll_down, GATE_UP=False, num_warps=cfg.warps_down,
-        num_stages=1,
+        **kw, W=cfg.warps_down, U=cfg.unroll_down, GATE_UP=False, PDL=cfg.pdl, PF=pf,
+        num_warps=cfg.warps_down, num_stages=1, **({"launch_pdl": True} if cfg.pdl else {}),
     )  # fmt: skip

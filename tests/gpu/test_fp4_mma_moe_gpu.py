@@ -28,7 +28,7 @@ from quantdispatch.kernels.fp4_mma_moe import (  # noqa: E402
     moe_layout_config,
     repack_experts,
 )
-from quantdispatch.kernels.fp4_mma_moe_small import SmallMoeConfig  # noqa: E402
+from quantdispatch.kernels.fp4_mma_moe_small import SmallMoeConfig, pdl_capable  # noqa: E402
 from quantdispatch.kernels.fused_moe import DequantMoeConfig  # noqa: E402
 from quantdispatch.moe import QuantMoE  # noqa: E402
 
@@ -77,6 +77,7 @@ REGIMES = [
     ("topk-sum", lambda m: SmallMoeConfig()),
     ("topk-sum-w4", lambda m: SmallMoeConfig(4, 2, 4, 2)),
     ("topk-sum-w16", lambda m: SmallMoeConfig(2, 1, 16, 1)),
+    ("topk-sum-pdl", lambda m: SmallMoeConfig(8, 1, 16, 2, pdl=True, prefetch=6)),  # 6 of 12
 ]
 
 
@@ -87,6 +88,8 @@ def test_every_regime_matches_float64(nan_empty, m, regime, dtype):
     """Qwen3-30B-A3B sizes; a quarter of the experts live on another rank (ids -> -1)."""
     if regime[0] == "dequant" and not fm._grouped_mm_capable(DEV):
         pytest.skip("torch._grouped_mm needs SM 9.0+")
+    if regime[0].endswith("-pdl") and not pdl_capable(DEV):
+        pytest.skip("a programmatic dependent launch needs SM 9.0+")
     w13, w2, r13, r2, gen = experts(E, H, INTER, seed=m, dtype=dtype)
     ids, w = routing(m, E, TOP_K, gen)
     ids = torch.where(ids % 4 == 3, -1, ids)  # foreign experts: contribute nothing
@@ -154,12 +157,19 @@ def test_fp16_layer_runs_its_fp16_layout():
     assert rel(layer(x, logits), moe64("nvfp4", x, ids, w, w13, w2)) < BOUND[torch.float16]
 
 
-@pytest.mark.parametrize("cfg", [SmallMoeConfig(), SmallMoeConfig(8, 1, 16, 1)],
-                         ids=["default", "w16"])  # fmt: skip
+@pytest.mark.parametrize(
+    "cfg",
+    [SmallMoeConfig(), SmallMoeConfig(8, 1, 16, 1), SmallMoeConfig(4, 2, 8, 2, True, 45),
+     SmallMoeConfig(8, 1, 4, 2, True, 0)],
+    ids=["default", "w16", "pdl-prefetch-all", "pdl-no-prefetch"],
+)  # fmt: skip
 def test_single_pair_kernels_biases_uneven_chunks_graphs_and_determinism(nan_empty, cfg):
     """gpt-oss-like (45 chunks per row: not a multiple of the warps' K step; biases; clamped
     SwiGLU; subnormal and 448 block scales) against float64; a CUDA graph replay equals eager bit
-    for bit, and so do repeated calls (the top-k sum has a fixed order)."""
+    for bit, and so do repeated calls (the top-k sum has a fixed order). With a programmatic
+    dependent launch too (captured as a programmatic edge of the graph)."""
+    if cfg.pdl and not pdl_capable(DEV):
+        pytest.skip("a programmatic dependent launch needs SM 9.0+")
     w13, w2, r13, r2, gen = experts(32, 2880, 2880, seed=21, dtype=torch.bfloat16)
     for w in (w13, w2):  # the largest E4M3 block scale (448) on some rows, the weights kept small
         w[1].view(torch.uint8)[:, 16:32] = 0x7E

@@ -235,6 +235,13 @@ def test_small_moe_launches_one_program_per_unit(monkeypatch):
     assert k1["stride_am"] == inter and k1["TOP_K"] == top_k
     xk = k1["x_ptr"]  # re-aligned for the kernel's 16-byte loads, same values
     assert xk.data_ptr() % 16 == 0 and xk.stride(0) % 8 == 0 and torch.equal(xk, x)
+    assert not k1["PDL"] and not k2["PDL"] and "launch_pdl" not in k2 and k2["PF"] == 0
+    launches.clear()  # a programmatic dependent down launch; prefetch capped at I's 3 chunks
+    cfg = SmallMoeConfig(2, 1, 8, 2, pdl=True, prefetch=5)
+    small.small_moe(x, ids, tw, tuple(r13), tuple(r2), None, None, 0, 0.0, 0.0, cfg, out, inter)
+    (_, k1), (_, k2) = launches
+    assert k1["PDL"] and "launch_pdl" not in k1 and k1["PF"] == 0  # gate/up: the trigger only
+    assert k2["PDL"] and k2["launch_pdl"] is True and k2["PF"] == 3
 
 
 def test_regimes_from_tokens_per_expert():
@@ -253,6 +260,15 @@ def test_regimes_from_tokens_per_expert():
             want = (gate_up.wk, gate_up.unroll, 16 if e == 8 else 4)
         assert got == SmallMoeConfig(*want, 2)
     assert small_moe_config(1, 1, 64, 64 * 16, 4, 2) == SmallMoeConfig(8, 1, 16, 2)  # cap at 16
+    # a programmatic dependent down launch (SM 9.0+); its programs prefetch the first eighth of
+    # their weights into L2 where I has 64+ chunks, at most PREFETCH_MAX_BYTES (576 B a chunk)
+    qwen3 = small_moe_config(1, 8, 768, 2048, 4, 2, pdl=True)
+    assert qwen3 == SmallMoeConfig(8, 1, 16, 2, True, 0) and "pdl pf0" in qwen3.label()
+    assert small_moe_config(1, 8, 2048, 7168, 4, 2, pdl=True).prefetch == 0  # DeepSeek-V3
+    assert small_moe_config(1, 2, 14336, 4096, 4, 2, pdl=True).prefetch == 28  # Mixtral: 224/8
+    assert small_moe_config(16, 2, 14336, 4096, 4, 2, pdl=True).prefetch == 3  # 16 MB cap
+    assert small_moe_config(1, 2, 14336, 4096, 4, 2).prefetch == 0  # no PDL, no prefetch
+    assert not moe_layout_config(1, 8, 128, 768, 2048, CPU).pdl  # not on the CPU
     cfg = moe_layout_config(64, 8, 128, 768, 2048, CPU)  # 4 per expert
     assert isinstance(cfg, MmaMoeConfig) and not cfg.direct
     assert moe_layout_config(128, 8, 128, 768, 2048, CPU).block_m == 16  # 8 per expert
