@@ -153,7 +153,11 @@ class TritonBackend(Backend):
                 "grouped tl.dot GEMM decoding the same weight"
             )
             if profile.capability >= (9, 0):
-                text += f"; {many}: experts dequantized per GEMM + torch._grouped_mm"
+                text += (
+                    f"; {many}: experts dequantized per GEMM + torch._grouped_mm; the "
+                    "single-pair down kernel is a programmatic dependent launch (it loads its "
+                    "weights while gate/up runs)"
+                )
             return text + "; other layers: the checkpoint layout and fused tl.dot kernels"
         if request.op is not Op.LINEAR:
             return None
