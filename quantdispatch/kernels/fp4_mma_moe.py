@@ -44,12 +44,7 @@ from quantdispatch.kernels import fused_moe
 from quantdispatch.kernels.fp4_mma import CHUNK_K, TILE_N, mma_dequant_rows, repack, unpack
 from quantdispatch.kernels.fp4_mma_ckpt import MmaMoeConfig, mma_moe_config
 from quantdispatch.kernels.fp4_mma_gemm import _weight_tile, kappa_order
-from quantdispatch.kernels.fp4_mma_moe_small import (
-    SmallMoeConfig,
-    pdl_capable,
-    small_moe,
-    small_moe_config,
-)
+from quantdispatch.kernels.fp4_mma_moe_small import SmallMoeConfig, small_moe, small_moe_config
 from quantdispatch.kernels.fused_moe import (
     DequantMoeConfig,
     _activation,
@@ -61,6 +56,7 @@ from quantdispatch.kernels.fused_moe import (
     _run_mma,
     moe_align,
 )
+from quantdispatch.kernels.gdc import pdl_capable
 from quantdispatch.moe_math import get_activation
 
 __all__ = [

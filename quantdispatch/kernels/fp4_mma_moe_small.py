@@ -15,10 +15,11 @@ third launch:
   is scaled by its routing weight x global scale, and the cross-warp sum at the end *is* the
   top-k sum: no per-pair output, no third launch, a fixed order (deterministic, bit for bit).
 
-On SM 9.0+ the down kernel is a programmatic dependent launch: gate/up programs release it at
-once, its programs start next to them, load their first weight chunks (and on long loops
-prefetch more into L2), and only then wait for the intermediate (``griddepcontrol.wait``:
-gate/up complete, its writes visible). Qwen3-30B-A3B M=1 12.1 vs 13.3 us.
+On SM 9.0+ the down kernel is a programmatic dependent launch (:mod:`.gdc`): gate/up programs
+(an ordinary launch: every earlier kernel is complete when they start) release it at once, its
+programs start next to them, load their first weight chunks (on long loops prefetch more into
+L2), and only then wait for the intermediate (``griddepcontrol.wait``: gate/up complete, its
+writes visible). Qwen3-30B-A3B M=1 12.1 vs 13.3 us.
 
 Measured on the H200 against the per-pair kernels + sum (benchmarks/NOTES.md, session 6):
 Qwen3-30B-A3B M=1 13.5 vs 15.9 us, Mixtral-8x7B M=1 67.6 vs 69.5, DeepSeek-V3 M=1 68.1 vs
@@ -39,33 +40,16 @@ import triton
 import triton.language as tl
 
 from quantdispatch.kernels import fused_moe
-from quantdispatch.kernels.configs import device_info
 from quantdispatch.kernels.fp4_mma import _load_w, _load_x
 from quantdispatch.kernels.fp4_mma_ckpt import _chunk_mma, _k_reduce
 from quantdispatch.kernels.fused_moe import _activation
-
-try:  # grid dependency control (programmatic dependent launch, SM 9.0+), Triton 3.3+
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
-    HAS_GDC = True
-except ImportError:  # pragma: no cover - older Triton: configs keep pdl=False
-    HAS_GDC = False
-
-    @triton.jit
-    def gdc_wait():
-        pass
-
-    @triton.jit
-    def gdc_launch_dependents():
-        pass
-
+from quantdispatch.kernels.gdc import gdc_launch_dependents, gdc_wait
 
 __all__ = [
     "DOWN_MIN_WARPS",
     "GATE_UP_WIDE_MAX_PROGRAMS",
     "PREFETCH_MAX_BYTES",
     "SmallMoeConfig",
-    "pdl_capable",
     "small_moe",
     "small_moe_config",
     "small_units",
@@ -91,12 +75,6 @@ class SmallMoeConfig:
     def label(self) -> str:
         early = f" pdl pf{self.prefetch}" if self.pdl else ""
         return f"topk-sum w{self.warps}u{self.unroll}/w{self.warps_down}u{self.unroll_down}{early}"
-
-
-def pdl_capable(device: torch.device) -> bool:
-    """Programmatic dependent launch: a CUDA GPU of SM 9.0+ and a Triton with grid dependency
-    control."""
-    return HAS_GDC and device.type == "cuda" and device_info(device)[1] >= (9, 0)
 
 
 def small_units(m: int, top_k: int, inter: int, hidden: int) -> tuple[int, int]:
@@ -369,7 +347,9 @@ def _small_moe_kernel(
     PDL: tl.constexpr, PF: tl.constexpr,
 ):  # fmt: skip
     """One unit per program: GATE_UP (pair, I tile) or down (token, H tile). PDL: gate/up
-    programs let the down launch start at once (it waits for their completion itself)."""
+    programs let the down launch start at once (it waits for their completion itself; gate/up
+    itself is an ordinary launch, so everything the down programs load before that wait was
+    complete before gate/up started)."""
     idx = tl.arange(0, 32 * W)
     lane = idx % 32
     warp = idx // 32

@@ -28,8 +28,9 @@ from quantdispatch.kernels.fp4_mma_moe import (  # noqa: E402
     moe_layout_config,
     repack_experts,
 )
-from quantdispatch.kernels.fp4_mma_moe_small import SmallMoeConfig, pdl_capable  # noqa: E402
+from quantdispatch.kernels.fp4_mma_moe_small import SmallMoeConfig  # noqa: E402
 from quantdispatch.kernels.fused_moe import DequantMoeConfig  # noqa: E402
+from quantdispatch.kernels.gdc import pdl_capable  # noqa: E402
 from quantdispatch.moe import QuantMoE  # noqa: E402
 
 
