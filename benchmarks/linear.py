@@ -408,11 +408,14 @@ def main() -> None:
     ap.add_argument("--tune", action="store_true", help="sweep configs first, write the table")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument("--kernels", default=",".join(KERNELS + EXTRA_KERNELS))
+    ap.add_argument("--ms", help="comma-separated M values instead of the default list")
     args = ap.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     shapes = QUICK_SHAPES if args.quick else SHAPES
     ms = QUICK_MS if args.quick else MS
+    if args.ms:
+        ms = [int(v) for v in args.ms.split(",")]
     kernels = args.kernels.split(",")
     import triton
 
