@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # A/B of programmatic dependent launch on the H200 (device tool, carry .whl): linear M <= 16
 # (nvfp4 auto vs bf16) and MoE M = 1, 4 with QUANTDISPATCH_PDL=0 and with the default, then
-# the whole GPU suite. Results and logs under $OUT/{lin,moe}-{nopdl,pdl}.
+# the whole GPU suite. Results and logs under $OUT/{lin,moe}-{nopdl,pdl}. Only kernels that
+# honour QUANTDISPATCH_PDL differ between the halves: since commit "Revert the experiment ..."
+# that is the single-pair MoE's down launch (the linear kernel never is a dependent launch).
 set -u
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1
 export PYTHONPATH=/tmp/site:$PWD

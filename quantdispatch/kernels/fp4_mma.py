@@ -46,7 +46,6 @@ import triton
 import triton.language as tl
 
 from quantdispatch.errors import WeightFormatError, format_error
-from quantdispatch.kernels.gdc import gdc_launch_dependents, gdc_wait, pdl_capable
 
 __all__ = [
     "DECODE_TABLES",
@@ -511,7 +510,6 @@ def _mma_gemv_kernel(
     R: tl.constexpr,
     BF16: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     """One program = WT * R 16-row tiles x (8 * NT) tokens with WT * WK warps: warp (wt, wk)
     takes R consecutive tiles and every WK-th chunk from wk (a K split summed at the end). Its
@@ -524,12 +522,7 @@ def _mma_gemv_kernel(
 
     Tensor shapes (one element per thread along the last axis, 32 * WARPS): per-lane values
     [32W]; weights per tile and chunk [R, U, 32W]; activations per chunk and token tile
-    [U, NT, 32W]; accumulators [R, U, NT, 32W]. PDL (a programmatic dependent launch): the
-    programs may start before the kernel ahead of them ends; they wait for it before any load
-    (it may have written x or the weights) and then let the next kernel start."""
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    [U, NT, 32W]; accumulators [R, U, NT, 32W]."""
     WARPS: tl.constexpr = WT * WK
     m0 = tl.program_id(0) * (8 * NT)
     idx = tl.arange(0, 32 * WARPS)
@@ -772,15 +765,13 @@ def mma_linear(
     bias: torch.Tensor | None = None,
     *,
     config: tuple[int, ...] | None = None,
-    pdl: bool | None = None,
 ) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for a weight in the mma layout; x [M, K] fp16/bf16, out [M, N].
 
     Any M works (programs of up to 64 tokens side by side; the weight tile stays in L2 for
     the programs that share it), but it is meant for small M: the backend sends large M to
     dequantize + cuBLAS. ``config`` = (NT, WT, WK, UNROLL[, R]) overrides the heuristic
-    (tuning); WT * R must divide N/16. ``pdl``: launch as a programmatic dependent launch
-    (default: where :func:`.gdc.pdl_capable`)."""
+    (tuning); WT * R must divide N/16."""
     tiles, chunks = words.shape[0], words.shape[1]
     n = tiles * TILE_N
     m = x.shape[0]
@@ -793,7 +784,6 @@ def mma_linear(
     if tiles % (wt * r):
         raise ValueError(f"WT={wt} x R={r} does not divide the {tiles} tiles")
     grid = (triton.cdiv(m, 8 * nt), tiles // (wt * r))
-    pdl = pdl_capable(x.device) if pdl is None else pdl
     _mma_gemv_kernel[grid](
         x,
         words,
@@ -813,10 +803,8 @@ def mma_linear(
         R=r,
         BF16=x.dtype == torch.bfloat16,
         HAS_BIAS=bias is not None,
-        PDL=pdl,
         num_warps=wt * wk,
         num_stages=1,
-        **({"launch_pdl": True} if pdl else {}),
     )
     return out
 

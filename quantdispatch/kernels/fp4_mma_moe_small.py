@@ -355,7 +355,6 @@ def _small_moe_kernel(
     warp = idx // 32
     if GATE_UP:
         if PDL:
-            gdc_wait()  # experiment: gate/up itself a dependent launch
             gdc_launch_dependents()
         _gate_up_unit(
             tl.program_id(0), x_ptr, ids_ptr, w13_ptr, s13_ptr, gs13_ptr, b13_ptr, a_ptr, E,
@@ -417,7 +416,7 @@ def small_moe(
     pf = min(cfg.prefetch, inter // 64) if cfg.pdl else 0
     _small_moe_kernel[(units1,)](
         **kw, W=cfg.warps, U=cfg.unroll, GATE_UP=True, PDL=cfg.pdl, PF=0,
-        num_warps=cfg.warps, num_stages=1, **({"launch_pdl": True} if cfg.pdl else {}),
+        num_warps=cfg.warps, num_stages=1,
     )  # fmt: skip
     _small_moe_kernel[(units2,)](
         **kw, W=cfg.warps_down, U=cfg.unroll_down, GATE_UP=False, PDL=cfg.pdl, PF=pf,
