@@ -236,6 +236,13 @@ def _human_header(profile: Any, settings: Any, policy: Any) -> str:
         f"  disabled backends         {', '.join(s['disabled']) or 'none'}",
         f"  policy                    {' + '.join(policy.sources)}",
         f"  simulated device          {s['device'] or 'none (probed)'}",
+        "  dependent launches        "
+        + (
+            "on: on SM 9.0+ the single-pair MoE down kernel starts while gate/up runs "
+            "(QUANTDISPATCH_PDL=0 turns it off)"
+            if s["pdl"]
+            else "off (QUANTDISPATCH_PDL)"
+        ),
         "",
     ]
     return "\n".join(lines)

@@ -9,6 +9,8 @@ variable                           meaning
 ``QUANTDISPATCH_DISABLE``          comma-separated backends never to choose, e.g. ``marlin,torch``
 ``QUANTDISPATCH_POLICY``           path of a policy TOML file laid over the packaged default
 ``QUANTDISPATCH_DEVICE``           a preset to simulate (explain only: kernels refuse to run)
+``QUANTDISPATCH_PDL``              ``0`` / ``false``: no programmatic dependent launches (default
+                                   on where the GPU has them, SM 9.0+; see kernels/gdc.py)
 ``SGLANG_FORCE_NVFP4_MARLIN=1``    SGLang's switch, read as ``QUANTDISPATCH_BACKEND_NVFP4=marlin``
 =================================  =============================================================
 
@@ -30,14 +32,34 @@ from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource
 
 from quantdispatch.errors import ConfigurationError, format_error
 
-__all__ = ["ENV_PREFIX", "Settings", "current_settings", "load_settings"]
+__all__ = ["ENV_PREFIX", "Settings", "current_settings", "load_settings", "parse_pdl"]
 
 ENV_PREFIX = "QUANTDISPATCH_"
 BACKEND_PREFIX = ENV_PREFIX + "BACKEND_"
 SGLANG_MARLIN_ENV = "SGLANG_FORCE_NVFP4_MARLIN"
-_PLAIN_FIELDS = {"DISABLE": "disable", "POLICY": "policy", "DEVICE": "device"}
+_PLAIN_FIELDS = {"DISABLE": "disable", "POLICY": "policy", "DEVICE": "device", "PDL": "pdl"}
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
+
+
+def parse_pdl(value: Any) -> bool:
+    """``QUANTDISPATCH_PDL``: unset or empty -> True (the default), else a boolean word."""
+    if value is None or isinstance(value, bool):
+        return True if value is None else value
+    flag = str(value).strip().lower()
+    if flag == "" or flag in _TRUE:
+        return True
+    if flag in _FALSE:
+        return False
+    raise ValueError(
+        format_error(
+            f"{ENV_PREFIX}PDL={value!r} is not a boolean",
+            "valid values: 1, true, yes, on (programmatic dependent launches where the GPU has "
+            "them, the default) / 0, false, no, off (never)",
+            f"set {ENV_PREFIX}PDL=0 or 1, or unset it",
+        )
+    )
+
 
 _environ: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.ContextVar(
     "quantdispatch_environ", default=None
@@ -134,6 +156,8 @@ class Settings(BaseSettings):
     disable: Annotated[frozenset[str], NoDecode] = frozenset()
     policy: Path | None = None
     device: str | None = None
+    pdl: bool = True
+    """Kernels may use programmatic dependent launches (SM 9.0+); it changes no decision."""
 
     @classmethod
     def settings_customise_sources(
@@ -194,6 +218,11 @@ class Settings(BaseSettings):
                 )
             )
         return frozenset(items)
+
+    @field_validator("pdl", mode="before")
+    @classmethod
+    def _check_pdl(cls, value: Any) -> bool:
+        return parse_pdl(value)
 
     @field_validator("device", mode="before")
     @classmethod
@@ -270,6 +299,7 @@ class Settings(BaseSettings):
             "disabled": sorted(self.disable),
             "policy": str(self.policy) if self.policy else None,
             "device": self.device,
+            "pdl": self.pdl,
         }
 
 

@@ -21,8 +21,9 @@ from functools import cache
 import torch
 import triton
 
-from quantdispatch.errors import ConfigurationError, format_error
+from quantdispatch.errors import ConfigurationError
 from quantdispatch.kernels.configs import device_info
+from quantdispatch.settings import parse_pdl
 
 try:  # Triton 3.3+
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -45,20 +46,18 @@ __all__ = ["HAS_GDC", "PDL_ENV", "gdc_launch_dependents", "gdc_wait", "pdl_capab
 PDL_ENV = "QUANTDISPATCH_PDL"
 
 
-@cache
 def pdl_enabled() -> bool:
-    """``QUANTDISPATCH_PDL``: 1 (default) lets kernels use PDL where the GPU has it, 0 never.
-    Read once per process."""
-    raw = os.environ.get(PDL_ENV, "1").strip()
-    if raw not in ("0", "1"):
-        raise ConfigurationError(
-            format_error(
-                f"{PDL_ENV}={raw!r}",
-                "it is 1 (programmatic dependent launches on SM 9.0+) or 0 (never)",
-                f"set {PDL_ENV}=0 or 1, or unset it",
-            )
-        )
-    return raw == "1"
+    """``QUANTDISPATCH_PDL`` (a setting, :mod:`quantdispatch.settings`): unset or true lets
+    kernels use PDL where the GPU has it; 0 / false never. A malformed value raises."""
+    return _parse(os.environ.get(PDL_ENV))
+
+
+@cache
+def _parse(raw: str | None) -> bool:
+    try:
+        return parse_pdl(raw)
+    except ValueError as exc:
+        raise ConfigurationError(str(exc)) from None
 
 
 def pdl_capable(device: torch.device) -> bool:

@@ -1,5 +1,5 @@
-"""Programmatic dependent launch switches (kernels/gdc.py): when kernels may use it and the env
-variable that turns it off."""
+"""Programmatic dependent launch switches (kernels/gdc.py): when kernels may use it and the
+QUANTDISPATCH_PDL setting that turns it off (read by the kernels and by Settings alike)."""
 
 from __future__ import annotations
 
@@ -10,31 +10,30 @@ pytest.importorskip("triton")
 
 from quantdispatch.errors import ConfigurationError
 from quantdispatch.kernels import gdc
+from quantdispatch.settings import current_settings, load_settings
 
 
-@pytest.fixture
-def fresh_env(monkeypatch):
-    gdc.pdl_enabled.cache_clear()
-    yield monkeypatch
-    gdc.pdl_enabled.cache_clear()
+@pytest.mark.parametrize(
+    "value, on",
+    [(None, True), ("1", True), (" true ", True), ("", True), ("0", False), ("off", False)],
+)
+def test_env_turns_it_on_and_off(monkeypatch, value, on):
+    if value is None:
+        monkeypatch.delenv(gdc.PDL_ENV, raising=False)
+    else:
+        monkeypatch.setenv(gdc.PDL_ENV, value)
+    assert gdc.pdl_enabled() is on
+    assert current_settings().pdl is on  # a known variable: select() and doctor accept it
+    assert current_settings().describe()["pdl"] is on
 
 
-def test_env_turns_it_on_and_off(fresh_env):
-    fresh_env.delenv(gdc.PDL_ENV, raising=False)
-    assert gdc.pdl_enabled()
-    gdc.pdl_enabled.cache_clear()
-    fresh_env.setenv(gdc.PDL_ENV, "0")
-    assert not gdc.pdl_enabled()
-    gdc.pdl_enabled.cache_clear()
-    fresh_env.setenv(gdc.PDL_ENV, " 1 ")
-    assert gdc.pdl_enabled()
-
-
-@pytest.mark.parametrize("value", ["yes", "2", "", "true"])
-def test_malformed_env_value_names_itself_and_the_fix(fresh_env, value):
-    fresh_env.setenv(gdc.PDL_ENV, value)
-    with pytest.raises(ConfigurationError, match=rf"QUANTDISPATCH_PDL='{value.strip()}'.*0 or 1"):
+@pytest.mark.parametrize("value", ["yes please", "2", "enabled"])
+def test_malformed_value_names_itself_and_the_fix(monkeypatch, value):
+    monkeypatch.setenv(gdc.PDL_ENV, value)
+    with pytest.raises(ConfigurationError, match=rf"QUANTDISPATCH_PDL='{value}'.*PDL=0 or 1"):
         gdc.pdl_enabled()
+    with pytest.raises(ConfigurationError, match=rf"QUANTDISPATCH_PDL='{value}' is not a boolean"):
+        load_settings({gdc.PDL_ENV: value})
 
 
 def test_never_off_a_cuda_gpu():
