@@ -396,7 +396,7 @@ def mma_layout_moe(
     activation: str,
     params: Sequence[float],
     packed_for: torch.dtype,
-    config: MmaMoeConfig | MoeGemmTile | DequantMoeConfig | None = None,
+    config: SmallMoeConfig | MmaMoeConfig | MoeGemmTile | DequantMoeConfig | None = None,
 ) -> torch.Tensor:
     """Routed experts on repacked stacks: [M, H] in x.dtype. ``topk_ids`` hold local expert ids
     (others contribute nothing), ``topk_weights`` (float32) are final. ``config`` overrides the

@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from quantdispatch.kernels import fused_moe
-from quantdispatch.kernels.fp4_mma import _load_w, _load_x
+from quantdispatch.kernels.fp4_mma import CHUNK_K, TILE_N, _load_w, _load_x
 from quantdispatch.kernels.fp4_mma_ckpt import _chunk_mma, _k_reduce
 from quantdispatch.kernels.fused_moe import _activation
 from quantdispatch.kernels.gdc import gdc_launch_dependents, gdc_wait
@@ -92,8 +92,9 @@ GATE_UP_WIDE_MAX_PROGRAMS = 1024
 #: their weights into L2 while gate/up runs (L2 is 50 MB on the H100 / H200, more on newer
 #: GPUs; gate/up streams its own weights through it at the same time).
 PREFETCH_MAX_BYTES = 16 << 20
-#: Bytes of one chunk (16 rows x 64 columns) of repacked weights: 512 of codes, 64 of scales.
-CHUNK_BYTES = 576
+#: Bytes of one chunk (16 rows x 64 columns) of repacked weights: 4-bit codes, a byte of scale
+#: per 16 of them (512 + 64).
+CHUNK_BYTES = TILE_N * CHUNK_K // 2 + TILE_N * CHUNK_K // 16
 #: The L2 prefetch pays only on long down loops: from this many chunks of I (I >= 4096), the
 #: first eighth of them (measured on the H200, see :func:`small_moe_config`).
 PREFETCH_MIN_CHUNKS = 64

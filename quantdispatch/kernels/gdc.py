@@ -23,7 +23,7 @@ import triton
 
 from quantdispatch.errors import ConfigurationError
 from quantdispatch.kernels.configs import device_info
-from quantdispatch.settings import parse_pdl
+from quantdispatch.settings import ENV_PREFIX, parse_pdl
 
 try:  # Triton 3.3+
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -43,7 +43,7 @@ except ImportError:  # pragma: no cover - older Triton: pdl_capable() is False, 
 
 __all__ = ["HAS_GDC", "PDL_ENV", "gdc_launch_dependents", "gdc_wait", "pdl_capable", "pdl_enabled"]
 
-PDL_ENV = "QUANTDISPATCH_PDL"
+PDL_ENV = ENV_PREFIX + "PDL"
 
 
 def pdl_enabled() -> bool:
