@@ -4,13 +4,12 @@ Every (shape, M, tile) is first checked against the float64 reference (relative 
 fp16 activations and a poisoned output once per shape and M) and only then timed (CUDA-graph
 replays, weights rotated past L2), next to bf16 cuBLAS and what the triton backend runs.
 Usage: python benchmarks/gemm_sweep.py [--shapes qkv,o,gate_up,down] [--ms 32,64,128]
-       [--tiles BNxBMxBKwWsS[kSPLIT],...]
+       [--tiles BNxBMxBKwWsS[kSPLIT][rMAXNREG],...]
 """
 
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import time
 from pathlib import Path
@@ -32,10 +31,7 @@ DEFAULT_TILES = (
 )
 
 
-def parse_tile(text: str) -> fp4_mma_gemm.GemmTile:
-    found = re.fullmatch(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(?:k(\d+))?", text)
-    bn, bm, bk, w, s = map(int, found.groups()[:5])
-    return fp4_mma_gemm.GemmTile(bn, bm, bk // 64, w, s, int(found.group(6) or 1))
+parse_tile = fp4_mma_gemm.parse_tile
 
 
 def main() -> None:

@@ -66,6 +66,15 @@ def gemm_eligible(n: int, k: int, capability: tuple[int, int] | None) -> bool:
     return capability is not None and capability[0] == 9 and mma_gemm_supported(n, k)
 
 
+def _host_descriptors() -> bool:
+    """Whether the mid-M GEMM can take its activation tiles by TMA (Triton 3.3+ installed)."""
+    try:
+        from quantdispatch.kernels.fp4_mma_gemm import has_host_descriptors
+    except ImportError:  # no triton
+        return False
+    return has_host_descriptors()
+
+
 def _mma_ranges(n: int, k: int, capability: tuple[int, int] | None) -> tuple[int, int]:
     """(largest M for the mma kernel, largest M for the GEMM; 0 = no GEMM) of an N x K weight."""
     large = n * k >= MMA_LARGE_WEIGHT_ELEMENTS
@@ -171,6 +180,7 @@ class TritonBackend(Backend):
             gemm_top = _mma_ranges(n, k, profile.capability)[1]
             if gemm_top:
                 text += f"; M <= {gemm_top}: tl.dot (wgmma) GEMM decoding the same weight"
+                text += ", activation tiles by TMA" if _host_descriptors() else ""
             return text + "; larger M: dequantized slabs + cuBLAS"
         return "tl.dot kernels on the checkpoint layout; large M: dequantized slabs + cuBLAS"
 

@@ -24,7 +24,8 @@ interpreter, which runs no PTX) decodes the same bits with Triton integer ops in
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -38,7 +39,16 @@ from quantdispatch.kernels.fp4_mma import (
     _decode_ptx,
 )
 
-__all__ = ["GemmTile", "kappa_order", "mma_gemm", "mma_gemm_config", "mma_gemm_supported"]
+__all__ = [
+    "GemmTile",
+    "has_host_descriptors",
+    "kappa_order",
+    "mma_gemm",
+    "mma_gemm_config",
+    "mma_gemm_supported",
+    "parse_tile",
+    "tma_capable",
+]
 
 
 def _decode_word_asm(bf16: bool) -> str:
@@ -199,9 +209,15 @@ def _mma_gemm_kernel(
     BF16: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     DOT_F32: tl.constexpr,
+    X_TMA: tl.constexpr,
 ):
     """One [BLOCK_N weight rows, BLOCK_M tokens] tile of out^T over one of SPLIT K ranges of
     PER_SPLIT chunks (a multiple of CK, so no step crosses into the next range).
+
+    X_TMA: ``x_ptr`` is a host-made tensor descriptor of x ([BLOCK_M, BK] boxes) and the
+    activation tiles arrive by TMA (rows past M and columns past K read as zeros), instead of
+    per-thread cp.async with 64-bit address arithmetic (on the H200 the warps of the pointer
+    version waited on those address registers: benchmarks/NOTES.md, session 8).
 
     x is [M, K] contiguous with its columns already in the MMA's K order (:func:`kappa_order`).
     M tiles of one weight tile run back to back (program id order), so the weight tile is read
@@ -223,7 +239,8 @@ def _mma_gemm_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     k = tl.arange(0, BK)
-    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * K + c_lo * 64 + k[None, :]
+    if not X_TMA:
+        x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * K + c_lo * 64 + k[None, :]
     t = tl.arange(0, BT)[:, None, None, None, None]
     c = tl.arange(0, CK)[None, :, None, None, None]
     g = tl.arange(0, 8)[None, None, :, None, None]
@@ -235,7 +252,9 @@ def _mma_gemm_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for c0 in range(c_lo, c_hi, CK):
         w = _weight_tile(w_ptrs, s_ptrs, c0 + c < CHUNKS, CK, BF16, DOT_F32, EVEN)
-        if EVEN:
+        if X_TMA:
+            x = x_ptr.load([pid_m * BLOCK_M, c0 * 64])
+        elif EVEN:
             x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
         else:
             x = tl.load(x_ptrs, mask=m_ok[:, None] & (c0 * 64 + k < K)[None, :], other=0.0)
@@ -245,7 +264,8 @@ def _mma_gemm_kernel(
             acc = tl.dot(w, tl.trans(x), acc)
         w_ptrs += CK * 128
         s_ptrs += CK * 32
-        x_ptrs += BK
+        if not X_TMA:
+            x_ptrs += BK
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     if SPLIT > 1:
         out = out_ptr + (split * M + offs_m.to(tl.int64))[None, :] * stride_om + offs_n[:, None]
@@ -293,7 +313,9 @@ def kappa_order(x: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class GemmTile:
     """Weight rows and tokens per program, K chunks (of 64) per step, warps, pipeline stages,
-    K ranges (each summed in fp32 by a second pass when > 1)."""
+    K ranges (each summed in fp32 by a second pass when > 1), a cap on registers per thread
+    (ptxas ``.maxnreg``; None: the compiler's choice), which decides how many programs share an
+    SM, and whether the activation tiles come by TMA (SM 9.0+)."""
 
     block_n: int
     block_m: int
@@ -301,10 +323,31 @@ class GemmTile:
     warps: int
     stages: int
     split: int = 1
+    maxnreg: int | None = None
+    tma: bool = False
 
     def label(self) -> str:
         text = f"{self.block_n}x{self.block_m}x{64 * self.chunks}w{self.warps}s{self.stages}"
-        return text + (f"k{self.split}" if self.split > 1 else "")
+        text += f"k{self.split}" if self.split > 1 else ""
+        text += f"r{self.maxnreg}" if self.maxnreg else ""
+        return text + ("t" if self.tma else "")
+
+
+def parse_tile(text: str) -> GemmTile:
+    """``GemmTile`` from its label, e.g. ``128x128x128w8s3``, ``64x64x128w4s4k4``,
+    ``128x128x128w8s2r128``, ``128x128x128w8s3t`` (benchmarks and profiles name tiles this
+    way)."""
+    pattern = r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(?:k(\d+))?(?:r(\d+))?(t?)"
+    found = re.fullmatch(pattern, text.strip())
+    if found is None or int(found.group(3)) % CHUNK_K:
+        raise ValueError(
+            f"tile {text!r}: expected BNxBMxBKwWsS[kSPLIT][rMAXNREG][t] with BK a multiple of "
+            f"{CHUNK_K}, e.g. 128x128x128w8s3"
+        )
+    bn, bm, bk, warps, stages = map(int, found.groups()[:5])
+    split = int(found.group(6) or 1)
+    maxnreg = int(found.group(7)) if found.group(7) else None
+    return GemmTile(bn, bm, bk // CHUNK_K, warps, stages, split, maxnreg, found.group(8) == "t")
 
 
 #: Weights from this many rows are wide enough to fill the H200 without a K split.
@@ -319,12 +362,37 @@ def mma_gemm_supported(n: int, k: int) -> bool:
     return n > 0 and k > 0 and n % 64 == 0 and k % CHUNK_K == 0
 
 
-def mma_gemm_config(n: int, k: int, m: int) -> GemmTile:
+def has_host_descriptors() -> bool:
+    """Whether the installed Triton makes TMA descriptors on the host (triton.tools.
+    tensor_descriptor, Triton 3.3+)."""
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def tma_capable(device: torch.device) -> bool:
+    """Whether tiles with ``tma`` can run on ``device``: a CUDA GPU of SM 9.0+ and a Triton with
+    host tensor descriptors."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0):
+        return False
+    return has_host_descriptors()
+
+
+def mma_gemm_config(n: int, k: int, m: int, *, tma: bool = False) -> GemmTile:
     """The tile for an [M, K] x [N, K]^T call: the fastest measured per M bucket on the
     H200 (benchmarks/results/gemm-sweep-h200-*.log, Llama-3.1-8B shapes), generalized by the
-    weight's width (WIDE_N) and depth (LONG_K): narrow weights split K to fill the GPU."""
+    weight's width (WIDE_N) and depth (LONG_K): narrow weights split K to fill the GPU.
+
+    ``tma`` (the device is :func:`tma_capable`): the activation tiles come by TMA, which beat
+    the pointer loads in every winning tile of the session-8 sweep (gemm-sweep-h200-2026-11-30-
+    tma.log; gate_up M=128 63 vs 78 us, qkv M=256 36 vs 42) and frees registers, so a wide
+    weight at M 65..256 runs two 2-stage programs per SM."""
     wide, long_k = n >= WIDE_N, k >= LONG_K
-    if m <= 32:
+    if tma:
+        tile = _tma_tile(n, m, wide, long_k)
+    elif m <= 32:
         tile = GemmTile(128, 32, 2, 4, 4, 2) if wide else GemmTile(64, 32, 2, 4, 4, 4)
     elif m <= 64:
         if wide:
@@ -347,8 +415,56 @@ def mma_gemm_config(n: int, k: int, m: int) -> GemmTile:
     else:
         tile = GemmTile(128, 128, 2, 8, 3, 1)
     if n % tile.block_n:  # N a multiple of 64 only: one warpgroup, 64 rows per program
-        tile = GemmTile(64, tile.block_m, tile.chunks, 4, 4, tile.split)
+        tile = GemmTile(64, tile.block_m, tile.chunks, 4, 4, tile.split, tile.maxnreg, tile.tma)
     return tile
+
+
+def _tma_tile(n: int, m: int, wide: bool, long_k: bool) -> GemmTile:
+    """The TMA tiles (the winners of gemm-sweep-h200-2026-11-30-tma.log per shape and M)."""
+    if m <= 32:
+        tile = GemmTile(128, 32, 2, 4, 4, 2) if wide else GemmTile(64, 32, 2, 4, 4, 4)
+    elif m <= 64:
+        if wide:
+            tile = GemmTile(128, 64, 2, 4, 4, 1)
+        elif n >= 6144 and not long_k:
+            tile = GemmTile(64, 64, 2, 4, 4, 1)
+        else:
+            tile = GemmTile(64, 64, 2, 4, 4, 4)
+    elif m <= 128:
+        if wide:
+            tile = GemmTile(128, 128, 2, 8, 2, 1)
+        elif n >= 6144 and not long_k:
+            tile = GemmTile(128, 128, 2, 8, 3, 2)
+        else:
+            tile = GemmTile(64, 64, 2, 4, 4, 1)
+    elif m <= 256:
+        if wide:
+            tile = GemmTile(128, 128, 2, 8, 2, 1)
+        elif long_k or n < 6144:
+            tile = GemmTile(128, 128, 2, 8, 3, 2)
+        else:
+            tile = GemmTile(128, 128, 2, 8, 3, 1)
+    else:
+        tile = GemmTile(128, 128, 2, 8, 3, 1)
+    return replace(tile, tma=True)
+
+
+def _x_descriptor(xk: torch.Tensor, tile: GemmTile) -> object:
+    """A TMA descriptor of the K-ordered activations in [BLOCK_M, BK] boxes (made on the host,
+    passed by value: nothing is allocated on the device, so CUDA graphs capture it)."""
+    if xk.device.type != "cuda" or torch.cuda.get_device_capability(xk.device) < (9, 0):
+        raise ValueError(
+            f"tile {tile.label()} loads the activations by TMA, which needs an SM 9.0+ GPU "
+            f"(got {xk.device}); use a tile without the 't' suffix"
+        )
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError as exc:  # Triton < 3.3
+        raise ValueError(
+            f"tile {tile.label()} needs Triton's host tensor descriptors (triton>=3.3, found "
+            f"{triton.__version__}); use a tile without the 't' suffix"
+        ) from exc
+    return TensorDescriptor.from_tensor(xk, [tile.block_m, CHUNK_K * tile.chunks])
 
 
 def mma_gemm(
@@ -370,17 +486,20 @@ def mma_gemm(
         return out
     if x.dtype not in (torch.bfloat16, torch.float16) or x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"x must be [M, {k}] bf16/fp16, got {x.dtype} {tuple(x.shape)}")
-    tile = tile or mma_gemm_config(n, k, m)
+    tile = tile or mma_gemm_config(n, k, m, tma=tma_capable(x.device))
     if n % tile.block_n or tile.block_n % 16:
         raise ValueError(f"BLOCK_N={tile.block_n} does not divide N={n} in 16-row tiles")
     xk = kappa_order(x)
     ck = tile.chunks
+    x_arg: object = xk
+    if tile.tma:
+        x_arg = _x_descriptor(xk, tile)
     per_split = triton.cdiv(triton.cdiv(chunks, max(1, tile.split)), ck) * ck
     split = triton.cdiv(chunks, per_split)
     target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(m, tile.block_m) * (n // tile.block_n), split)
     _mma_gemm_kernel[grid](
-        xk,
+        x_arg,
         words,
         scales.view(torch.int16),
         global_scale,
@@ -397,8 +516,10 @@ def mma_gemm(
         BF16=x.dtype == torch.bfloat16,
         HAS_BIAS=bias is not None,
         DOT_F32=x.device.type != "cuda",
+        X_TMA=tile.tma,
         num_warps=tile.warps,
         num_stages=tile.stages,
+        maxnreg=tile.maxnreg,
     )
     if split > 1:
         block = 1024

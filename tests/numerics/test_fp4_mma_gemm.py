@@ -100,11 +100,57 @@ def test_rejects_a_tile_that_does_not_divide_n() -> None:
         mg.mma_gemm(torch.zeros(2, 128, dtype=torch.bfloat16), words, s, torch.ones(1))
 
 
+@pytest.mark.parametrize(
+    "tile",
+    [
+        mg.GemmTile(128, 128, 2, 8, 3),
+        mg.GemmTile(64, 64, 2, 4, 4, split=4),
+        mg.GemmTile(128, 128, 2, 8, 2, maxnreg=128),
+        mg.GemmTile(64, 32, 1, 4, 3, split=2, maxnreg=168),
+        mg.GemmTile(128, 128, 2, 8, 3, tma=True),
+        mg.GemmTile(64, 64, 2, 4, 4, split=2, maxnreg=128, tma=True),
+    ],
+    ids=lambda t: t.label(),
+)
+def test_tile_labels_parse_back(tile) -> None:
+    assert mg.parse_tile(tile.label()) == tile
+
+
+@pytest.mark.parametrize(
+    "text", ["128x128x100w8s3", "128x128w8s3", "128x128x128w8", "", "128x128x128w8s3tk2"]
+)
+def test_parse_tile_rejects_malformed_labels(text) -> None:
+    with pytest.raises(ValueError, match="expected BNxBMxBKwWsS"):
+        mg.parse_tile(text)
+
+
+def test_the_heuristic_takes_tma_only_where_it_runs() -> None:
+    assert not mg.tma_capable(torch.device("cpu"))
+    _run(64, 128, 40, None, torch.bfloat16, seed=12)  # heuristic tile on the CPU: pointer loads
+
+
+def test_tma_tiles_are_refused_off_hopper() -> None:
+    """The TMA variant needs an SM 9.0+ GPU: elsewhere a clear error naming the fix."""
+    packed, scales = _weight(64, 128, 1)
+    words, s = fp4_mma.repack(packed, scales, torch.bfloat16)
+    x = torch.zeros(4, 128, dtype=torch.bfloat16)
+    tile = mg.GemmTile(32, 16, 2, 4, 1, tma=True)
+    with pytest.raises(ValueError, match=r"by TMA, which needs an SM 9.0\+ GPU.*without the 't'"):
+        mg.mma_gemm(x, words, s, torch.ones(1), tile=tile)
+
+
+def test_a_register_cap_leaves_the_result_unchanged() -> None:
+    """maxnreg is a launch option (the interpreter ignores it): the numbers must not change."""
+    _run(64, 128, 5, mg.GemmTile(32, 16, 2, 4, 1, maxnreg=128), torch.bfloat16, seed=11)
+
+
 @pytest.mark.parametrize("n", [64, 192, 2880, 4096, 6144, 28672, 32768])
 @pytest.mark.parametrize("k", [768, 2880, 4096, 14336])
-def test_configs_fit_the_shape(n, k) -> None:
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
+def test_configs_fit_the_shape(n, k, tma) -> None:
     for m in (17, 32, 33, 64, 65, 128, 129, 256, 512):
-        tile = mg.mma_gemm_config(n, k, m)
+        tile = mg.mma_gemm_config(n, k, m, tma=tma)
+        assert tile.tma == tma
         assert n % tile.block_n == 0
         assert tile.block_n == 16 * tile.warps or (tile.block_n, tile.warps) == (128, 4)
         assert tile.block_m in (32, 64, 128) and tile.block_m <= max(32, 2 * m)

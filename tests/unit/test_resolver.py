@@ -232,6 +232,8 @@ def test_scheme_defaults_follow_the_format():
     ("preset", "op", "says", "not_says"),
     [
         ("h200", "linear", "mma.sync kernel", "tl.dot kernels on the checkpoint"),
+        ("h200", "linear", "M <= 256: tl.dot (wgmma) GEMM decoding the same weight", None),
+        ("a100", "linear", "mma.sync kernel", "wgmma"),  # the mid-M GEMM is an SM 9.x path
         ("h200", "moe", "torch._grouped_mm", None),
         ("h200", "moe", "experts repacked once (mma16x64", None),
         ("a100", "moe", "grouped tl.dot GEMM", "torch._grouped_mm"),  # no _grouped_mm < SM 9.0
@@ -247,3 +249,17 @@ def test_triton_names_the_nvfp4_kernel_family_it_runs(preset, op, says, not_says
     assert text is not None and says in text
     if not_says:
         assert not_says not in text
+
+
+def test_triton_says_whether_the_gemm_takes_activations_by_tma(monkeypatch):
+    """The TMA activation tiles need Triton's host descriptors; doctor says so only when the
+    installed Triton has them."""
+    pytest.importorskip("triton")
+    from quantdispatch.backends import triton as triton_backend
+
+    request = Request.make("nvfp4", "linear", "bf16", "weight_only", n=4096, k=4096)
+    profile = preset_profile("h200")
+    for has in (True, False):
+        monkeypatch.setattr(triton_backend, "_host_descriptors", lambda has=has: has)
+        text = get_backend("triton").variant(request, profile)
+        assert ("activation tiles by TMA" in text) == has
