@@ -29,6 +29,7 @@ def main() -> None:
     ap.add_argument("--shape", default="gate_up", choices=list(SHAPES))
     ap.add_argument("--m", type=int, default=1)
     ap.add_argument("--config", default="", help="NT,WT,WK,UNROLL (linear kernels)")
+    ap.add_argument("--tile", default="", help="BNxBMxBKwWsS[kS][rR] (gemm; default: heuristic)")
     ap.add_argument("--calls", type=int, default=5)
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -74,9 +75,10 @@ def main() -> None:
                 return fp4_mma.mma_linear(x, words, scales, gs, config=cfg)
         elif args.kernel == "gemm":
             words, scales = fp4_mma.repack(packed, bits, torch.bfloat16)
+            tile = fp4_mma_gemm.parse_tile(args.tile) if args.tile else None
 
             def call() -> torch.Tensor:
-                return fp4_mma_gemm.mma_gemm(x, words, scales, gs)
+                return fp4_mma_gemm.mma_gemm(x, words, scales, gs, tile=tile)
         else:
 
             def call() -> torch.Tensor:
