@@ -75,6 +75,22 @@ def _host_descriptors() -> bool:
     return has_host_descriptors()
 
 
+def _rs_wgmma_note() -> str:
+    """doctor's note where the installed Triton pipelines register-operand wgmma unsafely."""
+    try:
+        from quantdispatch.kernels.wgmma_hazard import FIXED_IN, triton_version
+    except ImportError:  # no triton
+        return ""
+    if triton_version() >= FIXED_IN:
+        return ""
+    have = ".".join(map(str, triton_version()))
+    need = ".".join(map(str, FIXED_IN))
+    return (
+        f", unpipelined: Triton {have} overlaps register-operand wgmma unsafely "
+        f"(triton-lang/triton#9433; triton>={need} runs it pipelined)"
+    )
+
+
 def _mma_ranges(n: int, k: int, capability: tuple[int, int] | None) -> tuple[int, int]:
     """(largest M for the mma kernel, largest M for the GEMM; 0 = no GEMM) of an N x K weight."""
     large = n * k >= MMA_LARGE_WEIGHT_ELEMENTS
@@ -181,6 +197,7 @@ class TritonBackend(Backend):
             if gemm_top:
                 text += f"; M <= {gemm_top}: tl.dot (wgmma) GEMM decoding the same weight"
                 text += ", activation tiles by TMA" if _host_descriptors() else ""
+                text += _rs_wgmma_note()
             return text + "; larger M: dequantized slabs + cuBLAS"
         return "tl.dot kernels on the checkpoint layout; large M: dequantized slabs + cuBLAS"
 

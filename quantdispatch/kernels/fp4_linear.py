@@ -47,6 +47,7 @@ from quantdispatch.kernels.decode import (
     e4m3_to_f32_scaled_finite,
     e8m0_to_f32_scaled,
 )
+from quantdispatch.kernels.wgmma_hazard import safe_stages
 
 __all__ = ["fp4_linear"]
 
@@ -560,5 +561,7 @@ def fp4_linear(
         _fp4_small_m_kernel[grid](*args, EVEN_K=even_k, SPLIT=config.split, **common)
     else:  # tiled family
         grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
+        if config.swap_ab:  # the decoded weight is the MMA's A operand (wgmma on SM 9.x)
+            common["num_stages"] = safe_stages(config.num_stages, x.device)
         _fp4_gemm_kernel[grid](*args, EVEN_K=k % block_k == 0, GROUP_M=config.group_m, **common)
     return out

@@ -38,6 +38,7 @@ from quantdispatch.kernels.fp4_mma import (
     TILE_N,
     _decode_ptx,
 )
+from quantdispatch.kernels.wgmma_hazard import safe_stages
 
 __all__ = [
     "GemmTile",
@@ -518,7 +519,7 @@ def mma_gemm(
         DOT_F32=x.device.type != "cuda",
         X_TMA=tile.tma,
         num_warps=tile.warps,
-        num_stages=tile.stages,
+        num_stages=safe_stages(tile.stages, x.device),  # the decoded weight is wgmma's A
         maxnreg=tile.maxnreg,
     )
     if split > 1:

@@ -57,6 +57,7 @@ from quantdispatch.kernels.fused_moe import (
     moe_align,
 )
 from quantdispatch.kernels.gdc import pdl_capable
+from quantdispatch.kernels.wgmma_hazard import safe_stages
 from quantdispatch.moe_math import get_activation
 
 __all__ = [
@@ -479,7 +480,8 @@ def mma_layout_moe(
         sorted_ptr=sorted_ids, bexp_ptr=block_expert, nvalid_ptr=num_blocks, tw_ptr=tw,
         T=pairs, top_k=top_k, n_blocks=n_blocks, alpha=float(alpha), limit=float(limit),
         BLOCK_M=bm, CK=cfg.chunks, ACT=spec.code, BF16=x.dtype == torch.bfloat16,
-        DOT_F32=_interpreting(), num_warps=cfg.warps, num_stages=cfg.stages,
+        DOT_F32=_interpreting(), num_warps=cfg.warps,
+        num_stages=safe_stages(cfg.stages, x.device),  # the decoded weight is wgmma's A
     )  # fmt: skip
     bn13 = cfg.block_n if inter % cfg.block_n == 0 else 64
     w, s, g = w13[0], w13[1].view(torch.int16), w13[2]  # scale pairs as one 16-bit load

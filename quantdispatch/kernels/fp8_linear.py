@@ -32,6 +32,7 @@ from quantdispatch.kernels.fp4_linear import (
     check_same_device,
     mma_tile,
 )
+from quantdispatch.kernels.wgmma_hazard import safe_stages
 
 __all__ = ["fp8_weight_only_linear"]
 
@@ -291,6 +292,9 @@ def fp8_weight_only_linear(
         BLOCK_K=block_k,
         GROUP_M=config.group_m,
         num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        # swap-AB: the decoded weight is the MMA's A operand (wgmma on SM 9.x)
+        num_stages=safe_stages(config.num_stages, x.device)
+        if config.swap_ab
+        else config.num_stages,
     )
     return out

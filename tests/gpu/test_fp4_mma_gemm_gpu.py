@@ -133,3 +133,26 @@ def test_the_backend_takes_the_gemm_at_mid_m_on_sm90(mg):
         assert paths == ["mma", "gemm", "gemm", "dequant"]
     else:
         assert "gemm" not in paths
+
+
+@pytest.mark.parametrize(("shape", "m"), [((6144, 4096), 256), ((28672, 4096), 128)])
+def test_tiles_that_raced_on_triton_36_match_float64(mg, shape, m):
+    """Pipelined (3-stage) 64x128 TMA tiles returned wrong results on the H200 with Triton 3.6
+    (relative error 1-2.5e-2, not every call: the next step's decode overwrote wgmma A registers
+    still in flight, kernels/wgmma_hazard.py). mma_gemm runs them with safe stages: every
+    repetition matches float64 and equals the first bit for bit."""
+    from quantdispatch.kernels.fp4_mma_gemm import GemmTile, tma_capable
+
+    if not tma_capable(torch.device("cuda")):
+        pytest.skip("TMA tiles need SM 9.0+ and Triton 3.3+")
+    n, kk = shape
+    g, words, scales, gs, w64 = _weights(n, kk, torch.bfloat16, 13)
+    x = torch.randn(m, kk, generator=g, device="cuda").to(torch.bfloat16)
+    ref = x.double() @ w64.T
+    tile = GemmTile(64, 128, 2, 4, 3, tma=True)
+    first = mg.mma_gemm(x, words, scales, gs, tile=tile)
+    check(first, ref, torch.bfloat16)
+    for _ in range(10):
+        torch.testing.assert_close(
+            mg.mma_gemm(x, words, scales, gs, tile=tile), first, rtol=0, atol=0
+        )

@@ -251,6 +251,19 @@ def test_triton_names_the_nvfp4_kernel_family_it_runs(preset, op, says, not_says
         assert not_says not in text
 
 
+def test_triton_says_when_the_installed_triton_runs_the_gemm_unpipelined(monkeypatch):
+    pytest.importorskip("triton")
+    from quantdispatch.kernels import wgmma_hazard
+
+    request = Request.make("nvfp4", "linear", "bf16", "weight_only", n=4096, k=4096)
+    profile = preset_profile("h200")
+    for version, says in (((3, 6), True), ((3, 7), False)):
+        monkeypatch.setattr(wgmma_hazard, "triton_version", lambda version=version: version)
+        text = get_backend("triton").variant(request, profile)
+        assert ("unpipelined: Triton 3.6" in text) == says
+        assert ("triton-lang/triton#9433" in text) == says
+
+
 def test_triton_says_whether_the_gemm_takes_activations_by_tma(monkeypatch):
     """The TMA activation tiles need Triton's host descriptors; doctor says so only when the
     installed Triton has them."""

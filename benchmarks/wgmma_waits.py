@@ -1,0 +1,103 @@
+"""Static check of the register-operand wgmma hazard, no GPU needed (quantdispatch/kernels/
+wgmma_hazard.py says what it is): compile our Hopper tl.dot kernels for sm_90 with the installed
+Triton and list, per K loop, how many wgmmas take A from registers ("RS") and which
+``wgmma.wait_group`` counts the loop body has. An RS loop whose body waits only with a count
+above 0 lets the next step overwrite A registers of wgmmas still in flight.
+
+    python benchmarks/wgmma_waits.py                            # every kernel, 3 stages and 1
+    PYTHONPATH=/tmp/triton36 python benchmarks/wgmma_waits.py   # another Triton (pip --target)
+
+The output is what benchmarks/NOTES.md (session 8) quotes for Triton 3.6 and 3.7.
+"""
+
+from __future__ import annotations
+
+import re
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from quantdispatch.kernels import fp4_linear, fp4_mma_gemm, fp4_mma_moe, fp8_linear
+from quantdispatch.kernels.wgmma_hazard import FIXED_IN, triton_version
+
+LOOP = re.compile(r"Inner Loop Header.*?\n(.*?)@%p\d+ bra\s+\$L__BB\d+_\d+;", re.S)
+RS = re.compile(r"wgmma\.mma_async[^;]*?\{[^}]*\},\s*\{")  # A given as a register list
+
+
+def _compile(fn, pointers: dict, constexprs: dict, warps: int, stages: int) -> str:
+    names = fn.arg_names
+
+    def kind(n: str) -> str:
+        if n in constexprs:
+            return "constexpr"
+        return "fp32" if n in ("alpha", "limit") else "i32"
+
+    signature = {n: pointers.get(n, kind(n)) for n in names}
+    aligned = [n for n in names if n in pointers and not pointers[n].startswith("tensordesc")]
+    aligned += [n for n in names if n.startswith("stride") or n == "K"]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    opts = {"num_warps": warps, "num_stages": stages}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
+
+
+def report(label: str, ptx: str) -> None:
+    loops = [b for b in LOOP.findall(ptx) if "wgmma.mma_async" in b]
+    if not loops:
+        print(f"  {label}: no wgmma in a loop (mma.sync or synchronous)")
+    for body in loops:
+        rs = len(RS.findall(body))
+        waits = [int(w) for w in re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", body)]
+        if not (rs > 0 and waits and min(waits) > 0):
+            verdict = "ok"
+        elif triton_version() >= FIXED_IN:
+            verdict = "RS without wait 0: relies on the upstream fix (waits name the A registers)"
+        else:
+            verdict = "UNSAFE (RS, no wait 0 in the step)"
+        print(f"  {label}: {rs} RS wgmma, waits {waits} -> {verdict}")
+
+
+def main() -> None:
+    print(f"triton {triton.__version__}, sm_90")
+    bf16 = {"x_ptr": "*bf16", "gs_ptr": "*fp32", "bias_ptr": "*fp32", "out_ptr": "*bf16"}
+    mma = {**bf16, "w_ptr": "*i32", "s_ptr": "*i16"}
+    for tma in (False, True):
+        for stages in (3, 1):
+            ptrs = dict(mma, x_ptr="tensordesc<bf16[128, 128]>") if tma else mma
+            consts = dict(CHUNKS=64, PER_SPLIT=64, BLOCK_N=128, BLOCK_M=128, CK=2, SPLIT=1,
+                          BF16=True, HAS_BIAS=False, DOT_F32=False, X_TMA=tma)  # fmt: skip
+            ptx = _compile(fp4_mma_gemm._mma_gemm_kernel, ptrs, consts, 8, stages)
+            report(f"mma16x64 GEMM 128x128x128w8s{stages}{'t' if tma else ''}", ptx)
+    moe = {**mma, "sorted_ptr": "*i32", "bexp_ptr": "*i32", "nvalid_ptr": "*i32", "tw_ptr": "*fp32"}
+    consts = dict(CHUNKS=32, BLOCK_N=64, BLOCK_M=64, CK=2, GATE_UP=True, ACT=0, HAS_BIAS=False,
+                  BF16=True, DOT_F32=False)  # fmt: skip
+    for stages in (3, 1):
+        ptx = _compile(fp4_mma_moe._moe_gemm_kernel, moe, consts, 4, stages)
+        report(f"MoE grouped GEMM 64x64x128w4s{stages}", ptx)
+    ckpt = {**bf16, "w_ptr": "*u8", "s_ptr": "*u8", "bias_ptr": "*bf16"}
+    for swap in (True, False):
+        for stages in (3, 1):
+            consts = dict(GROUP=16, SCALE_E8M0=False, HAS_GS=True, HAS_BIAS=False, EVEN_K=True,
+                          DOT_F32=False, DEQ16=True, BF16=True, SWAP_AB=swap, BLOCK_M=64,
+                          BLOCK_N=128, BLOCK_K=128, GROUP_M=8)  # fmt: skip
+            ptx = _compile(fp4_linear._fp4_gemm_kernel, ckpt, consts, 4, stages)
+            report(f"checkpoint FP4 tiled swap_ab={int(swap)} s{stages}", ptx)
+    fp8 = {
+        "x_ptr": "*bf16",
+        "w_ptr": "*u8",
+        "s_ptr": "*fp32",
+        "bias_ptr": "*bf16",
+        "out_ptr": "*bf16",
+    }
+    for swap in (True, False):
+        for stages in (3, 1):
+            consts = dict(SCALE_KIND=1, BLOCK_SN=1, BLOCK_SK=1, HAS_BIAS=False, EVEN_K=True,
+                          DOT_F32=False, BF16=True, DEQ16=True, SWAP_AB=swap, BLOCK_M=64,
+                          BLOCK_N=128, BLOCK_K=128, GROUP_M=8)  # fmt: skip
+            ptx = _compile(fp8_linear._fp8_gemm_kernel, fp8, consts, 4, stages)
+            report(f"FP8 W8A16 tiled swap_ab={int(swap)} s{stages}", ptx)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""The register-operand wgmma guard (quantdispatch.kernels.wgmma_hazard): where it holds, and
+that every launch whose MMA takes a decoded A operand asks it for its stages.
+
+The numbers behind it (wrong results of pipelined tiles on the H200 with Triton 3.6, the PTX
+waits per Triton version) are in benchmarks/NOTES.md, session 8; the GPU regression test is
+tests/gpu/test_fp4_mma_gemm_gpu.py::test_tiles_that_raced_on_triton_36_match_float64.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed (optional extra)")
+
+from quantdispatch.kernels import wgmma_hazard as wh
+
+CUDA = torch.device("cuda", 0)
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """Pretend a CUDA device of a given capability and a given Triton version."""
+
+    def set_(capability: tuple[int, int], version: tuple[int, int]) -> None:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+        monkeypatch.setattr(wh, "triton_version", lambda: version)
+
+    return set_
+
+
+@pytest.mark.parametrize(
+    ("capability", "version", "hazard"),
+    [
+        ((9, 0), (3, 6), True),  # the H200 we measure on
+        ((9, 0), (3, 3), True),
+        ((9, 0), (3, 7), False),  # the upstream fix
+        ((9, 0), (4, 0), False),
+        ((8, 0), (3, 6), False),  # no wgmma before Hopper
+        ((10, 0), (3, 6), False),  # Blackwell's MMA (tcgen05) takes no register operands
+        ((12, 0), (3, 6), False),
+    ],
+)
+def test_hazard_is_hopper_with_an_old_triton(gpu, capability, version, hazard) -> None:
+    gpu(capability, version)
+    assert wh.rs_wgmma_hazard(CUDA) is hazard
+    assert wh.safe_stages(3, CUDA) == (1 if hazard else 3)
+
+
+def test_no_hazard_off_cuda() -> None:
+    assert not wh.rs_wgmma_hazard(torch.device("cpu"))
+    assert wh.safe_stages(4, torch.device("cpu")) == 4
+
+
+def test_triton_version_reads_the_installed_one(monkeypatch) -> None:
+    wh.triton_version.cache_clear()
+    monkeypatch.setattr(wh.triton, "__version__", "3.6.0+git1234")
+    assert wh.triton_version() == (3, 6)
+    wh.triton_version.cache_clear()
+    monkeypatch.setattr(wh.triton, "__version__", "nightly")
+    assert wh.triton_version() == (0, 0)  # unreadable: treated as affected
+    wh.triton_version.cache_clear()
+
+
+class _FakeKernel:
+    """Stands in for a Triton kernel: records the launch options."""
+
+    def __init__(self) -> None:
+        self.launches: list[dict] = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append(kwargs)
+
+        return launch
+
+
+def test_the_mid_m_gemm_asks_for_safe_stages(monkeypatch) -> None:
+    from quantdispatch.kernels import fp4_mma, fp4_mma_gemm
+
+    fake = _FakeKernel()
+    monkeypatch.setattr(fp4_mma_gemm, "_mma_gemm_kernel", fake)
+    monkeypatch.setattr(fp4_mma_gemm, "safe_stages", lambda stages, device: 1)
+    packed = torch.zeros(64, 64, dtype=torch.uint8)
+    words, scales = fp4_mma.repack(
+        packed, torch.full((64, 8), 0x38, dtype=torch.uint8), torch.bfloat16
+    )
+    x = torch.zeros(4, 128, dtype=torch.bfloat16)
+    fp4_mma_gemm.mma_gemm(
+        x, words, scales, torch.ones(1), tile=fp4_mma_gemm.GemmTile(64, 16, 2, 4, 3)
+    )
+    assert fake.launches[0]["num_stages"] == 1
+
+
+@pytest.mark.parametrize("swap_ab", [1, 0])
+def test_the_checkpoint_tiled_kernel_asks_only_when_swapped(monkeypatch, swap_ab) -> None:
+    from quantdispatch.kernels import fp4_linear
+    from quantdispatch.kernels.configs import GemmConfig
+
+    fake = _FakeKernel()
+    monkeypatch.setattr(fp4_linear, "_fp4_gemm_kernel", fake)
+    monkeypatch.setattr(fp4_linear, "safe_stages", lambda stages, device: 1)
+    monkeypatch.setattr(fp4_linear, "_interpreting", lambda: True)  # x may stay on the CPU
+    packed = torch.zeros(64, 64, dtype=torch.uint8)
+    scales = torch.full((64, 8), 0x38, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    x = torch.zeros(40, 128, dtype=torch.bfloat16)
+    config = GemmConfig(64, 64, 128, 4, 3, swap_ab=swap_ab)
+    fp4_linear.fp4_linear(x, packed, scales, torch.ones(1), scale_format="e4m3", config=config)
+    assert fake.launches[0]["num_stages"] == (1 if swap_ab else 3)
+
+
+@pytest.mark.parametrize("swap_ab", [1, 0])
+def test_the_fp8_tiled_kernel_asks_only_when_swapped(monkeypatch, swap_ab) -> None:
+    from quantdispatch.kernels import fp8_linear
+    from quantdispatch.kernels.configs import GemmConfig
+
+    fake = _FakeKernel()
+    monkeypatch.setattr(fp8_linear, "_fp8_gemm_kernel", fake)
+    monkeypatch.setattr(fp8_linear, "safe_stages", lambda stages, device: 1)
+    weight = torch.zeros(64, 128, dtype=torch.float8_e4m3fn)
+    x = torch.zeros(40, 128, dtype=torch.bfloat16)
+    config = GemmConfig(64, 64, 128, 4, 3, swap_ab=swap_ab)
+    fp8_linear.fp8_weight_only_linear(x, weight, torch.ones(()), block_size=None, config=config)
+    assert fake.launches[0]["num_stages"] == (1 if swap_ab else 3)
