@@ -76,19 +76,21 @@ def _host_descriptors() -> bool:
 
 
 def _rs_wgmma_note() -> str:
-    """doctor's note where the installed Triton pipelines register-operand wgmma unsafely."""
+    """doctor's note while the installed Triton is not known to pipeline register-operand
+    wgmma safely (kernels/wgmma_hazard.py)."""
     try:
-        from quantdispatch.kernels.wgmma_hazard import FIXED_IN, triton_version
+        from quantdispatch.kernels import wgmma_hazard as wh
     except ImportError:  # no triton
         return ""
-    if triton_version() >= FIXED_IN:
+    safe_from = wh.VERIFIED_SAFE_FROM
+    if safe_from is not None and wh.triton_version() >= safe_from:
         return ""
-    have = ".".join(map(str, triton_version()))
-    need = ".".join(map(str, FIXED_IN))
-    return (
-        f", unpipelined: Triton {have} overlaps register-operand wgmma unsafely "
-        f"(triton-lang/triton#9433; triton>={need} runs it pipelined)"
-    )
+    have = ".".join(map(str, wh.triton_version()))
+    if wh.triton_version() < wh.UPSTREAM_FIX:
+        why = f"Triton {have} overlaps register-operand wgmma unsafely (triton-lang/triton#9433)"
+    else:
+        why = f"Triton {have}'s fix of triton-lang/triton#9433 is not yet verified by us"
+    return f", unpipelined: {why}"
 
 
 def _mma_ranges(n: int, k: int, capability: tuple[int, int] | None) -> tuple[int, int]:

@@ -257,11 +257,15 @@ def test_triton_says_when_the_installed_triton_runs_the_gemm_unpipelined(monkeyp
 
     request = Request.make("nvfp4", "linear", "bf16", "weight_only", n=4096, k=4096)
     profile = preset_profile("h200")
-    for version, says in (((3, 6), True), ((3, 7), False)):
-        monkeypatch.setattr(wgmma_hazard, "triton_version", lambda version=version: version)
-        text = get_backend("triton").variant(request, profile)
-        assert ("unpipelined: Triton 3.6" in text) == says
-        assert ("triton-lang/triton#9433" in text) == says
+    monkeypatch.setattr(wgmma_hazard, "triton_version", lambda: (3, 6))
+    text = get_backend("triton").variant(request, profile)
+    assert "unpipelined: Triton 3.6 overlaps register-operand wgmma unsafely" in text
+    assert "triton-lang/triton#9433" in text
+    monkeypatch.setattr(wgmma_hazard, "triton_version", lambda: (3, 9))
+    text = get_backend("triton").variant(request, profile)
+    assert "unpipelined: Triton 3.9's fix of triton-lang/triton#9433 is not yet verified" in text
+    monkeypatch.setattr(wgmma_hazard, "VERIFIED_SAFE_FROM", (3, 9))
+    assert "unpipelined" not in get_backend("triton").variant(request, profile)
 
 
 def test_triton_says_whether_the_gemm_takes_activations_by_tma(monkeypatch):

@@ -34,8 +34,8 @@ def gpu(monkeypatch):
     [
         ((9, 0), (3, 6), True),  # the H200 we measure on
         ((9, 0), (3, 3), True),
-        ((9, 0), (3, 7), False),  # the upstream fix
-        ((9, 0), (4, 0), False),
+        ((9, 0), (3, 7), True),  # upstream's fix, not yet verified by us on a GPU
+        ((9, 0), (4, 0), True),
         ((8, 0), (3, 6), False),  # no wgmma before Hopper
         ((10, 0), (3, 6), False),  # Blackwell's MMA (tcgen05) takes no register operands
         ((12, 0), (3, 6), False),
@@ -45,6 +45,14 @@ def test_hazard_is_hopper_with_an_old_triton(gpu, capability, version, hazard) -
     gpu(capability, version)
     assert wh.rs_wgmma_hazard(CUDA) is hazard
     assert wh.safe_stages(3, CUDA) == (1 if hazard else 3)
+
+
+def test_a_verified_version_pipelines_again(gpu, monkeypatch) -> None:
+    monkeypatch.setattr(wh, "VERIFIED_SAFE_FROM", (3, 7))
+    gpu((9, 0), (3, 7))
+    assert not wh.rs_wgmma_hazard(CUDA) and wh.safe_stages(3, CUDA) == 3
+    gpu((9, 0), (3, 6))
+    assert wh.rs_wgmma_hazard(CUDA) and wh.safe_stages(3, CUDA) == 1
 
 
 def test_no_hazard_off_cuda() -> None:
