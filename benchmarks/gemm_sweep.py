@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import linear as L  # benchmarks/linear.py: Problem, timing, reference
 
 from quantdispatch.kernels import fp4_mma, fp4_mma_gemm
+from quantdispatch.kernels.wgmma_hazard import rs_wgmma_hazard
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 DEFAULT_TILES = (
@@ -45,6 +46,8 @@ def main() -> None:
     bw = L.copy_bandwidth()
     tbps = max(bw.values())
     L.log(f"bandwidth copy {bw['copy'] / 1e12:.2f} TB/s, sm {bw['sm_elementwise'] / 1e12:.2f} TB/s")
+    if rs_wgmma_hazard(torch.device("cuda")):
+        L.log("register-operand wgmma guard: every tile runs with ONE stage (labels keep theirs)")
     tiles = [parse_tile(t) for t in args.tiles.split(",")]
     for name in args.shapes.split(","):
         n, k = SHAPES[name]

@@ -355,7 +355,9 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     out = [
         f"# Linear kernels on {meta['device']} ({meta['date']})",
         "",
-        f"torch {meta['torch']}, triton {meta['triton']}, driver {meta['driver']}, CUDA "
+        f"torch {meta['torch']}, triton {meta['triton']}"
+        + (" (register-operand wgmma run with one stage)" if meta.get("rs_wgmma_one_stage") else "")
+        + f", driver {meta['driver']}, CUDA "
         f"{meta['cuda']}; streaming bandwidth {meta['copy_bw_TBps']:.2f} TB/s (read+write, the "
         "faster of a copy and an SM elementwise pass). "
         "Median us per call over CUDA-graph replays, weights and activations rotated past L2; "
@@ -402,6 +404,15 @@ def write_results(out_dir: Path, slug: str, date: str, meta: dict, rows: list, t
     return md
 
 
+def rs_wgmma_one_stage() -> bool:
+    """Whether this GPU + Triton runs register-operand wgmma launches with one stage."""
+    if not torch.cuda.is_available():
+        return False
+    from quantdispatch.kernels.wgmma_hazard import rs_wgmma_hazard
+
+    return rs_wgmma_hazard(torch.device("cuda"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="gate_up/down shapes, 5 M values")
@@ -429,6 +440,8 @@ def main() -> None:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "triton": triton.__version__,
+        # register-operand wgmma launches forced to one stage (kernels/wgmma_hazard.py)
+        "rs_wgmma_one_stage": rs_wgmma_one_stage(),
         "date": date,
         "shapes": shapes,
         "ms": ms,

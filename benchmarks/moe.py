@@ -371,7 +371,9 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     out = [
         f"# MoE layer on {meta['device']} ({meta['date']})",
         "",
-        f"torch {meta['torch']}, triton {meta['triton']}, driver {meta['driver']}, CUDA "
+        f"torch {meta['torch']}, triton {meta['triton']}"
+        + (" (register-operand wgmma run with one stage)" if meta.get("rs_wgmma_one_stage") else "")
+        + f", driver {meta['driver']}, CUDA "
         f"{meta['cuda']}; streaming bandwidth {meta['copy_bw_TBps']:.2f} TB/s (read+write; "
         f"{meta.get('floor_bandwidth_source', 'the faster of a copy and an SM pass')}). Median "
         f"us per call over CUDA-graph replays, {ROUTINGS} routings cycled per graph; each kernel "
@@ -486,6 +488,15 @@ def sweep(layers: dict[str, Layer], gen, budget_s: float, only_small: bool = Fal
     return rows
 
 
+def rs_wgmma_one_stage() -> bool:
+    """Whether this GPU + Triton runs register-operand wgmma launches with one stage."""
+    if not torch.cuda.is_available():
+        return False
+    from quantdispatch.kernels.wgmma_hazard import rs_wgmma_hazard
+
+    return rs_wgmma_hazard(torch.device("cuda"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help=f"M in {QUICK_MS}")
@@ -531,6 +542,8 @@ def main() -> None:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "triton": triton.__version__,
+        # register-operand wgmma launches forced to one stage (kernels/wgmma_hazard.py)
+        "rs_wgmma_one_stage": rs_wgmma_one_stage(),
         "date": date,
         "models": models,
         "ms": ms,
