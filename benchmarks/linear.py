@@ -40,6 +40,7 @@ from quantdispatch.kernels.configs import GemmConfig
 from quantdispatch.kernels.fp4_linear import fp4_linear
 from quantdispatch.kernels.fp8_linear import fp8_weight_only_linear
 from quantdispatch.kernels.scaled_mm import fp8_scaled_mm_linear, prepare_fp8_scaled_mm
+from quantdispatch.kernels.wgmma_hazard import rs_wgmma_hazard
 
 SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
@@ -404,15 +405,6 @@ def write_results(out_dir: Path, slug: str, date: str, meta: dict, rows: list, t
     return md
 
 
-def rs_wgmma_one_stage() -> bool:
-    """Whether this GPU + Triton runs register-operand wgmma launches with one stage."""
-    if not torch.cuda.is_available():
-        return False
-    from quantdispatch.kernels.wgmma_hazard import rs_wgmma_hazard
-
-    return rs_wgmma_hazard(torch.device("cuda"))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="gate_up/down shapes, 5 M values")
@@ -441,7 +433,7 @@ def main() -> None:
         "cuda": torch.version.cuda,
         "triton": triton.__version__,
         # register-operand wgmma launches forced to one stage (kernels/wgmma_hazard.py)
-        "rs_wgmma_one_stage": rs_wgmma_one_stage(),
+        "rs_wgmma_one_stage": torch.cuda.is_available() and rs_wgmma_hazard(torch.device("cuda")),
         "date": date,
         "shapes": shapes,
         "ms": ms,

@@ -65,6 +65,7 @@ from quantdispatch.kernels.fp4_mma_moe import (
     repack_experts,
 )
 from quantdispatch.kernels.fp4_mma_moe_small import SmallMoeConfig
+from quantdispatch.kernels.wgmma_hazard import rs_wgmma_hazard
 
 MODELS: dict[str, tuple[int, int, int, int]] = {
     "qwen3-30b-a3b": (128, 8, 2048, 768),
@@ -488,15 +489,6 @@ def sweep(layers: dict[str, Layer], gen, budget_s: float, only_small: bool = Fal
     return rows
 
 
-def rs_wgmma_one_stage() -> bool:
-    """Whether this GPU + Triton runs register-operand wgmma launches with one stage."""
-    if not torch.cuda.is_available():
-        return False
-    from quantdispatch.kernels.wgmma_hazard import rs_wgmma_hazard
-
-    return rs_wgmma_hazard(torch.device("cuda"))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help=f"M in {QUICK_MS}")
@@ -543,7 +535,7 @@ def main() -> None:
         "cuda": torch.version.cuda,
         "triton": triton.__version__,
         # register-operand wgmma launches forced to one stage (kernels/wgmma_hazard.py)
-        "rs_wgmma_one_stage": rs_wgmma_one_stage(),
+        "rs_wgmma_one_stage": torch.cuda.is_available() and rs_wgmma_hazard(torch.device("cuda")),
         "date": date,
         "models": models,
         "ms": ms,

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
+from functools import cache
 
 import torch
 import triton
@@ -363,6 +364,7 @@ def mma_gemm_supported(n: int, k: int) -> bool:
     return n > 0 and k > 0 and n % 64 == 0 and k % CHUNK_K == 0
 
 
+@cache
 def has_host_descriptors() -> bool:
     """Whether the installed Triton makes TMA descriptors on the host (triton.tools.
     tensor_descriptor, Triton 3.3+)."""
@@ -388,8 +390,10 @@ def mma_gemm_config(n: int, k: int, m: int, *, tma: bool = False) -> GemmTile:
 
     ``tma`` (the device is :func:`tma_capable`): the activation tiles come by TMA, which beat
     the pointer loads in every winning tile of the session-8 sweep (gemm-sweep-h200-2026-11-30-
-    tma.log; gate_up M=128 63 vs 78 us, qkv M=256 36 vs 42) and frees registers, so a wide
-    weight at M 65..256 runs two 2-stage programs per SM."""
+    tma.log; gate_up M=128 63 vs 78 us, qkv M=256 36 vs 42, all pipelined) and frees registers,
+    so a wide weight at M 65..256 fits two 2-stage programs per SM. The stage counts here are
+    the pipelined winners; :func:`mma_gemm` lowers them to one where
+    :mod:`.wgmma_hazard` says so (SM 9.x today)."""
     wide, long_k = n >= WIDE_N, k >= LONG_K
     if tma:
         tile = _tma_tile(n, m, wide, long_k)
@@ -458,13 +462,13 @@ def _x_descriptor(xk: torch.Tensor, tile: GemmTile) -> object:
             f"tile {tile.label()} loads the activations by TMA, which needs an SM 9.0+ GPU "
             f"(got {xk.device}); use a tile without the 't' suffix"
         )
-    try:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-    except ImportError as exc:  # Triton < 3.3
+    if not has_host_descriptors():  # Triton < 3.3
         raise ValueError(
             f"tile {tile.label()} needs Triton's host tensor descriptors (triton>=3.3, found "
             f"{triton.__version__}); use a tile without the 't' suffix"
-        ) from exc
+        )
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
     return TensorDescriptor.from_tensor(xk, [tile.block_m, CHUNK_K * tile.chunks])
 
 
