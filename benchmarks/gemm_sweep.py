@@ -47,7 +47,7 @@ def main() -> None:
     tbps = max(bw.values())
     L.log(f"bandwidth copy {bw['copy'] / 1e12:.2f} TB/s, sm {bw['sm_elementwise'] / 1e12:.2f} TB/s")
     if rs_wgmma_hazard(torch.device("cuda")):
-        L.log("register-operand wgmma guard: every tile runs with ONE stage (labels keep theirs)")
+        L.log("register-operand wgmma guard: every tile settles its accumulator each K step")
     tiles = [parse_tile(t) for t in args.tiles.split(",")]
     for name in args.shapes.split(","):
         n, k = SHAPES[name]

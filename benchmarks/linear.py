@@ -357,7 +357,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         f"# Linear kernels on {meta['device']} ({meta['date']})",
         "",
         f"torch {meta['torch']}, triton {meta['triton']}"
-        + (" (register-operand wgmma run with one stage)" if meta.get("rs_wgmma_one_stage") else "")
+        + (" (register-operand wgmma settled each K step)" if meta.get("rs_wgmma_settled") else "")
         + f", driver {meta['driver']}, CUDA "
         f"{meta['cuda']}; streaming bandwidth {meta['copy_bw_TBps']:.2f} TB/s (read+write, the "
         "faster of a copy and an SM elementwise pass). "
@@ -432,8 +432,8 @@ def main() -> None:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "triton": triton.__version__,
-        # register-operand wgmma launches forced to one stage (kernels/wgmma_hazard.py)
-        "rs_wgmma_one_stage": torch.cuda.is_available() and rs_wgmma_hazard(torch.device("cuda")),
+        # register-operand wgmma launches settle each K step (kernels/wgmma_hazard.py)
+        "rs_wgmma_settled": torch.cuda.is_available() and rs_wgmma_hazard(torch.device("cuda")),
         "date": date,
         "shapes": shapes,
         "ms": ms,

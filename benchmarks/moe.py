@@ -373,7 +373,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         f"# MoE layer on {meta['device']} ({meta['date']})",
         "",
         f"torch {meta['torch']}, triton {meta['triton']}"
-        + (" (register-operand wgmma run with one stage)" if meta.get("rs_wgmma_one_stage") else "")
+        + (" (register-operand wgmma settled each K step)" if meta.get("rs_wgmma_settled") else "")
         + f", driver {meta['driver']}, CUDA "
         f"{meta['cuda']}; streaming bandwidth {meta['copy_bw_TBps']:.2f} TB/s (read+write; "
         f"{meta.get('floor_bandwidth_source', 'the faster of a copy and an SM pass')}). Median "
@@ -534,8 +534,8 @@ def main() -> None:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "triton": triton.__version__,
-        # register-operand wgmma launches forced to one stage (kernels/wgmma_hazard.py)
-        "rs_wgmma_one_stage": torch.cuda.is_available() and rs_wgmma_hazard(torch.device("cuda")),
+        # register-operand wgmma launches settle each K step (kernels/wgmma_hazard.py)
+        "rs_wgmma_settled": torch.cuda.is_available() and rs_wgmma_hazard(torch.device("cuda")),
         "date": date,
         "models": models,
         "ms": ms,

@@ -106,50 +106,78 @@ def in_flight_writes(sass: str) -> int:
     return hits
 
 
+def loop_facts(kernel) -> list[dict]:
+    """Per K loop with wgmma in the PTX: RS wgmmas, ``wait_group`` counts, and async loads
+    (cp.async / TMA copies issued for later steps: the pipelined loads)."""
+    facts = []
+    for body in (b for b in LOOP.findall(kernel.asm["ptx"]) if "wgmma.mma_async" in b):
+        facts.append({
+            "rs": len(RS.findall(body)),
+            "waits": [int(w) for w in re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", body)],
+            "cp_async": len(re.findall(r"cp\.async\.c[ag]\.", body)),
+            "tma": len(re.findall(r"cp\.async\.bulk\.tensor", body)),
+        })  # fmt: skip
+    return facts
+
+
+def small_gemm(tma: bool, settle: bool, stages: int = 3):
+    """The mid-M GEMM compiled for sm_90 at a small size (64x64 tiles, K = 512): what
+    tests/unit/test_wgmma_hazard.py inspects."""
+    ptrs = {"x_ptr": "*bf16", "gs_ptr": "*fp32", "bias_ptr": "*fp32", "out_ptr": "*bf16",
+            "w_ptr": "*i32", "s_ptr": "*i16"}  # fmt: skip
+    if tma:
+        ptrs["x_ptr"] = "tensordesc<bf16[64, 128]>"
+    consts = dict(CHUNKS=8, PER_SPLIT=8, BLOCK_N=64, BLOCK_M=64, CK=2, SPLIT=1, BF16=True,
+                  HAS_BIAS=False, DOT_F32=False, X_TMA=tma, SETTLE=settle)  # fmt: skip
+    return _compile(fp4_mma_gemm._mma_gemm_kernel, ptrs, consts, 4, stages)
+
+
 def report(label: str, kernel) -> None:
-    ptx = kernel.asm["ptx"]
-    loops = [b for b in LOOP.findall(ptx) if "wgmma.mma_async" in b]
-    if not loops:
+    facts = loop_facts(kernel)
+    if not facts:
         print(f"  {label}: no wgmma in a loop (mma.sync or synchronous)")
-    writes = in_flight_writes(_sass(kernel)) if loops else 0
-    for body in loops:
-        rs = len(RS.findall(body))
-        waits = [int(w) for w in re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", body)]
+    writes = in_flight_writes(_sass(kernel)) if facts else 0
+    for f in facts:
+        rs, waits = f["rs"], f["waits"]
         if not (rs > 0 and waits and min(waits) > 0):
             verdict = "ok"
         elif triton_version() >= UPSTREAM_FIX:
             verdict = "RS without wait 0: relies on the upstream fix (waits name the A registers)"
         else:
             verdict = "UNSAFE (RS, no wait 0 in the step)"
-        print(f"  {label}: {rs} RS wgmma, waits {waits}, SASS writes to in-flight A: {writes}"
-              f" -> {verdict}")  # fmt: skip
+        print(f"  {label}: {rs} RS wgmma, waits {waits}, SASS writes to in-flight A: {writes},"
+              f" async loads {f['cp_async']} cp.async + {f['tma']} TMA -> {verdict}")  # fmt: skip
 
 
 def main() -> None:
-    print(f"triton {triton.__version__}, sm_90")
+    print(f"triton {triton.__version__}, sm_90; s3 = 3 stages, +settle = what SM 9.x runs")
+    variants = ((3, False), (3, True))  # (stages, SETTLE)
     bf16 = {"x_ptr": "*bf16", "gs_ptr": "*fp32", "bias_ptr": "*fp32", "out_ptr": "*bf16"}
     mma = {**bf16, "w_ptr": "*i32", "s_ptr": "*i16"}
     for tma in (False, True):
-        for stages in (3, 1):
+        for stages, settle in variants:
             ptrs = dict(mma, x_ptr="tensordesc<bf16[128, 128]>") if tma else mma
             consts = dict(CHUNKS=64, PER_SPLIT=64, BLOCK_N=128, BLOCK_M=128, CK=2, SPLIT=1,
-                          BF16=True, HAS_BIAS=False, DOT_F32=False, X_TMA=tma)  # fmt: skip
+                          BF16=True, HAS_BIAS=False, DOT_F32=False, X_TMA=tma,
+                          SETTLE=settle)  # fmt: skip
             kernel = _compile(fp4_mma_gemm._mma_gemm_kernel, ptrs, consts, 8, stages)
-            report(f"mma16x64 GEMM 128x128x128w8s{stages}{'t' if tma else ''}", kernel)
+            label = f"128x128x128w8s{stages}{'t' if tma else ''}{' +settle' if settle else ''}"
+            report(f"mma16x64 GEMM {label}", kernel)
     moe = {**mma, "sorted_ptr": "*i32", "bexp_ptr": "*i32", "nvalid_ptr": "*i32", "tw_ptr": "*fp32"}
-    consts = dict(CHUNKS=32, BLOCK_N=64, BLOCK_M=64, CK=2, GATE_UP=True, ACT=0, HAS_BIAS=False,
-                  BF16=True, DOT_F32=False)  # fmt: skip
-    for stages in (3, 1):
+    for stages, settle in variants:
+        consts = dict(CHUNKS=32, BLOCK_N=64, BLOCK_M=64, CK=2, GATE_UP=True, ACT=0,
+                      HAS_BIAS=False, BF16=True, DOT_F32=False, SETTLE=settle)  # fmt: skip
         kernel = _compile(fp4_mma_moe._moe_gemm_kernel, moe, consts, 4, stages)
-        report(f"MoE grouped GEMM 64x64x128w4s{stages}", kernel)
+        report(f"MoE grouped GEMM 64x64x128w4s{stages}{' +settle' if settle else ''}", kernel)
     ckpt = {**bf16, "w_ptr": "*u8", "s_ptr": "*u8", "bias_ptr": "*bf16"}
     for swap in (True, False):
-        for stages in (3, 1):
+        for stages, settle in variants if swap else variants[:1]:
             consts = dict(GROUP=16, SCALE_E8M0=False, HAS_GS=True, HAS_BIAS=False, EVEN_K=True,
                           DOT_F32=False, DEQ16=True, BF16=True, SWAP_AB=swap, BLOCK_M=64,
-                          BLOCK_N=128, BLOCK_K=128, GROUP_M=8)  # fmt: skip
+                          BLOCK_N=128, BLOCK_K=128, GROUP_M=8, SETTLE=settle)  # fmt: skip
             kernel = _compile(fp4_linear._fp4_gemm_kernel, ckpt, consts, 4, stages)
-            report(f"checkpoint FP4 tiled swap_ab={int(swap)} s{stages}", kernel)
+            tag = f"swap_ab={int(swap)} s{stages}{' +settle' if settle else ''}"
+            report(f"checkpoint FP4 tiled {tag}", kernel)
     fp8 = {
         "x_ptr": "*bf16",
         "w_ptr": "*u8",
@@ -158,12 +186,13 @@ def main() -> None:
         "out_ptr": "*bf16",
     }
     for swap in (True, False):
-        for stages in (3, 1):
+        for stages, settle in variants if swap else variants[:1]:
             consts = dict(SCALE_KIND=1, BLOCK_SN=1, BLOCK_SK=1, HAS_BIAS=False, EVEN_K=True,
                           DOT_F32=False, BF16=True, DEQ16=True, SWAP_AB=swap, BLOCK_M=64,
-                          BLOCK_N=128, BLOCK_K=128, GROUP_M=8)  # fmt: skip
+                          BLOCK_N=128, BLOCK_K=128, GROUP_M=8, SETTLE=settle)  # fmt: skip
             kernel = _compile(fp8_linear._fp8_gemm_kernel, fp8, consts, 4, stages)
-            report(f"FP8 W8A16 tiled swap_ab={int(swap)} s{stages}", kernel)
+            tag = f"swap_ab={int(swap)} s{stages}{' +settle' if settle else ''}"
+            report(f"FP8 W8A16 tiled {tag}", kernel)
 
 
 if __name__ == "__main__":

@@ -90,7 +90,7 @@ def _rs_wgmma_note() -> str:
         why = f"Triton {have} overlaps register-operand wgmma unsafely (triton-lang/triton#9433)"
     else:
         why = f"Triton {have}'s fix of triton-lang/triton#9433 is not yet verified by us"
-    return f", unpipelined: {why}"
+    return f", each K step waits for its wgmmas: {why}"
 
 
 def _mma_ranges(n: int, k: int, capability: tuple[int, int] | None) -> tuple[int, int]:

@@ -47,7 +47,7 @@ from quantdispatch.kernels.decode import (
     e4m3_to_f32_scaled_finite,
     e8m0_to_f32_scaled,
 )
-from quantdispatch.kernels.wgmma_hazard import safe_stages
+from quantdispatch.kernels.wgmma_hazard import rs_wgmma_hazard, settle
 
 __all__ = ["fp4_linear"]
 
@@ -116,9 +116,11 @@ def _dequant_fp4_tile3(
 
 
 @triton.jit
-def mma_tile(acc, x, w, SWAP_AB: tl.constexpr, DOT_F32: tl.constexpr):
+def mma_tile(acc, x, w, SWAP_AB: tl.constexpr, DOT_F32: tl.constexpr, SETTLE: tl.constexpr):
     """acc += x @ w.T ([BM, BN]), or with SWAP_AB acc += w @ x.T ([BN, BM]): the weights as
-    the MMA's A operand, which suits tiny M (the x tile is the narrow B operand).
+    the MMA's A operand, which suits tiny M (the x tile is the narrow B operand). SETTLE (with
+    SWAP_AB): read acc at once (:func:`.wgmma_hazard.settle`), so the next K step's decode does
+    not overwrite the A registers of wgmmas in flight (the Triton < 3.7 pipelining bug).
     DOT_F32 is for the interpreter only: its bf16 dot is wrong; fp32 is exact for these
     inputs (16-bit values, fp32 products)."""
     if DOT_F32:
@@ -130,8 +132,10 @@ def mma_tile(acc, x, w, SWAP_AB: tl.constexpr, DOT_F32: tl.constexpr):
             acc = tl.dot(xf, tl.trans(wf), acc, input_precision="ieee")
     else:
         w16 = w.to(x.dtype)
-        if SWAP_AB:  # noqa: SIM108
+        if SWAP_AB:
             acc = tl.dot(w16, tl.trans(x), acc)
+            if SETTLE:
+                acc = settle(acc)
         else:
             acc = tl.dot(x, tl.trans(w16), acc)
     return acc
@@ -263,8 +267,10 @@ def _fp4_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    SETTLE: tl.constexpr,
 ):
-    """One [BLOCK_M, BLOCK_N] output tile; loops over all of K (no split, no workspace)."""
+    """One [BLOCK_M, BLOCK_N] output tile; loops over all of K (no split, no workspace).
+    SETTLE: see :func:`mma_tile`."""
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -305,7 +311,7 @@ def _fp4_gemm_kernel(
             p = tl.load(w_ptrs, mask=offs_kh[None, :] < rem // 2, other=0)
             sb = tl.load(s_ptrs, mask=offs_g[None, :] < rem // GROUP, other=0)
         w = _dequant_fp4_tile(p, sb, BLOCK_N, BLOCK_K, GROUP, SCALE_E8M0, DEQ16, BF16)
-        acc = mma_tile(acc, x, w, SWAP_AB, DOT_F32)
+        acc = mma_tile(acc, x, w, SWAP_AB, DOT_F32, SETTLE)
         x_ptrs += BLOCK_K
         w_ptrs += BKH
         s_ptrs += NG
@@ -561,7 +567,9 @@ def fp4_linear(
         _fp4_small_m_kernel[grid](*args, EVEN_K=even_k, SPLIT=config.split, **common)
     else:  # tiled family
         grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
-        if config.swap_ab:  # the decoded weight is the MMA's A operand (wgmma on SM 9.x)
-            common["num_stages"] = safe_stages(config.num_stages, x.device)
-        _fp4_gemm_kernel[grid](*args, EVEN_K=k % block_k == 0, GROUP_M=config.group_m, **common)
+        # swap-AB: the decoded weight is the MMA's A operand (wgmma on SM 9.x)
+        settled = bool(config.swap_ab) and rs_wgmma_hazard(x.device)
+        _fp4_gemm_kernel[grid](
+            *args, EVEN_K=k % block_k == 0, GROUP_M=config.group_m, SETTLE=settled, **common
+        )
     return out

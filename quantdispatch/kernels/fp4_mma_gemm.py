@@ -39,7 +39,7 @@ from quantdispatch.kernels.fp4_mma import (
     TILE_N,
     _decode_ptx,
 )
-from quantdispatch.kernels.wgmma_hazard import safe_stages
+from quantdispatch.kernels.wgmma_hazard import rs_wgmma_hazard, settle
 
 __all__ = [
     "GemmTile",
@@ -212,6 +212,7 @@ def _mma_gemm_kernel(
     HAS_BIAS: tl.constexpr,
     DOT_F32: tl.constexpr,
     X_TMA: tl.constexpr,
+    SETTLE: tl.constexpr,
 ):
     """One [BLOCK_N weight rows, BLOCK_M tokens] tile of out^T over one of SPLIT K ranges of
     PER_SPLIT chunks (a multiple of CK, so no step crosses into the next range).
@@ -225,6 +226,8 @@ def _mma_gemm_kernel(
     M tiles of one weight tile run back to back (program id order), so the weight tile is read
     from HBM once and from L2 after. With SPLIT > 1, ``out_ptr`` is an fp32 [SPLIT, M, N]
     workspace of unscaled partial sums (summed by :func:`_split_sum_kernel`).
+    SETTLE: read the accumulator in every step (:func:`.wgmma_hazard.settle`), so the next
+    step's decode never writes A registers of wgmmas in flight (Triton < 3.7 pipelining bug).
     (Measured on the H200: TMA descriptors for these loads were slower, and ptxas serializes
     the wgmma chain when Triton splits a register-operand dot for pipelining; see NOTES.)"""
     num_m = tl.cdiv(M, BLOCK_M)
@@ -264,6 +267,8 @@ def _mma_gemm_kernel(
             acc = tl.dot(w, tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
         else:
             acc = tl.dot(w, tl.trans(x), acc)
+            if SETTLE:
+                acc = settle(acc)  # the next decode must not overwrite A in flight
         w_ptrs += CK * 128
         s_ptrs += CK * 32
         if not X_TMA:
@@ -392,8 +397,8 @@ def mma_gemm_config(n: int, k: int, m: int, *, tma: bool = False) -> GemmTile:
     the pointer loads in every winning tile of the session-8 sweep (gemm-sweep-h200-2026-11-30-
     tma.log; gate_up M=128 63 vs 78 us, qkv M=256 36 vs 42, all pipelined) and frees registers,
     so a wide weight at M 65..256 fits two 2-stage programs per SM. The stage counts here are
-    the pipelined winners; :func:`mma_gemm` lowers them to one where
-    :mod:`.wgmma_hazard` says so (SM 9.x today)."""
+    the pipelined winners; on SM 9.x :func:`mma_gemm` keeps them and settles each step
+    (:mod:`.wgmma_hazard`)."""
     wide, long_k = n >= WIDE_N, k >= LONG_K
     if tma:
         tile = _tma_tile(n, m, wide, long_k)
@@ -522,8 +527,9 @@ def mma_gemm(
         HAS_BIAS=bias is not None,
         DOT_F32=x.device.type != "cuda",
         X_TMA=tile.tma,
+        SETTLE=rs_wgmma_hazard(x.device),  # the decoded weight is wgmma's A
         num_warps=tile.warps,
-        num_stages=safe_stages(tile.stages, x.device),  # the decoded weight is wgmma's A
+        num_stages=tile.stages,
         maxnreg=tile.maxnreg,
     )
     if split > 1:

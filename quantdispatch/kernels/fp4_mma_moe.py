@@ -57,7 +57,7 @@ from quantdispatch.kernels.fused_moe import (
     moe_align,
 )
 from quantdispatch.kernels.gdc import pdl_capable
-from quantdispatch.kernels.wgmma_hazard import safe_stages
+from quantdispatch.kernels.wgmma_hazard import rs_wgmma_hazard, settle
 from quantdispatch.moe_math import get_activation
 
 __all__ = [
@@ -274,7 +274,7 @@ def _moe_gemm_kernel(
     alpha, limit,
     CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, CK: tl.constexpr,
     GATE_UP: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, BF16: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, SETTLE: tl.constexpr,
 ):  # fmt: skip
     """One [BLOCK_N weight rows, BLOCK_M pairs] tile of one expert-sorted block.
 
@@ -284,7 +284,8 @@ def _moe_gemm_kernel(
     ``pid_n * BLOCK_N``) and the up tile (``up_tiles`` 16-row tiles further) share each
     activation tile, and the activation is stored to row ``b * BLOCK_M + slot`` of the
     intermediate at the MMA K-order column of each output column. Down: x rows are those
-    intermediate rows; out row = pair, times the pair's routing weight."""
+    intermediate rows; out row = pair, times the pair's routing weight. SETTLE: read the
+    accumulators in every step (:func:`.wgmma_hazard.settle`; the Triton < 3.7 wgmma bug)."""
     pid = tl.program_id(0)
     b = pid % n_blocks
     pid_n = pid // n_blocks
@@ -323,6 +324,10 @@ def _moe_gemm_kernel(
                 acc_up = tl.dot(wu, xt, acc_up, input_precision="ieee")
             else:
                 acc_up = tl.dot(wu, xt, acc_up)
+        if SETTLE:  # the next decode must not overwrite A registers of wgmmas in flight
+            acc = settle(acc)
+            if GATE_UP:
+                acc_up = settle(acc_up)
         w_ptrs += CK * 128
         s_ptrs += CK * 32
         x_ptrs += BK
@@ -480,8 +485,8 @@ def mma_layout_moe(
         sorted_ptr=sorted_ids, bexp_ptr=block_expert, nvalid_ptr=num_blocks, tw_ptr=tw,
         T=pairs, top_k=top_k, n_blocks=n_blocks, alpha=float(alpha), limit=float(limit),
         BLOCK_M=bm, CK=cfg.chunks, ACT=spec.code, BF16=x.dtype == torch.bfloat16,
-        DOT_F32=_interpreting(), num_warps=cfg.warps,
-        num_stages=safe_stages(cfg.stages, x.device),  # the decoded weight is wgmma's A
+        DOT_F32=_interpreting(), num_warps=cfg.warps, num_stages=cfg.stages,
+        SETTLE=rs_wgmma_hazard(x.device),  # the decoded weight is wgmma's A
     )  # fmt: skip
     bn13 = cfg.block_n if inter % cfg.block_n == 0 else 64
     w, s, g = w13[0], w13[1].view(torch.int16), w13[2]  # scale pairs as one 16-bit load

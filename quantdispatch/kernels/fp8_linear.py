@@ -32,7 +32,7 @@ from quantdispatch.kernels.fp4_linear import (
     check_same_device,
     mma_tile,
 )
-from quantdispatch.kernels.wgmma_hazard import safe_stages
+from quantdispatch.kernels.wgmma_hazard import rs_wgmma_hazard
 
 __all__ = ["fp8_weight_only_linear"]
 
@@ -65,8 +65,10 @@ def _fp8_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    SETTLE: tl.constexpr,
 ):
-    """One [BLOCK_M, BLOCK_N] output tile over all of K; SCALE_KIND 0 tensor, 1 channel, 2 block."""
+    """One [BLOCK_M, BLOCK_N] output tile over all of K; SCALE_KIND 0 tensor, 1 channel, 2 block.
+    SETTLE: see :func:`.fp4_linear.mma_tile`."""
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -103,14 +105,14 @@ def _fp8_gemm_kernel(
             w = e4m3_to_f32_scaled(b)
         if SCALE_KIND == 2:  # this K tile lies in one scale block: scale its partial product
             part = tl.zeros(acc.shape, dtype=tl.float32)
-            part = mma_tile(part, x, w, SWAP_AB, DOT_F32)
+            part = mma_tile(part, x, w, SWAP_AB, DOT_F32, SETTLE)
             s_blk = tl.load(s_row_ptrs + (k0 // BLOCK_SK) * stride_sk)
             if SWAP_AB:
                 acc += part * s_blk[:, None]
             else:
                 acc += part * s_blk[None, :]
         else:
-            acc = mma_tile(acc, x, w, SWAP_AB, DOT_F32)
+            acc = mma_tile(acc, x, w, SWAP_AB, DOT_F32, SETTLE)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
 
@@ -291,10 +293,9 @@ def fp8_weight_only_linear(
         BLOCK_N=config.block_n,
         BLOCK_K=block_k,
         GROUP_M=config.group_m,
-        num_warps=config.num_warps,
         # swap-AB: the decoded weight is the MMA's A operand (wgmma on SM 9.x)
-        num_stages=safe_stages(config.num_stages, x.device)
-        if config.swap_ab
-        else config.num_stages,
+        SETTLE=bool(config.swap_ab) and rs_wgmma_hazard(x.device),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     return out

@@ -17,12 +17,20 @@ earlier (activations by TMA, words already in registers) returned wrong results 
 an A register of a pending wgmma group in the SASS (``benchmarks/wgmma_waits.py``, Triton 3.6 and
 3.7); Triton 3.7 emits upstream's fixed pattern for pipelined tiles.
 
-So on SM 9.x every launch whose MMA takes a decoded A operand runs with one stage: slower (its
-loads no longer overlap the MMA), never wrong. That includes Triton 3.7+: its fixed pipeliner is
-upstream's claim, not yet checked by us on a GPU, and in its SASS of our GEMM instructions still
-write registers that in-flight wgmma groups read (``benchmarks/wgmma_waits.py``; ptxas may manage
-those itself, the SASS alone cannot tell). Once a GPU run shows a version safe for our kernels,
-:data:`VERIFIED_SAFE_FROM` names it and pipelining returns from that version on.
+So on SM 9.x every such kernel reads its accumulator inside each K step (:func:`settle`, an
+identity that ptxas removes): Triton must then wait for the step's wgmmas (``wait_group 0``)
+before anything later in the step, and so before the next step's decode writes registers, while
+its loads stay pipelined (``num_stages`` as tuned). ``benchmarks/wgmma_waits.py`` checks every
+kernel: settled, Triton 3.6 and 3.7 give one ``wait_group 0`` per step, no SASS write to an A
+register of a pending wgmma group, and the same cp.async / TMA stages as unsettled. (Session 8
+ran these launches with one stage instead, which was safe too but lost the load pipelining:
+gate_up M=128 173 us instead of 63.)
+
+That includes Triton 3.7+: its fixed pipeliner is upstream's claim, not yet checked by us on a
+GPU, and in its SASS of our GEMM instructions still write registers that in-flight wgmma groups
+read (ptxas may manage those itself, the SASS alone cannot tell). Once a GPU run shows a version
+safe for our kernels, :data:`VERIFIED_SAFE_FROM` names it and the settle goes from that version
+on.
 """
 
 from __future__ import annotations
@@ -32,19 +40,20 @@ from functools import cache
 
 import torch
 import triton
+import triton.language as tl
 
 __all__ = [
     "UPSTREAM_FIX",
     "VERIFIED_SAFE_FROM",
     "rs_wgmma_hazard",
-    "safe_stages",
+    "settle",
     "triton_version",
 ]
 
 #: The first Triton release with upstream's fix (triton-lang/triton#9514).
 UPSTREAM_FIX: tuple[int, int] = (3, 7)
 #: The first Triton release verified on a GPU to pipeline our register-operand wgmma loops
-#: correctly; None: none yet, so every version runs them with one stage.
+#: correctly; None: none yet, so every version settles them.
 VERIFIED_SAFE_FROM: tuple[int, int] | None = None
 
 
@@ -67,7 +76,12 @@ def rs_wgmma_hazard(device: torch.device) -> bool:
     return VERIFIED_SAFE_FROM is None or triton_version() < VERIFIED_SAFE_FROM
 
 
-def safe_stages(stages: int, device: torch.device) -> int:
-    """``num_stages`` for a launch whose MMA takes its A operand from registers: 1 where
-    :func:`rs_wgmma_hazard` holds (one ``wgmma.wait_group 0`` per step), else ``stages``."""
-    return 1 if rs_wgmma_hazard(device) else stages
+@triton.jit
+def settle(acc):
+    """``acc`` unchanged, but read inside the K step (``mov`` to itself, removed by ptxas), so
+    Triton waits for the wgmmas that produced it (``wait_group 0``) before the rest of the step.
+    Call it on every accumulator after the step's last ``tl.dot`` when ``SETTLE`` (the launch's
+    :func:`rs_wgmma_hazard`) is set."""
+    return tl.inline_asm_elementwise(
+        "mov.b32 $0, $1;", "=r,r", [acc], dtype=tl.float32, is_pure=True, pack=1
+    )

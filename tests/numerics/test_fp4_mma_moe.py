@@ -353,9 +353,9 @@ def test_bad_inputs():
         run(r13, r2, x, ids, w, MoeGemmTile(8))
 
 
-def test_grouped_gemm_asks_for_safe_stages(monkeypatch):
+def test_grouped_gemm_settles_where_the_hazard_holds(monkeypatch):
     """Its A operand is the decoded weight (register-operand wgmma on SM 9.x): both launches
-    take their stages from wgmma_hazard.safe_stages (1 on Hopper with Triton < 3.7)."""
+    settle their accumulators where wgmma_hazard.rs_wgmma_hazard holds and keep their stages."""
     launches = []
 
     class FakeKernel:
@@ -363,9 +363,9 @@ def test_grouped_gemm_asks_for_safe_stages(monkeypatch):
             return lambda *args, **kwargs: launches.append(kwargs)
 
     monkeypatch.setattr(mm, "_moe_gemm_kernel", FakeKernel())
-    monkeypatch.setattr(mm, "safe_stages", lambda stages, device: 1)
+    monkeypatch.setattr(mm, "rs_wgmma_hazard", lambda device: True)
     ex = make_experts("nvfp4", 4, 128, 64, seed=7)
     r13, r2, _, _ = repacked(ex, torch.bfloat16)
     ids, w = routing(5, 4, 2, seed=8)
     run(r13, r2, rand_x(5, 128, torch.bfloat16, seed=9), ids, w, MoeGemmTile(16, stages=3))
-    assert [k["num_stages"] for k in launches] == [1, 1]
+    assert [(k["SETTLE"], k["num_stages"]) for k in launches] == [(True, 3), (True, 3)]
