@@ -395,10 +395,10 @@ def mma_gemm_config(n: int, k: int, m: int, *, tma: bool = False) -> GemmTile:
 
     ``tma`` (the device is :func:`tma_capable`): the activation tiles come by TMA, which beat
     the pointer loads in every winning tile of the session-8 sweep (gemm-sweep-h200-2026-11-30-
-    tma.log; gate_up M=128 63 vs 78 us, qkv M=256 36 vs 42, all pipelined) and frees registers,
-    so a wide weight at M 65..256 fits two 2-stage programs per SM. The stage counts here are
-    the pipelined winners; on SM 9.x :func:`mma_gemm` keeps them and settles each step
-    (:mod:`.wgmma_hazard`)."""
+    tma.log; gate_up M=128 63 vs 78 us, qkv M=256 36 vs 42, pipelined) and frees registers; its
+    table holds the winners with the accumulator settled each K step, which is what SM 9.x
+    runs (:mod:`.wgmma_hazard`). The pointer table holds the pipelined winners (for SM 8.x
+    and Triton without host descriptors)."""
     wide, long_k = n >= WIDE_N, k >= LONG_K
     if tma:
         tile = _tma_tile(n, m, wide, long_k)
@@ -430,32 +430,32 @@ def mma_gemm_config(n: int, k: int, m: int, *, tma: bool = False) -> GemmTile:
 
 
 def _tma_tile(n: int, m: int, wide: bool, long_k: bool) -> GemmTile:
-    """The TMA tiles (the winners of gemm-sweep-h200-2026-11-30-tma.log per shape and M)."""
+    """The TMA tiles: the winners per shape and M with the accumulator settled each K step
+    (what SM 9.x runs, gemm-sweep-h200-2026-11-30-settled.log). Settled, a warpgroup's decode
+    no longer overlaps its own wgmmas, so smaller programs that let more warpgroups share an
+    SM won: e.g. 64x128 tiles of one warpgroup at M 65..256 (gate_up M=128 61 vs 70 us for the
+    pipelined winner 128x128w8s2, qkv M=256 33 vs 47; M=512: gate_up 249 vs 278, down 127 vs
+    153 for 128x128w8s3)."""
     if m <= 32:
-        tile = GemmTile(128, 32, 2, 4, 4, 2) if wide else GemmTile(64, 32, 2, 4, 4, 4)
+        tile = GemmTile(64, 32, 2, 4, 3, 4) if wide else GemmTile(64, 32, 2, 4, 4, 4)
     elif m <= 64:
         if wide:
-            tile = GemmTile(128, 64, 2, 4, 4, 1)
+            tile = GemmTile(128, 64, 2, 8, 3, 1)
         elif n >= 6144 and not long_k:
-            tile = GemmTile(64, 64, 2, 4, 4, 1)
+            tile = GemmTile(64, 64, 2, 4, 4, 2)
         else:
             tile = GemmTile(64, 64, 2, 4, 4, 4)
     elif m <= 128:
         if wide:
-            tile = GemmTile(128, 128, 2, 8, 2, 1)
+            tile = GemmTile(64, 128, 2, 4, 3, 1)
         elif n >= 6144 and not long_k:
-            tile = GemmTile(128, 128, 2, 8, 3, 2)
-        else:
             tile = GemmTile(64, 64, 2, 4, 4, 1)
-    elif m <= 256:
-        if wide:
-            tile = GemmTile(128, 128, 2, 8, 2, 1)
-        elif long_k or n < 6144:
-            tile = GemmTile(128, 128, 2, 8, 3, 2)
         else:
-            tile = GemmTile(128, 128, 2, 8, 3, 1)
+            tile = GemmTile(64, 64, 2, 4, 4, 2)
+    elif m <= 256 and long_k:
+        tile = GemmTile(128, 64, 2, 8, 3, 2)
     else:
-        tile = GemmTile(128, 128, 2, 8, 3, 1)
+        tile = GemmTile(64, 128, 2, 4, 3, 1)
     return replace(tile, tma=True)
 
 
