@@ -208,15 +208,19 @@ def moe_layout_config(
     kernels (single pairs when 4 * pairs <= E, with the top-k sum in the down kernel,
     :func:`.fp4_mma_moe_small.small_moe_config`; else 8-pair blocks); >=
     DEQUANT_MIN_TOKENS_PER_EXPERT on SM 9.0+ dequantize + grouped_mm; in between the grouped
-    GEMM, with blocks of 16 / 32 / 64 pairs (64-row weight tiles, 4 warps) and from 160 tokens
+    GEMM, with blocks of 16 / 32 / 64 pairs (64-row weight tiles, 4 warps) and above 96 tokens
     per expert 128 pairs on 128-row tiles (8 warps). From the H200 sweep
     (benchmarks/results/moe-sweep-h200-*.json; us): at 4 per expert the mma kernels win
     (Qwen3 M=64 125 vs 167, DeepSeek-V3 M=128 1952 vs 2409); at 8 it is mixed (Qwen3 163 vs
     172, Mixtral 310 vs 353, DeepSeek-V3 2777 vs 2564) and the GEMM wins the sum; 16 per expert:
     32-pair blocks (Qwen3 M=256 199 vs 229 for 16, 266 for 64); 32: 64 (DeepSeek-V3 M=1024 4229
     vs 4529 for 32); 256: 128 (Mixtral M=1024 1862 vs 2162 for 64). Three stages beat four
-    (e.g. Qwen3 M=1024 395 vs 431). A tile whose pipeline does not fit the GPU's shared memory
-    gives way to a smaller one (:func:`_fit_shared`)."""
+    (e.g. Qwen3 M=1024 395 vs 431). With the accumulators settled each K step (SM 9.x,
+    :mod:`.wgmma_hazard`; moe-sweep-h200-2026-11-30-settled.json) the same tiles won at 8, 16,
+    32, 64 and 256 per expert, and 128 pairs on 128-row tiles already at 128 (DeepSeek-V3
+    M=4096 10465 vs 12094 for 64-pair blocks; at 64 per expert 64 still wins: Qwen3 M=1024 397
+    vs 464), hence the switch above 96. A tile whose pipeline does not fit the GPU's shared
+    memory gives way to a smaller one (:func:`_fit_shared`)."""
     pairs = m * top_k
     tpe = pairs / max(experts, 1)
     buffer = experts * max(2 * inter * hidden, hidden * inter) * 2
@@ -239,7 +243,7 @@ def moe_layout_config(
         tile = MoeGemmTile(16, stages=3)
     elif tpe <= 24:
         tile = MoeGemmTile(32, stages=3)
-    elif tpe <= 160:
+    elif tpe <= 96:
         tile = MoeGemmTile(64, stages=3)
     else:
         tile = MoeGemmTile(128, block_n=128, warps=8, stages=3)

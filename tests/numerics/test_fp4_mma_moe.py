@@ -274,6 +274,8 @@ def test_regimes_from_tokens_per_expert():
     assert moe_layout_config(128, 8, 128, 768, 2048, CPU).block_m == 16  # 8 per expert
     assert moe_layout_config(256, 8, 128, 768, 2048, CPU).block_m == 32  # 16
     assert moe_layout_config(512, 8, 128, 768, 2048, CPU).block_m == 64  # 32
+    assert moe_layout_config(1536, 8, 128, 768, 2048, CPU).block_m == 64  # 96
+    assert moe_layout_config(2048, 8, 128, 768, 2048, CPU).block_m == 128  # 128 (settled sweep)
     wide = moe_layout_config(4096, 8, 128, 768, 2048, CPU)  # 256
     assert (wide.block_m, wide.block_n, wide.warps) == (128, 128, 8)
     # very many per expert: dequantize + grouped_mm only where grouped_mm runs (not on CPU)
