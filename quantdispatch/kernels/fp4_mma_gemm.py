@@ -228,8 +228,8 @@ def _mma_gemm_kernel(
     workspace of unscaled partial sums (summed by :func:`_split_sum_kernel`).
     SETTLE: read the accumulator in every step (:func:`.wgmma_hazard.settle`), so the next
     step's decode never writes A registers of wgmmas in flight (Triton < 3.7 pipelining bug).
-    (Measured on the H200: TMA descriptors for these loads were slower, and ptxas serializes
-    the wgmma chain when Triton splits a register-operand dot for pipelining; see NOTES.)"""
+    (Measured on the H200, session 4: TMA for the weight words and scales too was slower, as
+    ptxas then serialized the wgmma chain of the split register-operand dot; see NOTES.)"""
     num_m = tl.cdiv(M, BLOCK_M)
     pid = tl.program_id(0)
     pid_n = pid // num_m
