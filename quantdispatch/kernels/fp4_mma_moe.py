@@ -490,7 +490,7 @@ def mma_layout_moe(
         T=pairs, top_k=top_k, n_blocks=n_blocks, alpha=float(alpha), limit=float(limit),
         BLOCK_M=bm, CK=cfg.chunks, ACT=spec.code, BF16=x.dtype == torch.bfloat16,
         DOT_F32=_interpreting(), num_warps=cfg.warps, num_stages=cfg.stages,
-        SETTLE=rs_wgmma_hazard(x.device),  # the decoded weight is wgmma's A
+        SETTLE=rs_wgmma_hazard(x.device) and not _interpreting(),  # the weight is wgmma's A
     )  # fmt: skip
     bn13 = cfg.block_n if inter % cfg.block_n == 0 else 64
     w, s, g = w13[0], w13[1].view(torch.int16), w13[2]  # scale pairs as one 16-bit load

@@ -366,8 +366,13 @@ def test_grouped_gemm_settles_where_the_hazard_holds(monkeypatch):
 
     monkeypatch.setattr(mm, "_moe_gemm_kernel", FakeKernel())
     monkeypatch.setattr(mm, "rs_wgmma_hazard", lambda device: True)
+    monkeypatch.setattr(mm, "_interpreting", lambda: False)  # compiled, as on the GPU
     ex = make_experts("nvfp4", 4, 128, 64, seed=7)
     r13, r2, _, _ = repacked(ex, torch.bfloat16)
     ids, w = routing(5, 4, 2, seed=8)
     run(r13, r2, rand_x(5, 128, torch.bfloat16, seed=9), ids, w, MoeGemmTile(16, stages=3))
     assert [(k["SETTLE"], k["num_stages"]) for k in launches] == [(True, 3), (True, 3)]
+    launches.clear()
+    monkeypatch.setattr(mm, "_interpreting", lambda: True)  # the interpreter runs no PTX
+    run(r13, r2, rand_x(5, 128, torch.bfloat16, seed=9), ids, w, MoeGemmTile(16, stages=3))
+    assert [k["SETTLE"] for k in launches] == [False, False]
