@@ -21,14 +21,16 @@ So on SM 9.x every such kernel reads its accumulator inside each K step (:func:`
 identity that ptxas removes): Triton must then wait for the step's wgmmas (``wait_group 0``)
 before anything later in the step, and so before the next step's decode writes registers, while
 its loads stay pipelined (``num_stages`` as tuned). ``benchmarks/wgmma_waits.py`` checks every
-kernel: settled, Triton 3.6 and 3.7 give one ``wait_group 0`` per step, no SASS write to an A
-register of a pending wgmma group, and the same cp.async / TMA stages as unsettled. (Session 8
+kernel: settled, Triton 3.6, 3.7 and 3.9 give one ``wait_group 0`` per step, no SASS write to
+an A register of a pending wgmma group, and the same cp.async / TMA stages as unsettled
+(benchmarks/results/rs-wgmma-hazard-h200-2026-11-30/wgmma-waits-*-settled.txt). (Session 8
 ran these launches with one stage instead, which was safe too but lost the load pipelining:
 gate_up M=128 173 us instead of 63.)
 
 That includes Triton 3.7+: its fixed pipeliner is upstream's claim, not yet checked by us on a
 GPU, and in its SASS of our GEMM instructions still write registers that in-flight wgmma groups
-read (ptxas may manage those itself, the SASS alone cannot tell). Once a GPU run shows a version
+read (45-58 in the GEMM, 122 in the MoE GEMM; Triton 3.9: none. ptxas may manage those itself,
+the SASS alone cannot tell). Once a GPU run shows a version
 safe for our kernels, :data:`VERIFIED_SAFE_FROM` names it and the settle goes from that version
 on.
 """
