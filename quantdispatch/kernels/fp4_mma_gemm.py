@@ -397,8 +397,8 @@ def mma_gemm_config(n: int, k: int, m: int, *, tma: bool = False) -> GemmTile:
     the pointer loads in every winning tile of the session-8 sweep (gemm-sweep-h200-2026-11-30-
     tma.log; gate_up M=128 63 vs 78 us, qkv M=256 36 vs 42, pipelined) and frees registers; its
     table holds the winners with the accumulator settled each K step, which is what SM 9.x
-    runs (:mod:`.wgmma_hazard`). The pointer table holds the pipelined winners (for SM 8.x
-    and Triton without host descriptors)."""
+    runs (:mod:`.wgmma_hazard`). The pointer table holds the pipelined winners (devices or
+    Tritons without TMA; settled too on SM 9.x, where they were not re-swept)."""
     wide, long_k = n >= WIDE_N, k >= LONG_K
     if tma:
         tile = _tma_tile(n, m, wide, long_k)

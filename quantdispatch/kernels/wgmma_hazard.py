@@ -55,7 +55,8 @@ __all__ = [
 #: The first Triton release with upstream's fix (triton-lang/triton#9514).
 UPSTREAM_FIX: tuple[int, int] = (3, 7)
 #: The first Triton release verified on a GPU to pipeline our register-operand wgmma loops
-#: correctly; None: none yet, so every version settles them.
+#: correctly; None: none yet, so every version settles them. Setting it also means re-sweeping
+#: the mid-M GEMM's TMA tiles (:func:`.fp4_mma_gemm._tma_tile` holds the settled winners).
 VERIFIED_SAFE_FROM: tuple[int, int] | None = None
 
 
