@@ -26,6 +26,11 @@ from quantdispatch.kernels import fp4_mma, fp4_mma_ckpt
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 
 
+def parse_config(text: str) -> tuple[int, int, int, int]:
+    """``WTxWKxU[xR]`` (e.g. ``8x2x1``, ``2x2x2x2``) -> (WT, WK, UNROLL, R)."""
+    return (*map(int, text.split("x")), 1)[:4]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="qkv,o,gate_up,down")
@@ -38,7 +43,7 @@ def main() -> None:
     bw = L.copy_bandwidth()
     tbps = max(bw.values())
     L.log(f"bandwidth copy {bw['copy'] / 1e12:.2f} TB/s, sm {bw['sm_elementwise'] / 1e12:.2f} TB/s")
-    cfgs = [(*map(int, c.split("x")), 1)[:4] for c in args.configs.split(",")]
+    cfgs = [parse_config(c) for c in args.configs.split(",")]
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
         p = L.Problem(n, k, gen)

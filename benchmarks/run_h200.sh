@@ -11,7 +11,7 @@ export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl >"$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
 export PYTHONPATH=/tmp/site:$PWD
-STEPS=${STEPS:-"doctor doctor-json verify wgmma-waits gpu-tests dequant-sweep bench-linear bench-moe"}  # also: mma-sweep gemm-sweep stream-small
+STEPS=${STEPS:-"doctor doctor-json verify wgmma-waits gpu-tests dequant-sweep bench-linear bench-moe"}  # also: mma-sweep gemv-ablation gemm-sweep stream-small
 step() {  # step NAME SECONDS CMD...   (runs only if NAME is in $STEPS)
   local name=$1 limit=$2; shift 2
   case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
@@ -30,6 +30,7 @@ TAIL=20 step wgmma-waits 120 python3 benchmarks/wgmma_waits.py  # the device Tri
 TAIL=25 step gpu-tests "${GPU_TEST_S:-240}" python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu}
 TAIL=26 step dequant-sweep 90 python3 benchmarks/dequant_sweep.py
 TAIL=40 step mma-sweep "${MMA_S:-300}" python3 benchmarks/mma_sweep.py ${MMA_ARGS:-}
+TAIL=40 step gemv-ablation "${ABL_S:-150}" python3 benchmarks/gemv_ablation.py ${ABL_ARGS:-}
 TAIL=40 step gemm-sweep "${GEMM_S:-300}" python3 benchmarks/gemm_sweep.py ${GEMM_ARGS:-}
 step bench-linear "${LINEAR_S:-200}" python3 benchmarks/linear.py --out "$OUT"
 step bench-moe "${MOE_S:-150}" python3 benchmarks/moe.py --out "$OUT" ${MOE_ARGS:-}
