@@ -435,7 +435,9 @@ def _tma_tile(n: int, m: int, wide: bool, long_k: bool) -> GemmTile:
     no longer overlaps its own wgmmas, so smaller programs that let more warpgroups share an
     SM won: e.g. 64x128 tiles of one warpgroup at M 65..256 (gate_up M=128 61 vs 70 us for the
     pipelined winner 128x128w8s2, qkv M=256 33 vs 47; M=512: gate_up 249 vs 278, down 127 vs
-    153 for 128x128w8s3)."""
+    153 for 128x128w8s3); at M 129..256 the same tile with a 2-way K split for long or narrow
+    weights (gemm-sweep-h200-2026-11-30-m256.log: down 66.0 vs 83.3 for 128x64w8s3k2, o 26.1
+    vs 28.6; qkv and gate_up stay unsplit, 33.3 vs 40.8 and 127.9 vs 145.9)."""
     if m <= 32:
         tile = GemmTile(64, 32, 2, 4, 3, 4) if wide else GemmTile(64, 32, 2, 4, 4, 4)
     elif m <= 64:
@@ -452,8 +454,8 @@ def _tma_tile(n: int, m: int, wide: bool, long_k: bool) -> GemmTile:
             tile = GemmTile(64, 64, 2, 4, 4, 1)
         else:
             tile = GemmTile(64, 64, 2, 4, 4, 2)
-    elif m <= 256 and long_k:
-        tile = GemmTile(128, 64, 2, 8, 3, 2)
+    elif m <= 256 and (long_k or n < 6144):
+        tile = GemmTile(64, 128, 2, 4, 3, 2)
     else:
         tile = GemmTile(64, 128, 2, 4, 3, 1)
     return replace(tile, tma=True)
