@@ -41,6 +41,9 @@ def main() -> None:
     ap.add_argument("--ms", default="16,32,64,128,256,1024,4096")
     ap.add_argument("--tiles", default=DEFAULT_TILES)
     ap.add_argument("--no-auto", action="store_true", help="skip the backend's current path")
+    ap.add_argument(
+        "--kappa", action="store_true", help="also time the activation permutation alone"
+    )
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     bw = L.copy_bandwidth()
@@ -71,6 +74,9 @@ def main() -> None:
             err16 = L.rel_err(y16, x16.double() @ w64.T)
             line.append(f"err[fp16, M-3] {err16:.1e}" + ("" if err16 < L.BOUND else " FAILED"))
             xs = p.xs(m, len(rot), gen)
+            if args.kappa:  # the per-call copy of x into the MMA's K order (a separate kernel)
+                calls = [(lambda x=x: fp4_mma_gemm.kappa_order(x)) for x in xs]
+                line.append(f"kappa {L.time_calls(L.graph_calls(calls, m), L.replays_for(m)):5.1f}")
             ref = xs[0].double() @ w64.T
             best = None
             for tile in tiles:
