@@ -75,8 +75,13 @@ def main() -> None:
             line.append(f"err[fp16, M-3] {err16:.1e}" + ("" if err16 < L.BOUND else " FAILED"))
             xs = p.xs(m, len(rot), gen)
             if args.kappa:  # the per-call copy of x into the MMA's K order (a separate kernel)
-                calls = [(lambda x=x: fp4_mma_gemm.kappa_order(x)) for x in xs]
-                line.append(f"kappa {L.time_calls(L.graph_calls(calls, m), L.replays_for(m)):5.1f}")
+                for label, fn in (
+                    ("kappa", fp4_mma_gemm.kappa_order),
+                    ("kappa_torch", fp4_mma_gemm.kappa_order_torch),
+                ):
+                    calls = [(lambda x=x, fn=fn: fn(x)) for x in xs]
+                    t = L.time_calls(L.graph_calls(calls, m), L.replays_for(m))
+                    line.append(f"{label} {t:5.1f}")
             ref = xs[0].double() @ w64.T
             best = None
             for tile in tiles:

@@ -128,7 +128,7 @@ def small_gemm(tma: bool, settle: bool, stages: int = 3):
     if tma:
         ptrs["x_ptr"] = "tensordesc<bf16[64, 128]>"
     consts = dict(CHUNKS=8, PER_SPLIT=8, BLOCK_N=64, BLOCK_M=64, CK=2, SPLIT=1, BF16=True,
-                  HAS_BIAS=False, DOT_F32=False, X_TMA=tma, SETTLE=settle)  # fmt: skip
+                  HAS_BIAS=False, DOT_F32=False, X_TMA=tma, SETTLE=settle, PDL=True)  # fmt: skip
     return _compile(fp4_mma_gemm._mma_gemm_kernel, ptrs, consts, 4, stages)
 
 
@@ -159,7 +159,7 @@ def main() -> None:
             ptrs = dict(mma, x_ptr="tensordesc<bf16[128, 128]>") if tma else mma
             consts = dict(CHUNKS=64, PER_SPLIT=64, BLOCK_N=128, BLOCK_M=128, CK=2, SPLIT=1,
                           BF16=True, HAS_BIAS=False, DOT_F32=False, X_TMA=tma,
-                          SETTLE=settle)  # fmt: skip
+                          SETTLE=settle, PDL=True)  # fmt: skip
             kernel = _compile(fp4_mma_gemm._mma_gemm_kernel, ptrs, consts, 8, stages)
             label = f"128x128x128w8s{stages}{'t' if tma else ''}{' +settle' if settle else ''}"
             report(f"mma16x64 GEMM {label}", kernel)

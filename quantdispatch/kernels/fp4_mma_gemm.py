@@ -39,12 +39,15 @@ from quantdispatch.kernels.fp4_mma import (
     TILE_N,
     _decode_ptx,
 )
+from quantdispatch.kernels.gdc import gdc_launch_dependents, gdc_wait, pdl_capable
 from quantdispatch.kernels.wgmma_hazard import rs_wgmma_hazard, settle
 
 __all__ = [
     "GemmTile",
     "has_host_descriptors",
     "kappa_order",
+    "kappa_order_torch",
+    "kappa_order_triton",
     "mma_gemm",
     "mma_gemm_config",
     "mma_gemm_supported",
@@ -213,6 +216,7 @@ def _mma_gemm_kernel(
     DOT_F32: tl.constexpr,
     X_TMA: tl.constexpr,
     SETTLE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One [BLOCK_N weight rows, BLOCK_M tokens] tile of out^T over one of SPLIT K ranges of
     PER_SPLIT chunks (a multiple of CK, so no step crosses into the next range).
@@ -230,6 +234,8 @@ def _mma_gemm_kernel(
     step's decode never writes A registers of wgmmas in flight (Triton < 3.7 pipelining bug).
     (Measured on the H200, session 4: TMA for the weight words and scales too was slower, as
     ptxas then serialized the wgmma chain of the split register-operand dot; see NOTES.)"""
+    if PDL:  # launched as a dependent of the permutation kernel: wait for it
+        gdc_wait()
     num_m = tl.cdiv(M, BLOCK_M)
     pid = tl.program_id(0)
     pid_n = pid // num_m
@@ -273,6 +279,8 @@ def _mma_gemm_kernel(
         s_ptrs += CK * 32
         if not X_TMA:
             x_ptrs += BK
+    if PDL:  # only now: split-sum programs that start early would take the GEMM's SM slots
+        gdc_launch_dependents()
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     if SPLIT > 1:
         out = out_ptr + (split * M + offs_m.to(tl.int64))[None, :] * stride_om + offs_n[:, None]
@@ -296,9 +304,12 @@ def _split_sum_kernel(
     SPLIT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out = (sum of the SPLIT partial sums) * 2^8 * global scale (+ bias), in split order
-    (deterministic)."""
+    (deterministic). PDL: launched as a dependent of the GEMM; waits for it first."""
+    if PDL:
+        gdc_wait()
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < MN
     acc = tl.load(ws_ptr + offs, mask=ok, other=0.0)
@@ -310,11 +321,61 @@ def _split_sum_kernel(
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def kappa_order(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] -> a contiguous copy whose columns follow the MMA's K order within each chunk of
-    64: column 16 j + 8 cc + 2 t + h holds x's column 16 t + 4 j + 2 cc + h."""
+def kappa_order_torch(x: torch.Tensor) -> torch.Tensor:
+    """The reference of :func:`kappa_order` (one generic torch copy; the CPU path)."""
     m, k = x.shape
     return x.reshape(m, k // 64, 4, 4, 2, 2).permute(0, 1, 3, 4, 2, 5).reshape(m, k)
+
+
+@triton.jit
+def _kappa_kernel(x_ptr, out_ptr, M, stride_xm, W: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_W: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    """x viewed as 32-bit pairs [M, W] -> the same pairs in the MMA's K order. Within each
+    chunk (32 pairs), destination pair d = 8 j + 4 cc + t comes from pair 8 t + 2 j + cc; a
+    warp reads and writes whole 128-byte chunk rows (the gather stays inside one line).
+    PDL: let the GEMM launch once every program is past its store (it waits for this kernel
+    before it reads anything). Released at the top instead, down M=32 took 33 us instead of
+    22 on the H200 (not profiled; likely the GEMM's programs were placed while these still
+    held SMs, onto fewer SMs)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    d = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    within = d % 32
+    src = d - within + 8 * (within % 4) + 2 * (within // 8) + (within // 4) % 2
+    ok = (rows < M)[:, None] & (d < W)[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    v = tl.load(x_ptr + r64 * stride_xm + src[None, :], mask=ok)
+    tl.store(out_ptr + r64 * W + d[None, :], v, mask=ok)
+    if PDL:
+        gdc_launch_dependents()
+
+
+def kappa_order(x: torch.Tensor, *, release_next: bool = False) -> torch.Tensor:
+    """x [M, K] -> a contiguous copy whose columns follow the MMA's K order within each chunk of
+    64: column 16 j + 8 cc + 2 t + h holds x's column 16 t + 4 j + 2 cc + h.
+
+    On a GPU one Triton pass over 32-bit pairs (:func:`kappa_order_triton`): torch's generic
+    copy of the 6-D permuted view ran at ~1.2 TB/s (H200, gemm-sweep-h200-2026-11-30-m16-
+    kappa.log: 12.3 us for down's activations at M = 256, a fifth of that GEMM call)."""
+    if x.device.type != "cuda" or x.shape[0] == 0:
+        return kappa_order_torch(x)
+    return kappa_order_triton(x, release_next=release_next)
+
+
+def kappa_order_triton(x: torch.Tensor, *, release_next: bool = False) -> torch.Tensor:
+    """:func:`kappa_order` by :func:`_kappa_kernel` (any device Triton runs on; the CPU tests
+    run it in the interpreter). x [M, K] 16-bit, K a multiple of 64. ``release_next``: the
+    next launch is a programmatic dependent one that waits for this kernel (SM 9.0+)."""
+    m, k = x.shape
+    if x.stride(1) != 1 or x.stride(0) % 2 or x.storage_offset() % 2:
+        x = x.contiguous()
+    w = k // 2
+    pairs = x.view(torch.int32)  # [M, K/2], row stride x.stride(0) / 2
+    out = torch.empty((m, k), dtype=x.dtype, device=x.device)
+    block_m, block_w = 16, 128
+    grid = (triton.cdiv(m, block_m), triton.cdiv(w, block_w))
+    _kappa_kernel[grid](pairs, out.view(torch.int32), m, pairs.stride(0), W=w, BLOCK_M=block_m,
+                        BLOCK_W=block_w, PDL=release_next, num_warps=4)  # fmt: skip
+    return out
 
 
 @dataclass(frozen=True)
@@ -501,7 +562,10 @@ def mma_gemm(
     tile = tile or mma_gemm_config(n, k, m, tma=tma_capable(x.device))
     if n % tile.block_n or tile.block_n % 16:
         raise ValueError(f"BLOCK_N={tile.block_n} does not divide N={n} in 16-row tiles")
-    xk = kappa_order(x)
+    # on SM 9.0+ the permutation, the GEMM and the split sum form a programmatic-dependent
+    # chain: each launch starts while the one before finishes and waits for it before it reads
+    pdl = pdl_capable(x.device)
+    xk = kappa_order(x, release_next=pdl)
     ck = tile.chunks
     x_arg: object = xk
     if tile.tma:
@@ -530,9 +594,11 @@ def mma_gemm(
         DOT_F32=x.device.type != "cuda",
         X_TMA=tile.tma,
         SETTLE=rs_wgmma_hazard(x.device),  # the decoded weight is wgmma's A
+        PDL=pdl,
         num_warps=tile.warps,
         num_stages=tile.stages,
         maxnreg=tile.maxnreg,
+        **({"launch_pdl": True} if pdl else {}),
     )
     if split > 1:
         block = 1024
@@ -546,6 +612,8 @@ def mma_gemm(
             SPLIT=split,
             HAS_BIAS=bias is not None,
             BLOCK=block,
+            PDL=pdl,
             num_warps=4,
+            **({"launch_pdl": True} if pdl else {}),
         )
     return out

@@ -63,6 +63,13 @@ def test_real_shapes_heuristic_tiles(mg, shape, dtype):
         check(mg.mma_gemm(x, words, scales, gs, bias), x.double() @ w64.T + bias.double(), dtype)
 
 
+@pytest.mark.parametrize(("m", "k", "pad"), [(1, 4096, 0), (37, 14336, 0), (256, 2880, 64)])
+def test_the_permutation_kernel_equals_the_torch_copy(mg, m, k, pad):
+    x = torch.randn(m, k + pad, device="cuda").to(torch.bfloat16)[:, :k]
+    got = mg.kappa_order(x)
+    assert got.is_contiguous() and torch.equal(got, mg.kappa_order_torch(x))
+
+
 TILES = [
     (64, 32, 2, 4, 4, 4),
     (128, 32, 2, 4, 4, 2),

@@ -69,6 +69,17 @@ def test_kappa_order_is_the_layout_permutation() -> None:
                         assert torch.equal(got[:, slot], x[:, col])
 
 
+@pytest.mark.parametrize(
+    ("m", "k", "pad"), [(1, 64, 0), (3, 192, 0), (17, 512, 0), (5, 256, 64), (33, 2880, 0)]
+)
+def test_the_permutation_kernel_equals_the_torch_copy(m, k, pad) -> None:
+    """kappa_order's GPU path (a Triton kernel over 32-bit pairs; here in the interpreter):
+    rows past a program's block, K not a multiple of its 128-pair block, padded rows."""
+    x = torch.randn(m, k + pad, dtype=torch.float32).to(torch.bfloat16)[:, :k]
+    got = mg.kappa_order_triton(x)
+    assert got.is_contiguous() and torch.equal(got, mg.kappa_order_torch(x))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize(
     ("n", "k", "m", "tile"),
