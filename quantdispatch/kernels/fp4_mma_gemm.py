@@ -203,8 +203,6 @@ def _mma_gemm_kernel(
     gs_ptr,
     bias_ptr,
     out_ptr,
-    ws_ptr,
-    count_ptr,
     M,
     stride_om,
     CHUNKS: tl.constexpr,
@@ -230,10 +228,8 @@ def _mma_gemm_kernel(
 
     x is [M, K] contiguous with its columns already in the MMA's K order (:func:`kappa_order`).
     M tiles of one weight tile run back to back (program id order), so the weight tile is read
-    from HBM once and from L2 after. With SPLIT > 1 each program stores its unscaled partial
-    sums into ``ws_ptr`` (fp32 [SPLIT, M, N], row stride ``stride_om``) and counts itself in
-    ``count_ptr[tile]`` (zeroed by the permutation kernel); the tile's last program adds the
-    SPLIT partials in split order (deterministic, whichever program is last) and writes ``out``.
+    from HBM once and from L2 after. With SPLIT > 1, ``out_ptr`` is an fp32 [SPLIT, M, N]
+    workspace of unscaled partial sums (summed by :func:`_split_sum_kernel`).
     SETTLE: read the accumulator in every step (:func:`.wgmma_hazard.settle`), so the next
     step's decode never writes A registers of wgmmas in flight (Triton < 3.7 pipelining bug).
     (Measured on the H200, session 4: TMA for the weight words and scales too was slower, as
@@ -283,46 +279,46 @@ def _mma_gemm_kernel(
         s_ptrs += CK * 32
         if not X_TMA:
             x_ptrs += BK
-    if PDL:  # a dependent launch (waiting for this grid anyway) may start now, not earlier:
-        gdc_launch_dependents()  # its programs would take SM slots from this one's
+    if PDL:  # only now: split-sum programs that start early would take the GEMM's SM slots
+        gdc_launch_dependents()
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]  # [BLOCK_N, BLOCK_M]
     if SPLIT > 1:
-        MN = M.to(tl.int64) * stride_om
-        tl.store(ws_ptr + split * MN + rows, acc, mask=m_ok[None, :])
-        if not DOT_F32:  # (the interpreter runs programs one after another)
-            _fence_gpu(offs_n)  # this thread's partials reach L2 before it may be counted
-        tl.debug_barrier()  # every thread's partials, before the count
-        done = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
-        if done == SPLIT - 1:  # the last K range of this tile: sum them all
-            if not DOT_F32:
-                _fence_gpu(offs_n)
-            acc = tl.load(ws_ptr + rows, mask=m_ok[None, :], other=0.0, cache_modifier=".cg")
-            for r in range(1, SPLIT):
-                acc += tl.load(
-                    ws_ptr + r * MN + rows, mask=m_ok[None, :], other=0.0, cache_modifier=".cg"
-                )
-            _store_tile(out_ptr + rows, acc, gs_ptr, bias_ptr, offs_n, m_ok, HAS_BIAS)
+        out = out_ptr + (split * M + offs_m.to(tl.int64))[None, :] * stride_om + offs_n[:, None]
+        tl.store(out, acc, mask=m_ok[None, :])
     else:
-        _store_tile(out_ptr + rows, acc, gs_ptr, bias_ptr, offs_n, m_ok, HAS_BIAS)
+        y = acc * (tl.load(gs_ptr) * 256.0)
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + offs_n).to(tl.float32)[:, None]
+        out = out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
+        tl.store(out, y.to(out_ptr.dtype.element_ty), mask=m_ok[None, :])
 
 
 @triton.jit
-def _store_tile(out_ptrs, acc, gs_ptr, bias_ptr, offs_n, m_ok, HAS_BIAS: tl.constexpr):
-    """acc * 2^8 * global scale (+ bias) -> the 16-bit output tile."""
+def _split_sum_kernel(
+    ws_ptr,
+    gs_ptr,
+    bias_ptr,
+    out_ptr,
+    MN,
+    N,
+    SPLIT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """out = (sum of the SPLIT partial sums) * 2^8 * global scale (+ bias), in split order
+    (deterministic). PDL: launched as a dependent of the GEMM; waits for it first."""
+    if PDL:
+        gdc_wait()
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < MN
+    acc = tl.load(ws_ptr + offs, mask=ok, other=0.0)
+    for s in range(1, SPLIT):
+        acc += tl.load(ws_ptr + s * MN + offs, mask=ok, other=0.0)
     y = acc * (tl.load(gs_ptr) * 256.0)
     if HAS_BIAS:
-        y += tl.load(bias_ptr + offs_n).to(tl.float32)[:, None]
-    tl.store(out_ptrs, y.to(out_ptrs.dtype.element_ty), mask=m_ok[None, :])
-
-
-@triton.jit
-def _fence_gpu(anchor):
-    """A GPU-scope acquire-release fence in every thread that holds an element of ``anchor``."""
-    return tl.inline_asm_elementwise(
-        "fence.acq_rel.gpu;\nmov.b32 $0, 0;", "=r,r", [anchor], dtype=tl.int32, is_pure=False,
-        pack=1,
-    )  # fmt: skip
+        y += tl.load(bias_ptr + offs % N, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def kappa_order_torch(x: torch.Tensor) -> torch.Tensor:
@@ -332,21 +328,15 @@ def kappa_order_torch(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _kappa_kernel(x_ptr, out_ptr, count_ptr, n_counts, M, stride_xm, W: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+def _kappa_kernel(x_ptr, out_ptr, M, stride_xm, W: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_W: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """x viewed as 32-bit pairs [M, W] -> the same pairs in the MMA's K order. Within each
     chunk (32 pairs), destination pair d = 8 j + 4 cc + t comes from pair 8 t + 2 j + cc; a
     warp reads and writes whole 128-byte chunk rows (the gather stays inside one line).
     PDL: let the GEMM launch once every program is past its store (it waits for this kernel
     before it reads anything). Released at the top instead, down M=32 took 33 us instead of
     22 on the H200 (not profiled; likely the GEMM's programs were placed while these still
-    held SMs, onto fewer SMs). Also zeroes the ``n_counts`` int32 counters at ``count_ptr``
-    (the split GEMM's, so that it needs no launch of its own for them)."""
-    first = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-    programs = tl.num_programs(0) * tl.num_programs(1)
-    for i in range(first * 256, n_counts, programs * 256):
-        z = i + tl.arange(0, 256)
-        tl.store(count_ptr + z, tl.zeros((256,), dtype=tl.int32), mask=z < n_counts)
+    held SMs, onto fewer SMs)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     d = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
     within = d % 32
@@ -359,9 +349,7 @@ def _kappa_kernel(x_ptr, out_ptr, count_ptr, n_counts, M, stride_xm, W: tl.const
         gdc_launch_dependents()
 
 
-def kappa_order(
-    x: torch.Tensor, *, release_next: bool = False, counters: torch.Tensor | None = None
-) -> torch.Tensor:
+def kappa_order(x: torch.Tensor, *, release_next: bool = False) -> torch.Tensor:
     """x [M, K] -> a contiguous copy whose columns follow the MMA's K order within each chunk of
     64: column 16 j + 8 cc + 2 t + h holds x's column 16 t + 4 j + 2 cc + h.
 
@@ -369,19 +357,14 @@ def kappa_order(
     copy of the 6-D permuted view ran at ~1.2 TB/s (H200, gemm-sweep-h200-2026-11-30-m16-
     kappa.log: 12.3 us for down's activations at M = 256, a fifth of that GEMM call)."""
     if x.device.type != "cuda" or x.shape[0] == 0:
-        if counters is not None:
-            counters.zero_()
         return kappa_order_torch(x)
-    return kappa_order_triton(x, release_next=release_next, counters=counters)
+    return kappa_order_triton(x, release_next=release_next)
 
 
-def kappa_order_triton(
-    x: torch.Tensor, *, release_next: bool = False, counters: torch.Tensor | None = None
-) -> torch.Tensor:
+def kappa_order_triton(x: torch.Tensor, *, release_next: bool = False) -> torch.Tensor:
     """:func:`kappa_order` by :func:`_kappa_kernel` (any device Triton runs on; the CPU tests
     run it in the interpreter). x [M, K] 16-bit, K a multiple of 64. ``release_next``: the
-    next launch is a programmatic dependent one that waits for this kernel (SM 9.0+).
-    ``counters``: an int32 tensor the same pass sets to zero."""
+    next launch is a programmatic dependent one that waits for this kernel (SM 9.0+)."""
     m, k = x.shape
     if x.stride(1) != 1 or x.stride(0) % 2 or x.storage_offset() % 2:
         x = x.contiguous()
@@ -390,11 +373,8 @@ def kappa_order_triton(
     out = torch.empty((m, k), dtype=x.dtype, device=x.device)
     block_m, block_w = 16, 128
     grid = (triton.cdiv(m, block_m), triton.cdiv(w, block_w))
-    if counters is None:
-        counters = out.view(torch.int32)[:0, :0]  # nothing to zero (n_counts = 0)
-    _kappa_kernel[grid](pairs, out.view(torch.int32), counters, counters.numel(), m,
-                        pairs.stride(0), W=w, BLOCK_M=block_m, BLOCK_W=block_w, PDL=release_next,
-                        num_warps=4)  # fmt: skip
+    _kappa_kernel[grid](pairs, out.view(torch.int32), m, pairs.stride(0), W=w, BLOCK_M=block_m,
+                        BLOCK_W=block_w, PDL=release_next, num_warps=4)  # fmt: skip
     return out
 
 
@@ -582,30 +562,25 @@ def mma_gemm(
     tile = tile or mma_gemm_config(n, k, m, tma=tma_capable(x.device))
     if n % tile.block_n or tile.block_n % 16:
         raise ValueError(f"BLOCK_N={tile.block_n} does not divide N={n} in 16-row tiles")
-    ck = tile.chunks
-    per_split = triton.cdiv(triton.cdiv(chunks, max(1, tile.split)), ck) * ck
-    split = triton.cdiv(chunks, per_split)
-    grid = (triton.cdiv(m, tile.block_m) * (n // tile.block_n), split)
-    # with a K split: fp32 partial sums and one counter per tile (zeroed by the permutation
-    # pass); both come from the caching allocator, so concurrent calls never share them
-    ws = torch.empty((split, m, n) if split > 1 else (0,), dtype=torch.float32, device=x.device)
-    counters = torch.empty((grid[0] if split > 1 else 0,), dtype=torch.int32, device=x.device)
-    # on SM 9.0+ the permutation and the GEMM form a programmatic-dependent pair: the GEMM's
-    # launch overlaps the permutation's tail and waits for it before it reads anything
+    # on SM 9.0+ the permutation, the GEMM and the split sum form a programmatic-dependent
+    # chain: each launch starts while the one before finishes and waits for it before it reads
     pdl = pdl_capable(x.device)
-    xk = kappa_order(x, release_next=pdl, counters=counters)
+    xk = kappa_order(x, release_next=pdl)
+    ck = tile.chunks
     x_arg: object = xk
     if tile.tma:
         x_arg = _x_descriptor(xk, tile)
+    per_split = triton.cdiv(triton.cdiv(chunks, max(1, tile.split)), ck) * ck
+    split = triton.cdiv(chunks, per_split)
+    target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(m, tile.block_m) * (n // tile.block_n), split)
     _mma_gemm_kernel[grid](
         x_arg,
         words,
         scales.view(torch.int16),
         global_scale,
         bias if bias is not None else global_scale,
-        out,
-        ws,
-        counters,
+        target,
         m,
         n,
         CHUNKS=chunks,
@@ -625,4 +600,20 @@ def mma_gemm(
         maxnreg=tile.maxnreg,
         **({"launch_pdl": True} if pdl else {}),
     )
+    if split > 1:
+        block = 1024
+        _split_sum_kernel[(triton.cdiv(m * n, block),)](
+            target,
+            global_scale,
+            bias if bias is not None else global_scale,
+            out,
+            m * n,
+            n,
+            SPLIT=split,
+            HAS_BIAS=bias is not None,
+            BLOCK=block,
+            PDL=pdl,
+            num_warps=4,
+            **({"launch_pdl": True} if pdl else {}),
+        )
     return out

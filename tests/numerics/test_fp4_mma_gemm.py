@@ -76,10 +76,8 @@ def test_the_permutation_kernel_equals_the_torch_copy(m, k, pad) -> None:
     """kappa_order's GPU path (a Triton kernel over 32-bit pairs; here in the interpreter):
     rows past a program's block, K not a multiple of its 128-pair block, padded rows."""
     x = torch.randn(m, k + pad, dtype=torch.float32).to(torch.bfloat16)[:, :k]
-    counters = torch.full((1000,), 7, dtype=torch.int32)  # more than 256 per program
-    got = mg.kappa_order_triton(x, counters=counters)
+    got = mg.kappa_order_triton(x)
     assert got.is_contiguous() and torch.equal(got, mg.kappa_order_torch(x))
-    assert not counters.any()  # the split GEMM's counters, zeroed by the same pass
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
