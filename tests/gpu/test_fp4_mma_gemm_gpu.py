@@ -70,6 +70,31 @@ def test_the_permutation_kernel_equals_the_torch_copy(mg, m, k, pad):
     assert got.is_contiguous() and torch.equal(got, mg.kappa_order_torch(x))
 
 
+@pytest.mark.parametrize(
+    "tile", [(64, 32, 2, 4, 4, 4, None, True), (64, 64, 1, 4, 3, 3)], ids=["k4-tma", "k3"]
+)
+def test_split_sums_are_deterministic_and_graph_safe(mg, tile):
+    """K-split tiles (partial sums, then the split-sum launch, a programmatic-dependent chain on
+    SM 9.0+): the same bits every call, and in a CUDA graph."""
+    tile = mg.GemmTile(*tile)
+    _needs_tma(mg, tile)
+    n, kk = 2048, 2880
+    g, words, scales, gs, w64 = _weights(n, kk, torch.bfloat16, 5)
+    x = torch.randn(37, kk, generator=g, device="cuda").to(torch.bfloat16)
+    first = mg.mma_gemm(x, words, scales, gs, tile=tile)
+    check(first, x.double() @ w64.T, torch.bfloat16)
+    for _ in range(10):
+        assert torch.equal(mg.mma_gemm(x, words, scales, gs, tile=tile), first)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = mg.mma_gemm(x, words, scales, gs, tile=tile)
+    for _ in range(3):
+        replayed.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(replayed, first)
+
+
 TILES = [
     (64, 32, 2, 4, 4, 4),
     (128, 32, 2, 4, 4, 2),
