@@ -27,7 +27,7 @@ step doctor 60 python3 -m quantdispatch doctor --format nvfp4 --format fp8 --act
 step doctor-json 60 python3 -m quantdispatch doctor --json
 step verify 120 python3 -m quantdispatch verify
 TAIL=20 step wgmma-waits 120 python3 benchmarks/wgmma_waits.py  # the device Triton's wgmma waits
-TAIL=25 step gpu-tests "${GPU_TEST_S:-240}" python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu}
+TAIL=25 step gpu-tests "${GPU_TEST_S:-480}" python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu}
 TAIL=26 step dequant-sweep 90 python3 benchmarks/dequant_sweep.py
 TAIL=40 step mma-sweep "${MMA_S:-300}" python3 benchmarks/mma_sweep.py ${MMA_ARGS:-}
 TAIL=40 step gemv-ablation "${ABL_S:-150}" python3 benchmarks/gemv_ablation.py ${ABL_ARGS:-}
