@@ -238,7 +238,8 @@ def _human_header(profile: Any, settings: Any, policy: Any) -> str:
         f"  simulated device          {s['device'] or 'none (probed)'}",
         "  dependent launches        "
         + (
-            "on: on SM 9.0+ the single-pair MoE down kernel starts while gate/up runs "
+            "on: on SM 9.0+ the single-pair MoE down kernel starts while gate/up runs, the "
+            "mid-M GEMM and its split sum while the kernel before them ends "
             "(QUANTDISPATCH_PDL=0 turns it off)"
             if s["pdl"]
             else "off (QUANTDISPATCH_PDL)"
