@@ -366,6 +366,11 @@ def kappa_order_triton(x: torch.Tensor, *, release_next: bool = False) -> torch.
     run it in the interpreter). x [M, K] 16-bit, K a multiple of 64. ``release_next``: the
     next launch is a programmatic dependent one that waits for this kernel (SM 9.0+)."""
     m, k = x.shape
+    if x.element_size() != 2 or k % CHUNK_K:
+        raise ValueError(
+            f"kappa_order_triton: x is {x.dtype} [{m}, {k}]; it permutes 16-bit activations "
+            f"whose K is a multiple of {CHUNK_K} (pad K, or use kappa_order_torch)"
+        )
     if x.stride(1) != 1 or x.stride(0) % 2 or x.storage_offset() % 2:
         x = x.contiguous()
     w = k // 2

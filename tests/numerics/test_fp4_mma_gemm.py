@@ -80,6 +80,13 @@ def test_the_permutation_kernel_equals_the_torch_copy(m, k, pad) -> None:
     assert got.is_contiguous() and torch.equal(got, mg.kappa_order_torch(x))
 
 
+def test_the_permutation_kernel_refuses_what_it_cannot_permute() -> None:
+    with pytest.raises(ValueError, match="multiple of 64"):
+        mg.kappa_order_triton(torch.zeros(2, 96, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="16-bit"):
+        mg.kappa_order_triton(torch.zeros(2, 64, dtype=torch.float32))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize(
     ("n", "k", "m", "tile"),
