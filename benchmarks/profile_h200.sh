@@ -3,12 +3,7 @@
 #   bash benchmarks/profile_h200.sh "mma gate_up 16" "moe - 1" ...   (kernel shape M)
 # Writes $OUT/ncu-<kernel>-<shape>-<M>.txt and prints the headline metrics.
 set -u
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1
-export PYTHONPATH=/tmp/site:$PWD
-OUT=${OUT:-$PWD/device-out}
-mkdir -p "$OUT"
-NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-echo "ncu: ${NCU:-none}"
+. "$(dirname "$0")/ncu_env.sh"  # wheels, PYTHONPATH, OUT, NCU
 for spec in "$@"; do
   set -- $spec
   shape=$2; [ "$shape" = "-" ] && shape=gate_up

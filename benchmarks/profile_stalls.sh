@@ -7,12 +7,7 @@
 # tensor pipe use) and -sass.csv (per instruction: stall samples by reason), which
 # benchmarks/stall_table.py summarizes.
 set -u
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1
-export PYTHONPATH=/tmp/site:$PWD
-OUT=${OUT:-$PWD/device-out}
-mkdir -p "$OUT"
-NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-echo "ncu: ${NCU:-none}"
+. "$(dirname "$0")/ncu_env.sh"  # wheels, PYTHONPATH, OUT, NCU
 [ -n "$NCU" ] || exit 1
 METRICS="regex:^smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio$"
 METRICS="$METRICS,regex:^sm__pipe_tensor_op_.*_cycles_active\.avg\.pct_of_peak_sustained_active$"
