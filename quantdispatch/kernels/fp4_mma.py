@@ -313,17 +313,31 @@ def decode_emulated(
 # --------------------------------------------------------------------------------------------
 
 
+def _bits(mask: int) -> list[int]:
+    return [p for p in range(32) if mask >> p & 1]
+
+
+def _shift_ptx(dst: str, word: str, n: int, mask: int) -> str:
+    """``rotl(word, n)`` as seen through ``mask``: a plain left shift when no masked bit comes
+    from the wrapped-around top (ptxas may then issue it on the FMA pipe as IMAD.SHL, leaving
+    the integer ALU pipe, which the decode keeps busiest, for the rest), else a rotate."""
+    if all(p >= n for p in _bits(mask)):
+        return f"shl.b32 {dst}, {word}, {n};"
+    return f"shf.l.wrap.b32 {dst}, {word}, {word}, {n};"
+
+
 def _decode_ptx(table: DecodeTable, word: str, outs: list[str]) -> str:
     """PTX turning the 32-bit ``word`` into the four A registers ``outs`` (before scaling)."""
     lines = []
+    both = table.sign_mask | table.mag_mask
     for r, out in enumerate(outs):
         a, b = table.rotations[r]
         src_s = word if a == 0 else f"%rs{r}"
         src_m = word if b == 0 else f"%rm{r}"
         if a and a != b:
-            lines.append(f"shf.l.wrap.b32 %rs{r}, {word}, {word}, {a};")
+            lines.append(_shift_ptx(f"%rs{r}", word, a, table.sign_mask))
         if b:
-            lines.append(f"shf.l.wrap.b32 %rm{r}, {word}, {word}, {b};")
+            lines.append(_shift_ptx(f"%rm{r}", word, b, both if a == b else table.mag_mask))
         if a == b:
             lines.append(f"and.b32 {out}, {src_m}, {table.sign_mask | table.mag_mask};")
         else:

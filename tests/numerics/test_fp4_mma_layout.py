@@ -138,3 +138,52 @@ def test_configs_are_launchable_for_every_shape_and_m() -> None:
                 assert warps in (1, 2, 4, 8, 16, 32) and wk <= max(1, chunks)
                 assert 8 * nt >= min(m, fp4_mma.MAX_TOKENS_PER_PROGRAM) and nt <= 8
                 assert unroll in (1, 2, 4) and r in (1, 2, 4)
+
+
+def _run_decode_ptx(text: str, word: int) -> dict[str, int]:
+    """A tiny interpreter for the decode's PTX (shl, shf.l.wrap, and, lop3 0xEC on b32)."""
+    regs: dict[str, int] = {"$w": word}
+    mask32 = 0xFFFFFFFF
+
+    def val(tok: str) -> int:
+        return regs[tok] if tok in regs else int(tok, 0)
+
+    for line in text.splitlines():
+        op, _, rest = line.rstrip(";").partition(" ")
+        args = [a.strip() for a in rest.split(",")]
+        if op == "shl.b32":
+            regs[args[0]] = (val(args[1]) << int(args[2])) & mask32
+        elif op == "shf.l.wrap.b32":
+            assert args[1] == args[2]
+            q, n = val(args[1]), int(args[3])
+            regs[args[0]] = ((q << n) | (q >> (32 - n))) & mask32
+        elif op == "and.b32":
+            regs[args[0]] = val(args[1]) & val(args[2])
+        elif op == "lop3.b32":
+            assert args[4] == "0xEC"  # (a & c) | b
+            regs[args[0]] = (val(args[1]) & val(args[3])) | val(args[2])
+        else:  # pragma: no cover - a new opcode needs a line here
+            raise AssertionError(f"unknown PTX op {op!r}")
+    return regs
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_decode_ptx_computes_the_table_registers(dtype: torch.dtype) -> None:
+    """The PTX the kernels run (plain left shifts where no masked bit wraps around, rotates
+    elsewhere) yields exactly ``(rotl(q, a) & SIGN) | (rotl(q, b) & MAG)`` per register."""
+    table = fp4_mma.DECODE_TABLES[dtype]
+    outs = ["$o0", "$o1", "$o2", "$o3"]
+    text = fp4_mma._decode_ptx(table, "$w", outs)
+    assert "shl.b32" in text  # the shift form is in use (ptxas may put it on the FMA pipe)
+
+    def rotl(q: int, n: int) -> int:
+        return ((q << n) | (q >> (32 - n))) & 0xFFFFFFFF if n else q
+
+    gen = torch.Generator().manual_seed(5)
+    words = torch.randint(0, 2**32, (2000,), generator=gen, dtype=torch.int64).tolist()
+    for q in [0, 0xFFFFFFFF, 0x80000001, *words]:
+        regs = _run_decode_ptx(text, q)
+        for r, out in enumerate(outs):
+            a, b = table.rotations[r]
+            want = (rotl(q, a) & table.sign_mask) | (rotl(q, b) & table.mag_mask)
+            assert regs[out] == want, (dtype, r, hex(q))
