@@ -317,17 +317,25 @@ def _bits(mask: int) -> list[int]:
     return [p for p in range(32) if mask >> p & 1]
 
 
-def _shift_ptx(dst: str, word: str, n: int, mask: int) -> str:
-    """``rotl(word, n)`` as seen through ``mask``: a plain left shift when no masked bit comes
-    from the wrapped-around top (ptxas may then issue it on the FMA pipe as IMAD.SHL, leaving
-    the integer ALU pipe, which the decode keeps busiest, for the rest), else a rotate."""
-    if all(p >= n for p in _bits(mask)):
+def _shift_ptx(dst: str, word: str, n: int, mask: int, fma_shifts: bool) -> str:
+    """``rotl(word, n)`` as seen through ``mask``. With ``fma_shifts``, a plain left shift when
+    no masked bit comes from the wrapped-around top (ptxas then issues it on the FMA pipe as
+    IMAD.SHL, leaving the integer ALU pipe, which the decode keeps busiest, for the rest), else
+    a rotate."""
+    if fma_shifts and all(p >= n for p in _bits(mask)):
         return f"shl.b32 {dst}, {word}, {n};"
     return f"shf.l.wrap.b32 {dst}, {word}, {word}, {n};"
 
 
-def _decode_ptx(table: DecodeTable, word: str, outs: list[str]) -> str:
-    """PTX turning the 32-bit ``word`` into the four A registers ``outs`` (before scaling)."""
+def _decode_ptx(
+    table: DecodeTable, word: str, outs: list[str], *, fma_shifts: bool = False
+) -> str:
+    """PTX turning the 32-bit ``word`` into the four A registers ``outs`` (before scaling).
+
+    ``fma_shifts``: non-wrapping shifts as ``shl`` (IMAD.SHL on the FMA pipe). Measured on the
+    H200 (NOTES, session 11): faster in the mma.sync GEMV, whose integer ALU pipe is the busiest
+    (gate_up M=1 20.8 vs 22.1 us, down 12.3 vs 13.3), but slower in the wgmma GEMM, where each
+    step waits for its decode and IMAD.SHL's longer latency shows (qkv M=128 29.7 vs 25.1)."""
     lines = []
     both = table.sign_mask | table.mag_mask
     for r, out in enumerate(outs):
@@ -335,9 +343,10 @@ def _decode_ptx(table: DecodeTable, word: str, outs: list[str]) -> str:
         src_s = word if a == 0 else f"%rs{r}"
         src_m = word if b == 0 else f"%rm{r}"
         if a and a != b:
-            lines.append(_shift_ptx(f"%rs{r}", word, a, table.sign_mask))
+            lines.append(_shift_ptx(f"%rs{r}", word, a, table.sign_mask, fma_shifts))
         if b:
-            lines.append(_shift_ptx(f"%rm{r}", word, b, both if a == b else table.mag_mask))
+            mask = both if a == b else table.mag_mask
+            lines.append(_shift_ptx(f"%rm{r}", word, b, mask, fma_shifts))
         if a == b:
             lines.append(f"and.b32 {out}, {src_m}, {table.sign_mask | table.mag_mask};")
         else:
@@ -368,7 +377,7 @@ def _decode_asm(bf16: bool) -> str:
     ]
     for j in range(4):
         regs = [f"${4 * j + r}" for r in range(4)]
-        body.append(_decode_ptx(table, f"${16 + j}", regs))
+        body.append(_decode_ptx(table, f"${16 + j}", regs, fma_shifts=True))
         for r in range(4):
             s = "%sg" if _REG_ROW[r] == 0 else "%sg8"
             body.append(f"{fma} {regs[r]}, {regs[r]}, {s}, %neg0;")
@@ -752,8 +761,11 @@ def _config(tiles: int, chunks: int, m: int) -> tuple[int, int, int, int, int]:
     r = 1
     if nt == 1:
         wt, wk, unroll = (1, 4, 2) if big else ((1, 8, 4) if chunks >= 128 else (1, 8, 2))
-    elif nt == 2:
-        wt, wk, unroll = (8, 2, 1) if big else (1, 8, 2)
+    elif nt == 2:  # mma-sweep-h200-2026-11-30-{l2prefetch,decode-shl}.log, two builds agree
+        if big:  # gate_up M=16: 2x2x2x2 29.7 / 28.0 vs 8x2x1 30.8 / 30.1 us
+            wt, wk, unroll, r = 2, 2, 2, 2
+        else:  # qkv M=16: 1x4x2 10.6 / 10.9 vs 1x8x2 11.6 / 11.9; o keeps 1x8x2 (9.2 vs 9.7)
+            wt, wk, unroll = (1, 4, 2) if tiles >= 384 else (1, 8, 2)
     elif nt == 4:
         wt, wk, unroll = (8, 1, 2) if big else (1, 4, 2)
     elif big:

@@ -167,14 +167,16 @@ def _run_decode_ptx(text: str, word: int) -> dict[str, int]:
     return regs
 
 
+@pytest.mark.parametrize("fma_shifts", [True, False], ids=["shl", "rotate"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_decode_ptx_computes_the_table_registers(dtype: torch.dtype) -> None:
+def test_decode_ptx_computes_the_table_registers(dtype: torch.dtype, fma_shifts: bool) -> None:
     """The PTX the kernels run (plain left shifts where no masked bit wraps around, rotates
     elsewhere) yields exactly ``(rotl(q, a) & SIGN) | (rotl(q, b) & MAG)`` per register."""
     table = fp4_mma.DECODE_TABLES[dtype]
     outs = ["$o0", "$o1", "$o2", "$o3"]
-    text = fp4_mma._decode_ptx(table, "$w", outs)
-    assert "shl.b32" in text  # the shift form is in use (ptxas may put it on the FMA pipe)
+    text = fp4_mma._decode_ptx(table, "$w", outs, fma_shifts=fma_shifts)
+    # the shift form is in use only where asked (the GEMV asks, the wgmma GEMM does not)
+    assert ("shl.b32" in text) == fma_shifts
 
     def rotl(q: int, n: int) -> int:
         return ((q << n) | (q >> (32 - n))) & 0xFFFFFFFF if n else q
