@@ -71,6 +71,8 @@ def test_mma_linear_real_shapes(mma, shape, dtype):
         (1, 1, 8, 2, 2),
         (8, 4, 2, 1, 2),
         (4, 2, 2, 2, 4),
+        (1, 2, 2, 2),  # the heuristic's gate_up config at M <= 8 (session 11)
+        (2, 2, 2, 2, 2),  # and at M 9..16
     ],
 )
 def test_every_config_and_uneven_k_split(mma, cfg):
