@@ -454,77 +454,75 @@ def tma_capable(device: torch.device) -> bool:
     return has_host_descriptors()
 
 
+#: Which weights a tile row applies to, from the weight's width and depth (checked in row order).
+_SHAPE_RULES = {
+    "any": lambda n, wide, long_k: True,
+    "wide": lambda n, wide, long_k: wide,
+    "long": lambda n, wide, long_k: long_k,
+    "tall": lambda n, wide, long_k: n >= 6144,  # qkv-sized and up
+    "tall_short": lambda n, wide, long_k: n >= 6144 and not long_k,
+    "long_or_narrow": lambda n, wide, long_k: long_k or n < 6144,
+}
+
+#: Pointer-load tiles, (largest M, weights, tile) rows, the first match wins: the pipelined
+#: winners of the H200 sweeps (gemm-sweep-h200-*.log; devices or Tritons without TMA; settled
+#: too on SM 9.x, where they were not re-swept).
+_POINTER_TILES = (
+    (32, "wide", GemmTile(128, 32, 2, 4, 4, 2)),
+    (32, "any", GemmTile(64, 32, 2, 4, 4, 4)),
+    (64, "wide", GemmTile(128, 64, 2, 4, 4, 1)),
+    (64, "tall_short", GemmTile(128, 64, 2, 8, 3, 2)),
+    (64, "any", GemmTile(64, 64, 2, 4, 4, 4)),
+    (128, "wide", GemmTile(128, 128, 2, 8, 3, 1)),
+    (128, "long", GemmTile(128, 64, 2, 8, 3, 2)),
+    (128, "tall", GemmTile(128, 128, 2, 8, 3, 2)),
+    (128, "any", GemmTile(64, 64, 2, 4, 4, 1)),
+    (256, "long_or_narrow", GemmTile(128, 128, 2, 8, 3, 2)),
+    (None, "any", GemmTile(128, 128, 2, 8, 3, 1)),
+)
+
+#: TMA tiles, same rows: the winners with the accumulator settled each K step (what SM 9.x
+#: runs, gemm-sweep-h200-2026-11-30-settled.log). Settled, a warpgroup's decode no longer
+#: overlaps its own wgmmas, so smaller programs that let more warpgroups share an SM won: e.g.
+#: 64x128 tiles of one warpgroup at M 65..256 (gate_up M=128 61 vs 70 us for the pipelined
+#: winner 128x128w8s2, qkv M=256 33 vs 47; M=512: gate_up 249 vs 278, down 127 vs 153 for
+#: 128x128w8s3); at M 129..256 the same tile with a 2-way K split for long or narrow weights
+#: (gemm-sweep-h200-2026-11-30-m256.log: down 66.0 vs 83.3 for 128x64w8s3k2, o 26.1 vs 28.6;
+#: qkv and gate_up stay unsplit, 33.3 vs 40.8 and 127.9 vs 145.9).
+_TMA_TILES = tuple(
+    (top, rule, replace(tile, tma=True))
+    for top, rule, tile in (
+        (32, "wide", GemmTile(64, 32, 2, 4, 3, 4)),
+        (32, "any", GemmTile(64, 32, 2, 4, 4, 4)),
+        (64, "wide", GemmTile(128, 64, 2, 8, 3, 1)),
+        (64, "tall_short", GemmTile(64, 64, 2, 4, 4, 2)),
+        (64, "any", GemmTile(64, 64, 2, 4, 4, 4)),
+        (128, "wide", GemmTile(64, 128, 2, 4, 3, 1)),
+        (128, "tall_short", GemmTile(64, 64, 2, 4, 4, 1)),
+        (128, "any", GemmTile(64, 64, 2, 4, 4, 2)),
+        (256, "long_or_narrow", GemmTile(64, 128, 2, 4, 3, 2)),
+        (None, "any", GemmTile(64, 128, 2, 4, 3, 1)),
+    )
+)
+
+
 def mma_gemm_config(n: int, k: int, m: int, *, tma: bool = False) -> GemmTile:
     """The tile for an [M, K] x [N, K]^T call: the fastest measured per M bucket on the
-    H200 (benchmarks/results/gemm-sweep-h200-*.log, Llama-3.1-8B shapes), generalized by the
+    H200 (:data:`_POINTER_TILES`, :data:`_TMA_TILES`; Llama-3.1-8B shapes), generalized by the
     weight's width (WIDE_N) and depth (LONG_K): narrow weights split K to fill the GPU.
 
     ``tma`` (the device is :func:`tma_capable`): the activation tiles come by TMA, which beat
     the pointer loads in every winning tile of the session-8 sweep (gemm-sweep-h200-2026-11-30-
-    tma.log; gate_up M=128 63 vs 78 us, qkv M=256 36 vs 42, pipelined) and frees registers; its
-    table holds the winners with the accumulator settled each K step, which is what SM 9.x
-    runs (:mod:`.wgmma_hazard`). The pointer table holds the pipelined winners (devices or
-    Tritons without TMA; settled too on SM 9.x, where they were not re-swept)."""
+    tma.log; gate_up M=128 63 vs 78 us, qkv M=256 36 vs 42, pipelined) and frees registers."""
     wide, long_k = n >= WIDE_N, k >= LONG_K
-    if tma:
-        tile = _tma_tile(n, m, wide, long_k)
-    elif m <= 32:
-        tile = GemmTile(128, 32, 2, 4, 4, 2) if wide else GemmTile(64, 32, 2, 4, 4, 4)
-    elif m <= 64:
-        if wide:
-            tile = GemmTile(128, 64, 2, 4, 4, 1)
-        elif n >= 6144 and not long_k:
-            tile = GemmTile(128, 64, 2, 8, 3, 2)
-        else:
-            tile = GemmTile(64, 64, 2, 4, 4, 4)
-    elif m <= 128:
-        if wide:
-            tile = GemmTile(128, 128, 2, 8, 3, 1)
-        elif long_k:
-            tile = GemmTile(128, 64, 2, 8, 3, 2)
-        elif n >= 6144:
-            tile = GemmTile(128, 128, 2, 8, 3, 2)
-        else:
-            tile = GemmTile(64, 64, 2, 4, 4, 1)
-    elif m <= 256 and (long_k or n < 6144):
-        tile = GemmTile(128, 128, 2, 8, 3, 2)
-    else:
-        tile = GemmTile(128, 128, 2, 8, 3, 1)
+    tile = next(
+        tile
+        for top, rule, tile in (_TMA_TILES if tma else _POINTER_TILES)
+        if (top is None or m <= top) and _SHAPE_RULES[rule](n, wide, long_k)
+    )
     if n % tile.block_n:  # N a multiple of 64 only: one warpgroup, 64 rows per program
         tile = GemmTile(64, tile.block_m, tile.chunks, 4, 4, tile.split, tile.maxnreg, tile.tma)
     return tile
-
-
-def _tma_tile(n: int, m: int, wide: bool, long_k: bool) -> GemmTile:
-    """The TMA tiles: the winners per shape and M with the accumulator settled each K step
-    (what SM 9.x runs, gemm-sweep-h200-2026-11-30-settled.log). Settled, a warpgroup's decode
-    no longer overlaps its own wgmmas, so smaller programs that let more warpgroups share an
-    SM won: e.g. 64x128 tiles of one warpgroup at M 65..256 (gate_up M=128 61 vs 70 us for the
-    pipelined winner 128x128w8s2, qkv M=256 33 vs 47; M=512: gate_up 249 vs 278, down 127 vs
-    153 for 128x128w8s3); at M 129..256 the same tile with a 2-way K split for long or narrow
-    weights (gemm-sweep-h200-2026-11-30-m256.log: down 66.0 vs 83.3 for 128x64w8s3k2, o 26.1
-    vs 28.6; qkv and gate_up stay unsplit, 33.3 vs 40.8 and 127.9 vs 145.9)."""
-    if m <= 32:
-        tile = GemmTile(64, 32, 2, 4, 3, 4) if wide else GemmTile(64, 32, 2, 4, 4, 4)
-    elif m <= 64:
-        if wide:
-            tile = GemmTile(128, 64, 2, 8, 3, 1)
-        elif n >= 6144 and not long_k:
-            tile = GemmTile(64, 64, 2, 4, 4, 2)
-        else:
-            tile = GemmTile(64, 64, 2, 4, 4, 4)
-    elif m <= 128:
-        if wide:
-            tile = GemmTile(64, 128, 2, 4, 3, 1)
-        elif n >= 6144 and not long_k:
-            tile = GemmTile(64, 64, 2, 4, 4, 1)
-        else:
-            tile = GemmTile(64, 64, 2, 4, 4, 2)
-    elif m <= 256 and (long_k or n < 6144):
-        tile = GemmTile(64, 128, 2, 4, 3, 2)
-    else:
-        tile = GemmTile(64, 128, 2, 4, 3, 1)
-    return replace(tile, tma=True)
 
 
 def _x_descriptor(xk: torch.Tensor, tile: GemmTile) -> object:

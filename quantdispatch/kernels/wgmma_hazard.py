@@ -56,7 +56,7 @@ __all__ = [
 UPSTREAM_FIX: tuple[int, int] = (3, 7)
 #: The first Triton release verified on a GPU to pipeline our register-operand wgmma loops
 #: correctly; None: none yet, so every version settles them. Setting it also means re-sweeping
-#: the mid-M GEMM's TMA tiles (:func:`.fp4_mma_gemm._tma_tile` holds the settled winners).
+#: the mid-M GEMM's TMA tiles (:data:`.fp4_mma_gemm._TMA_TILES` holds the settled winners).
 VERIFIED_SAFE_FROM: tuple[int, int] | None = None
 
 

@@ -175,6 +175,22 @@ def test_configs_fit_the_shape(n, k, tma) -> None:
         assert tile.split >= 1 and tile.chunks in (1, 2)
 
 
+@pytest.mark.parametrize(
+    ("n", "k", "m", "label"),
+    [  # the H200 winners the TMA table encodes (NOTES: sessions 9 and 10)
+        (28672, 4096, 128, "64x128x128w4s3t"),  # gate_up
+        (6144, 4096, 128, "64x64x128w4s4t"),  # qkv
+        (4096, 14336, 128, "64x64x128w4s4k2t"),  # down
+        (4096, 14336, 256, "64x128x128w4s3k2t"),
+        (4096, 4096, 256, "64x128x128w4s3k2t"),  # o
+        (6144, 4096, 256, "64x128x128w4s3t"),
+        (28672, 4096, 64, "128x64x128w8s3t"),
+    ],
+)
+def test_tma_table_holds_the_measured_winners(n, k, m, label) -> None:
+    assert mg.mma_gemm_config(n, k, m, tma=True).label() == label
+
+
 def test_paths_by_m_and_gpu() -> None:
     path = triton_backend.mma_path
     h200, a100 = (9, 0), (8, 0)
