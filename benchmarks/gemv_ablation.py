@@ -96,7 +96,7 @@ def build_variant(name: str, workdir: Path):
 
 
 def launch(kernel, x, words, scales, gscale, cfg):
-    nt, wt, wk, unroll, r = cfg
+    nt, wt, wk, unroll, r, depth = (*cfg, 1)[:6]
     tiles, chunks = words.shape[0], words.shape[1]
     n, m = tiles * 16, x.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -104,7 +104,7 @@ def launch(kernel, x, words, scales, gscale, cfg):
     kernel[grid](
         x, words, scales.view(torch.int16), gscale, gscale, out, m, n, x.stride(0), out.stride(0),
         CHUNKS=chunks, NT=nt, WT=wt, WK=wk, UNROLL=unroll, R=r, BF16=True,
-        HAS_BIAS=False, num_warps=wt * wk, num_stages=1,
+        HAS_BIAS=False, DEPTH=depth, num_warps=wt * wk, num_stages=1,
     )  # fmt: skip
     return out
 

@@ -26,9 +26,11 @@ from quantdispatch.kernels import fp4_mma, fp4_mma_ckpt
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 
 
-def parse_config(text: str) -> tuple[int, int, int, int]:
-    """``WTxWKxU[xR]`` (e.g. ``8x2x1``, ``2x2x2x2``) -> (WT, WK, UNROLL, R)."""
-    return (*map(int, text.split("x")), 1)[:4]
+def parse_config(text: str) -> tuple[int, int, int, int, int]:
+    """``WTxWKxU[xR][dD]`` (e.g. ``8x2x1``, ``2x2x2x2``, ``1x8x2d2``) -> (WT, WK, UNROLL, R,
+    DEPTH): DEPTH steps of weight loads in flight (default 1)."""
+    sizes, _, depth = text.partition("d")
+    return (*(*map(int, sizes.split("x")), 1)[:4], int(depth or 1))
 
 
 def main() -> None:
@@ -96,10 +98,10 @@ def main() -> None:
                     line.append("FAILED")
             xs = p.xs(m, len(rot), gen)
             best = None
-            for wt, w, u, r in cfgs:
+            for wt, w, u, r, d in cfgs:
                 nt = fp4_mma._config(n // 16, k // 64, m)[0]
-                cfg = (nt, wt, w, u, r)
-                label = f"{wt}x{w}x{u}" + (f"x{r}" if r > 1 else "")
+                cfg = (nt, wt, w, u, r, d)
+                label = f"{wt}x{w}x{u}" + (f"x{r}" if r > 1 else "") + (f"d{d}" if d > 1 else "")
                 if (n // 16) % (wt * r):
                     continue
                 y = fp4_mma.mma_linear(xs[0], *rot[0], p.gscale, config=cfg)
@@ -119,8 +121,8 @@ def main() -> None:
                 line.append(f"| best {best[1]} {best[0]:.1f} = {best[0] / floor:.2f}x floor")
             if args.ckpt:  # the same configs on the checkpoint layout (kernels/fp4_mma_ckpt.py)
                 best = None
-                for wt, w, u, r in cfgs:
-                    if r > 1:  # the checkpoint-layout kernel has no R
+                for wt, w, u, r, d in cfgs:
+                    if r > 1 or d > 1:  # the checkpoint-layout kernel has no R or DEPTH
                         continue
                     nt = fp4_mma._config(n // 16, k // 64, m)[0]
                     cfg = (nt, wt, w, u)

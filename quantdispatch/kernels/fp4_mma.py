@@ -327,9 +327,7 @@ def _shift_ptx(dst: str, word: str, n: int, mask: int, fma_shifts: bool) -> str:
     return f"shf.l.wrap.b32 {dst}, {word}, {word}, {n};"
 
 
-def _decode_ptx(
-    table: DecodeTable, word: str, outs: list[str], *, fma_shifts: bool = False
-) -> str:
+def _decode_ptx(table: DecodeTable, word: str, outs: list[str], *, fma_shifts: bool = False) -> str:
     """PTX turning the 32-bit ``word`` into the four A registers ``outs`` (before scaling).
 
     ``fma_shifts``: non-wrapping shifts as ``shl`` (IMAD.SHL on the FMA pipe). Measured on the
@@ -533,6 +531,7 @@ def _mma_gemv_kernel(
     R: tl.constexpr,
     BF16: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    DEPTH: tl.constexpr = 1,
 ):
     """One program = WT * R 16-row tiles x (8 * NT) tokens with WT * WK warps: warp (wt, wk)
     takes R consecutive tiles and every WK-th chunk from wk (a K split summed at the end). Its
@@ -540,8 +539,9 @@ def _mma_gemv_kernel(
     activation loads, not the weights, fill L1: ncu on the H200 shows L1 ~72% busy at M = 16
     and 64 with R = 1); the WT warps of one wk read the same activation bytes at about the same
     time, so those loads hit in L1. Each step a warp handles UNROLL chunks (wk + WK * i), and
-    the weight loads of the next step are issued before this step's math, so every warp keeps
-    R * UNROLL * 512 bytes in flight.
+    the weight loads of the step DEPTH steps ahead are issued before this step's math, so every
+    warp keeps DEPTH * R * UNROLL * 576 bytes in flight (DEPTH = 2 costs another set of
+    weight registers, for latency-bound calls with registers to spare).
 
     Tensor shapes (one element per thread along the last axis, 32 * WARPS): per-lane values
     [32W]; weights per tile and chunk [R, U, 32W]; activations per chunk and token tile
@@ -577,9 +577,14 @@ def _mma_gemv_kernel(
     q0, q1, q2, q3, u = _load_w(
         w_base + cw * 128, s_base + cw * 32, (cw < CHUNKS) & every_tile, EVEN
     )
+    if DEPTH == 2:  # the second step's weights, in flight with the first's
+        c1 = tl.minimum(cw + STEP, CHUNKS - 1) if EVEN else cw + STEP
+        p0, p1, p2, p3, pu = _load_w(
+            w_base + c1 * 128, s_base + c1 * 32, (c1 < CHUNKS) & every_tile, EVEN
+        )
     for c0 in range(0, CHUNKS, STEP):
         c = c0 + cw
-        nxt = tl.minimum(c + STEP, CHUNKS - 1) if EVEN else c + STEP
+        nxt = tl.minimum(c + DEPTH * STEP, CHUNKS - 1) if EVEN else c + DEPTH * STEP
         n0, n1, n2, n3, nu = _load_w(
             w_base + nxt * 128, s_base + nxt * 32, (nxt < CHUNKS) & every_tile, EVEN
         )
@@ -590,7 +595,11 @@ def _mma_gemv_kernel(
         acc0, acc1, acc2, acc3 = _mma_step_tiles(acc0, acc1, acc2, acc3, a, 1, x2, x3, BF16)
         acc0, acc1, acc2, acc3 = _mma_step_tiles(acc0, acc1, acc2, acc3, a, 2, x4, x5, BF16)
         acc0, acc1, acc2, acc3 = _mma_step_tiles(acc0, acc1, acc2, acc3, a, 3, x6, x7, BF16)
-        q0, q1, q2, q3, u = n0, n1, n2, n3, nu
+        if DEPTH == 2:
+            q0, q1, q2, q3, u = p0, p1, p2, p3, pu
+            p0, p1, p2, p3, pu = n0, n1, n2, n3, nu
+        else:
+            q0, q1, q2, q3, u = n0, n1, n2, n3, nu
     r0 = _tile_sum(acc0, R, NT, WK, WT)
     r1 = _tile_sum(acc1, R, NT, WK, WT)
     r2 = _tile_sum(acc2, R, NT, WK, WT)
@@ -748,10 +757,11 @@ def _mma_dequant_kernel(
 # --------------------------------------------------------------------------------------------
 
 
-def _config(tiles: int, chunks: int, m: int) -> tuple[int, int, int, int, int]:
-    """(NT, WT, WK, UNROLL, R) for a call: token tiles per program from M; warps side by side
-    (activation reuse through L1); K split; chunks in flight per warp; tiles per warp
-    (activation reuse in registers). From the H200 sweeps (benchmarks/results/
+def _base_config(tiles: int, chunks: int, m: int) -> tuple[int, int, int, int, int]:
+    """(NT, WT, WK, UNROLL, R) with one step of weight loads in flight (the checkpoint-layout
+    kernel's configs too, :func:`.fp4_mma_ckpt.linear_config`): token tiles per program from
+    M; warps side by side (activation reuse through L1); K split; chunks in flight per warp;
+    tiles per warp (activation reuse in registers). From the H200 sweeps (benchmarks/results/
     mma-sweep-h200-*.log; R from the ``-tiles`` one: it pays only with 64+ tokens per program,
     e.g. gate_up M=64 100 vs 132 us, M=128 156 vs 193 us, down M=128 88 vs 118 us)."""
     nt = 1
@@ -783,6 +793,30 @@ def _config(tiles: int, chunks: int, m: int) -> tuple[int, int, int, int, int]:
     return nt, wt, wk, unroll, r
 
 
+def _config(tiles: int, chunks: int, m: int) -> tuple[int, int, int, int, int, int]:
+    """(NT, WT, WK, UNROLL, R, DEPTH) for a call: :func:`_base_config`, except that from 9
+    tokens on, weights that are not wide keep two steps of weight loads in flight (DEPTH 2) in
+    narrower programs. At those M the kernel waits on memory: Nsight Compute on down M=16
+    showed 0.6 eligible warps per scheduler, long-scoreboard the top stall, and only 256
+    programs for 132 SMs (stall-mma-down-16). On the H200 (mma-sweep-h200-2026-11-30-depth
+    logs, two sweeps each): M=16 qkv 1x4x2 10.6-10.8 -> 1x4x2d2 9.4-9.6 us, o 1x8x2 9.0-9.1 ->
+    1x4x4d2 7.9-8.0, down 1x8x2 18.6-18.9 -> 1x8x2d2 16.8-16.9; M=24 / 32 qkv 1x4x2 16.2 /
+    17.1-17.4 -> 1x2x4d2 14.3-14.5 / 15.1-15.4, o 13.0-13.3 / 13.6-13.9 -> 11.7-12.1 /
+    12.2-12.5 (down at M=24: 1x4x4d2 24.6 vs 32.0). Not at M <= 8 (no gain) nor for fused
+    gate_up weights (slower: 2x2x2x2d2 33.0 vs 28.0 at M=16)."""
+    nt, wt, wk, unroll, r = _base_config(tiles, chunks, m)
+    if tiles < 1024 and nt in (2, 4):
+        if nt == 2:
+            long_k = chunks >= 128
+            wt, wk, unroll = (1, 4, 2) if tiles >= 384 else ((1, 8, 2) if long_k else (1, 4, 4))
+        else:
+            wt, wk, unroll = (1, 4, 4) if chunks >= 128 else (1, 2, 4)
+        while wk > 1 and wk > chunks:
+            wk //= 2
+        return nt, wt, wk, unroll, 1, 2
+    return nt, wt, wk, unroll, r, 1
+
+
 def mma_linear(
     x: torch.Tensor,
     words: torch.Tensor,
@@ -796,8 +830,8 @@ def mma_linear(
 
     Any M works (programs of up to 64 tokens side by side; the weight tile stays in L2 for
     the programs that share it), but it is meant for small M: the backend sends large M to
-    dequantize + cuBLAS. ``config`` = (NT, WT, WK, UNROLL[, R]) overrides the heuristic
-    (tuning); WT * R must divide N/16."""
+    dequantize + cuBLAS. ``config`` = (NT, WT, WK, UNROLL[, R[, DEPTH]]) overrides the
+    heuristic (tuning); WT * R must divide N/16."""
     tiles, chunks = words.shape[0], words.shape[1]
     n = tiles * TILE_N
     m = x.shape[0]
@@ -806,7 +840,9 @@ def mma_linear(
         return out
     if x.stride(0) % 8 or x.data_ptr() % 16 or x.stride(1) != 1:  # 16-byte loads of x rows
         x = x.clone(memory_format=torch.contiguous_format)
-    nt, wt, wk, unroll, r = (*(config or _config(tiles, chunks, m)), 1)[:5]
+    nt, wt, wk, unroll, r, depth = (*(config or _config(tiles, chunks, m)), 1, 1)[:6]
+    if depth not in (1, 2):
+        raise ValueError(f"DEPTH={depth}: the weight prefetch depth is 1 or 2 steps")
     if tiles % (wt * r):
         raise ValueError(f"WT={wt} x R={r} does not divide the {tiles} tiles")
     grid = (triton.cdiv(m, 8 * nt), tiles // (wt * r))
@@ -829,6 +865,7 @@ def mma_linear(
         R=r,
         BF16=x.dtype == torch.bfloat16,
         HAS_BIAS=bias is not None,
+        DEPTH=depth,
         num_warps=wt * wk,
         num_stages=1,
     )

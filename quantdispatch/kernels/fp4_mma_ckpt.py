@@ -46,7 +46,7 @@ import triton.language as tl
 
 from quantdispatch.kernels.fp4_mma import (
     DecodeTable,
-    _config,
+    _base_config,
     _decode_chunk,
     _load_w,
     _load_x,
@@ -522,9 +522,10 @@ def rows_aligned(t: torch.Tensor) -> bool:
 
 
 def linear_config(tiles: int, chunks: int, m: int) -> tuple[int, int, int, int]:
-    """(NT, WT, WK, UNROLL) for a linear call: the repacked kernel's heuristic
-    (:func:`.fp4_mma._config`) without its tiles-per-warp R (this kernel has none)."""
-    nt, wt, wk, unroll, _ = _config(tiles, chunks, m)
+    """(NT, WT, WK, UNROLL) for a linear call: the repacked kernel's one-step heuristic
+    (:func:`.fp4_mma._base_config`) without its tiles-per-warp R (this kernel has neither R
+    nor DEPTH; its configs were not swept again when the repacked kernel got DEPTH 2)."""
+    nt, wt, wk, unroll, _ = _base_config(tiles, chunks, m)
     return nt, wt, wk, unroll
 
 

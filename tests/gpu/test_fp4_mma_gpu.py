@@ -19,7 +19,7 @@ pytestmark = pytest.mark.gpu
 
 LLAMA = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 OTHER = [(4096, 2048), (2048, 768), (2880, 2880), (48, 192)]  # Qwen3, gpt-oss, tiny (N != K)
-MS = [1, 2, 7, 8, 9, 16, 33, 64, 65, 100]
+MS = [1, 2, 7, 8, 9, 16, 31, 33, 64, 65, 100]  # 9..32: DEPTH 2 configs
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +73,11 @@ def test_mma_linear_real_shapes(mma, shape, dtype):
         (4, 2, 2, 2, 4),
         (1, 2, 2, 2),  # the heuristic's gate_up config at M <= 8 (session 11)
         (2, 2, 2, 2, 2),  # and at M 9..16
+        (1, 1, 8, 4, 1, 2),  # DEPTH 2: two steps of weight loads in flight, uneven K split
+        (2, 1, 8, 2, 1, 2),
+        (1, 2, 2, 2, 1, 2),
+        (2, 1, 2, 1, 1, 2),  # DEPTH 2 with a step that divides the 46 chunks (no predicates)
+        (1, 2, 2, 2, 2, 2),  # DEPTH 2 with R tiles
     ],
 )
 def test_every_config_and_uneven_k_split(mma, cfg):

@@ -126,18 +126,29 @@ def test_nan_or_negative_scale_codes_are_refused(bad: int) -> None:
 
 
 def test_configs_are_launchable_for_every_shape_and_m() -> None:
-    """The heuristic's (NT, WT, WK, UNROLL, R): WT * R divides the tiles (the grid is whole),
+    """The heuristic's (NT, WT, WK, UNROLL, R, DEPTH): WT * R divides the tiles (the grid is whole),
     warps are a power of two Triton accepts, the K split never exceeds the chunks, and the token
     tiles cover M up to the 64 a program holds."""
     for tiles in (1, 3, 12, 48, 180, 256, 384, 1792):
         for chunks in (1, 3, 12, 45, 64, 224):
             for m in (1, 2, 7, 8, 9, 16, 33, 64, 65, 128, 1000):
-                nt, wt, wk, unroll, r = fp4_mma._config(tiles, chunks, m)
+                nt, wt, wk, unroll, r, depth = fp4_mma._config(tiles, chunks, m)
                 assert tiles % (wt * r) == 0, (tiles, chunks, m)
                 warps = wt * wk
                 assert warps in (1, 2, 4, 8, 16, 32) and wk <= max(1, chunks)
                 assert 8 * nt >= min(m, fp4_mma.MAX_TOKENS_PER_PROGRAM) and nt <= 8
-                assert unroll in (1, 2, 4) and r in (1, 2, 4)
+                assert unroll in (1, 2, 4) and r in (1, 2, 4) and depth in (1, 2)
+                assert fp4_mma._base_config(tiles, chunks, m)[0] == nt
+
+
+def test_a_prefetch_depth_other_than_one_or_two_is_refused() -> None:
+    """DEPTH (the 6th config entry) is how many steps of weight loads are in flight."""
+    packed = torch.randint(0, 256, (32, 64), dtype=torch.uint8)
+    scales = torch.full((32, 8), 0x38, dtype=torch.uint8)
+    words, codes = fp4_mma.repack(packed, scales, torch.bfloat16)
+    x = torch.zeros(1, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="DEPTH=3: the weight prefetch depth is 1 or 2"):
+        fp4_mma.mma_linear(x, words, codes, torch.ones(()), config=(1, 1, 1, 1, 1, 3))
 
 
 def _run_decode_ptx(text: str, word: int) -> dict[str, int]:
