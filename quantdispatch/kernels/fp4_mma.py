@@ -784,13 +784,19 @@ def _base_config(tiles: int, chunks: int, m: int) -> tuple[int, int, int, int, i
         wt, wk, unroll, r = 1, 4, 2, 2
     else:
         wt, wk, unroll = (4, 2, 2) if tiles >= 384 else (2, 4, 2)
-    while wk > 1 and wk > chunks:  # a power of two (Triton's num_warps) no larger than needed
+    return (nt, *_fit(tiles, chunks, wt, wk, r, unroll))
+
+
+def _fit(tiles: int, chunks: int, wt: int, wk: int, r: int, unroll: int) -> tuple[int, ...]:
+    """(WT, WK, UNROLL, R) shrunk to the weight: a K split no larger than the chunks (a power of
+    two, Triton's num_warps) and WT * R dividing the row tiles (the grid is whole)."""
+    while wk > 1 and wk > chunks:
         wk //= 2
     while r > 1 and tiles % r:
         r //= 2
     while wt > 1 and tiles % (wt * r):
         wt //= 2
-    return nt, wt, wk, unroll, r
+    return wt, wk, unroll, r
 
 
 def _config(tiles: int, chunks: int, m: int) -> tuple[int, int, int, int, int, int]:
@@ -811,9 +817,7 @@ def _config(tiles: int, chunks: int, m: int) -> tuple[int, int, int, int, int, i
             wt, wk, unroll = (1, 4, 2) if tiles >= 384 else ((1, 8, 2) if long_k else (1, 4, 4))
         else:
             wt, wk, unroll = (1, 4, 4) if chunks >= 128 else (1, 2, 4)
-        while wk > 1 and wk > chunks:
-            wk //= 2
-        return nt, wt, wk, unroll, 1, 2
+        return (nt, *_fit(tiles, chunks, wt, wk, 1, unroll), 2)
     return nt, wt, wk, unroll, r, 1
 
 
@@ -842,7 +846,10 @@ def mma_linear(
         x = x.clone(memory_format=torch.contiguous_format)
     nt, wt, wk, unroll, r, depth = (*(config or _config(tiles, chunks, m)), 1, 1)[:6]
     if depth not in (1, 2):
-        raise ValueError(f"DEPTH={depth}: the weight prefetch depth is 1 or 2 steps")
+        raise ValueError(
+            f"DEPTH={depth}: the weight prefetch depth is 1 or 2 steps; pass 1 or 2 as the "
+            f"config's sixth entry"
+        )
     if tiles % (wt * r):
         raise ValueError(f"WT={wt} x R={r} does not divide the {tiles} tiles")
     grid = (triton.cdiv(m, 8 * nt), tiles // (wt * r))
