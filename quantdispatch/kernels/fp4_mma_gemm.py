@@ -486,9 +486,13 @@ _POINTER_TILES = (
 #: overlaps its own wgmmas, so smaller programs that let more warpgroups share an SM won: e.g.
 #: 64x128 tiles of one warpgroup at M 65..256 (gate_up M=128 61 vs 70 us for the pipelined
 #: winner 128x128w8s2, qkv M=256 33 vs 47; M=512: gate_up 249 vs 278, down 127 vs 153 for
-#: 128x128w8s3); at M 129..256 the same tile with a 2-way K split for long or narrow weights
-#: (gemm-sweep-h200-2026-11-30-m256.log: down 66.0 vs 83.3 for 128x64w8s3k2, o 26.1 vs 28.6;
-#: qkv and gate_up stay unsplit, 33.3 vs 40.8 and 127.9 vs 145.9).
+#: 128x128w8s3). At M 65..128 a K split lets the 64x128 tile decode each weight once and still
+#: fill the SMs (gemm-sweep-h200-2026-11-30-ksplit3 / -m65-256 logs, two or three sweeps): qkv
+#: k2 21.4 vs 24.7 for 64x64 unsplit, down k4 34.5 vs 41.4, o k4 16.5 vs 17.5. At M 129..192
+#: three 64-token tiles waste less than two of 128 (M=192: qkv 39.7 vs 49.9, gate_up 131 vs
+#: 196, down 71 vs 89); from 193 on 64x128 again, with a 2-way K split for long or narrow
+#: weights (gemm-sweep-h200-2026-11-30-m256.log: down 66.0 vs 83.3 for 128x64w8s3k2, o 26.1
+#: vs 28.6; qkv and gate_up stay unsplit, 33.3 vs 40.8 and 127.9 vs 145.9).
 _TMA_TILES = tuple(
     (top, rule, replace(tile, tma=True))
     for top, rule, tile in (
@@ -498,8 +502,11 @@ _TMA_TILES = tuple(
         (64, "tall_short", GemmTile(64, 64, 2, 4, 4, 2)),
         (64, "any", GemmTile(64, 64, 2, 4, 4, 4)),
         (128, "wide", GemmTile(64, 128, 2, 4, 3, 1)),
-        (128, "tall_short", GemmTile(64, 64, 2, 4, 4, 1)),
-        (128, "any", GemmTile(64, 64, 2, 4, 4, 2)),
+        (128, "tall_short", GemmTile(64, 128, 2, 4, 3, 2)),
+        (128, "any", GemmTile(64, 128, 2, 4, 3, 4)),
+        (192, "wide", GemmTile(64, 64, 2, 4, 4, 1)),
+        (192, "tall_short", GemmTile(64, 64, 2, 4, 4, 2)),
+        (192, "any", GemmTile(64, 64, 2, 4, 4, 1)),
         (256, "long_or_narrow", GemmTile(64, 128, 2, 4, 3, 2)),
         (None, "any", GemmTile(64, 128, 2, 4, 3, 1)),
     )

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.gpu
 
 LLAMA = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 OTHER = [(4096, 2048), (2048, 768), (2880, 2880)]  # Qwen3, gpt-oss (45 chunks: a half step)
-MS = [17, 33, 64, 65, 100, 128, 200, 256, 300, 512]
+MS = [17, 33, 64, 65, 100, 128, 150, 192, 200, 256, 300, 512]  # 129..192: 64-token tiles
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +71,9 @@ def test_the_permutation_kernel_equals_the_torch_copy(mg, m, k, pad):
 
 
 @pytest.mark.parametrize(
-    "tile", [(64, 32, 2, 4, 4, 4, None, True), (64, 64, 1, 4, 3, 3)], ids=["k4-tma", "k3"]
+    "tile",
+    [(64, 32, 2, 4, 4, 4, None, True), (64, 64, 1, 4, 3, 3), (64, 128, 2, 4, 3, 4, None, True)],
+    ids=["k4-tma", "k3", "64x128-k4-tma"],
 )
 def test_split_sums_are_deterministic_and_graph_safe(mg, tile):
     """K-split tiles (partial sums, then the split-sum launch, a programmatic-dependent chain on

@@ -177,10 +177,13 @@ def test_configs_fit_the_shape(n, k, tma) -> None:
 
 @pytest.mark.parametrize(
     ("n", "k", "m", "label"),
-    [  # the H200 winners the TMA table encodes (NOTES: sessions 9 and 10)
+    [  # the H200 winners the TMA table encodes (NOTES: sessions 9, 10, 13)
         (28672, 4096, 128, "64x128x128w4s3t"),  # gate_up
-        (6144, 4096, 128, "64x64x128w4s4t"),  # qkv
-        (4096, 14336, 128, "64x64x128w4s4k2t"),  # down
+        (6144, 4096, 128, "64x128x128w4s3k2t"),  # qkv (session 13)
+        (4096, 14336, 128, "64x128x128w4s3k4t"),  # down
+        (4096, 4096, 128, "64x128x128w4s3k4t"),  # o
+        (6144, 4096, 192, "64x64x128w4s4k2t"),  # three 64-token tiles at M 129..192
+        (28672, 4096, 192, "64x64x128w4s4t"),
         (4096, 14336, 256, "64x128x128w4s3k2t"),
         (4096, 4096, 256, "64x128x128w4s3k2t"),  # o
         (6144, 4096, 256, "64x128x128w4s3t"),
