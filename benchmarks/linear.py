@@ -48,7 +48,16 @@ QUICK_SHAPES = [s for s in SHAPES if s[0] in ("gate_up", "down")]
 QUICK_MS = [1, 16, 64, 256, 1024]
 TUNE_MS = [1, 16, 32, 64, 128, 256, 1024, 4096]  # other M use the nearest tuned bucket
 ROTATE_BYTES = 256 << 20  # weights + activations cycled per graph: ~5x the H200's 50 MB L2
-KERNELS = ["nvfp4", "nvfp4_deq", "nvfp4_auto", "mxfp4", "fp8_w8a16", "fp8_native", "bf16"]
+KERNELS = [
+    "nvfp4",
+    "nvfp4_deq",
+    "nvfp4_auto",
+    "mxfp4",
+    "mxfp4_auto",
+    "fp8_w8a16",
+    "fp8_native",
+    "bf16",
+]
 DEQ_MIN_M = 32  # the dequantize + cuBLAS column is only interesting from here on
 # extra columns for the notes (not in the markdown ratios): NVFP4 through the fp32 decode
 EXTRA_KERNELS = ["nvfp4_f32"]
@@ -193,6 +202,19 @@ class Problem:
             self._prepared = ([w.tensors[:2] for w in prepared], list(prepared[0].meta))
         return self._prepared
 
+    def prepared_mxfp4(self) -> tuple[list[tuple[torch.Tensor, ...]], list[int]]:
+        """The rotated MXFP4 copies as TritonBackend.prepare lays them out on this GPU (all
+        its tensors), and its meta."""
+        if getattr(self, "_prepared_mx", None) is None:
+            from quantdispatch.backends.triton import TritonBackend
+            from quantdispatch.formats.mxfp4 import Mxfp4Weight
+            from quantdispatch.request import Request
+
+            request = Request.make("mxfp4", "linear", torch.bfloat16, n=self.n, k=self.k)
+            prepared = [TritonBackend().prepare(Mxfp4Weight(pk, sc), request) for pk, sc in self.mx]
+            self._prepared_mx = ([w.tensors for w in prepared], list(prepared[0].meta))
+        return self._prepared_mx
+
     def xs(self, m: int, count: int, gen: torch.Generator) -> list[torch.Tensor]:
         x = torch.randn(m, self.k, generator=gen, device=DEVICE).to(torch.bfloat16)
         return [x.clone() for _ in range(count)]
@@ -239,6 +261,17 @@ def make_calls(p: Problem, kernel: str, m: int, gen, cfg: GemmConfig | None = No
             for x, w in zip(xs, p.nv, strict=True)
         ]
         ref = lambda: xs[0].double() @ p.w64["nvfp4"].T
+    elif kernel == "mxfp4_auto":  # what QuantLinear runs for an MXFP4 weight
+        from quantdispatch.backends.triton import TritonBackend
+
+        backend = TritonBackend()
+        xs = p.xs(m, p.copies, gen)
+        weights, meta = p.prepared_mxfp4()
+        calls = [
+            (lambda x=x, w=w: backend.linear(x, list(w), None, "mxfp4", meta))
+            for x, w in zip(xs, weights, strict=True)
+        ]
+        ref = lambda: xs[0].double() @ p.w64["mxfp4"].T
     elif kernel == "mxfp4":
         xs = p.xs(m, p.copies, gen)
         calls = [
@@ -370,11 +403,13 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         "prepares it on this GPU (mma16x64 on SM 8.0+); on SM 9.x the mma.sync PTX kernel up "
         "to M = 32 (16 for weights of 2^25+ elements: gate_up, down), the tl.dot (wgmma) GEMM "
         "decoding the same weight up to M = 512 (256 below 2^25 elements), larger M dequantized "
-        "slabs + cuBLAS (SM 8.x: the mma kernel up to M = 64 / 128, then dequantize).",
+        "slabs + cuBLAS (SM 8.x: the mma kernel up to M = 64 / 128, then dequantize). MXFP4 = "
+        "the tl.dot kernels on the checkpoint layout; MXFP4 auto = what QuantLinear runs: the "
+        "same mma16x64 paths, its E8M0 scales re-encoded (scales spanning <= 18 binades).",
         "",
-        "| shape | N x K | M | NVFP4 | NVFP4 deq | NVFP4 auto | MXFP4 | FP8 W8A16 | FP8 native "
-        "| bf16 | floor | bf16/auto | auto/floor |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| shape | N x K | M | NVFP4 | NVFP4 deq | NVFP4 auto | MXFP4 | MXFP4 auto | FP8 W8A16 "
+        "| FP8 native | bf16 | floor | bf16/auto | auto/floor |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, n, k in meta["shapes"]:
         for m in meta["ms"]:

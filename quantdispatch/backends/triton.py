@@ -117,13 +117,14 @@ def mma_path(m: int, n: int, k: int, capability: tuple[int, int] | None) -> str:
 def mma_layout_eligible(
     fmt: str, n: int, k: int, act_dtype: torch.dtype, capability: tuple[int, int] | None
 ) -> bool:
-    """Whether prepare repacks an NVFP4 weight for the mma kernel: SM 8.0+ (bf16 mma.sync),
-    N a multiple of 16 and K of 64. Other weights keep the checkpoint layout and the tl.dot
-    kernels."""
+    """Whether prepare repacks an NVFP4 or MXFP4 weight for the mma kernel: SM 8.0+ (bf16
+    mma.sync), N a multiple of 16 and K of 64 (MXFP4 also needs its scales to span at most
+    18 binades, checked when it repacks: kernels.fp4_mma.repack_mx). Other weights keep the
+    checkpoint layout and the tl.dot kernels."""
     from quantdispatch.kernels.fp4_mma import mma_supported_shape
 
     return (
-        fmt == "nvfp4"
+        fmt in ("nvfp4", "mxfp4")
         and capability is not None
         and capability >= (8, 0)
         and mma_supported_shape(n, k)
@@ -161,7 +162,9 @@ class TritonBackend(Backend):
         return self.min_sm_reasons(profile, request, fp16_min=(7, 5), bf16_min=(8, 0))
 
     def variant(self, request: Request, profile: DeviceProfile) -> str | None:
-        if request.format != "nvfp4":
+        if request.format not in ("nvfp4", "mxfp4"):
+            return None
+        if request.format == "mxfp4" and request.op is Op.MOE:
             return None
         if request.op is Op.MOE:
             if profile.capability is None or profile.capability < (8, 0):
@@ -190,7 +193,7 @@ class TritonBackend(Backend):
             return None
         n = request.n if request.n is not None else 16
         k = request.k if request.k is not None else 64
-        if mma_layout_eligible("nvfp4", n, k, request.act_dtype, profile.capability):
+        if mma_layout_eligible(request.format, n, k, request.act_dtype, profile.capability):
             text = (
                 f"M <= {mma_max_m(n, k, profile.capability)}: mma.sync kernel with PTX decode "
                 "on a repacked weight (mma16x64, same bytes)"
@@ -200,7 +203,13 @@ class TritonBackend(Backend):
                 text += f"; M <= {gemm_top}: tl.dot (wgmma) GEMM decoding the same weight"
                 text += ", activation tiles by TMA" if _host_descriptors() else ""
                 text += _rs_wgmma_note()
-            return text + "; larger M: dequantized slabs + cuBLAS"
+            text += "; larger M: dequantized slabs + cuBLAS"
+            if request.format == "mxfp4":
+                return (
+                    "weights whose block scales span <= 18 binades: " + text + "; wider spans: "
+                    "tl.dot kernels on the checkpoint layout"
+                )
+            return text
         return "tl.dot kernels on the checkpoint layout; large M: dequantized slabs + cuBLAS"
 
     def shape_reasons(self, request: Request) -> list[str]:
@@ -253,6 +262,26 @@ class TritonBackend(Backend):
             )
         if isinstance(weight, Mxfp4Weight):
             n, k = weight.shape
+            device = weight.packed.device
+            capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+            if mma_layout_eligible("mxfp4", n, k, request.act_dtype, capability):
+                from quantdispatch.errors import WeightFormatError
+                from quantdispatch.kernels.fp4_mma import repack_mx
+
+                try:
+                    words, scales, global_scale = repack_mx(
+                        weight.packed, weight.block_scale, request.act_dtype
+                    )
+                except WeightFormatError:  # scales too wide apart: the checkpoint layout
+                    pass
+                else:
+                    return PreparedWeight(
+                        names=("mma_words", "mma_scales", "global_scale"),
+                        tensors=(words, scales, global_scale),
+                        meta=(MMA_LAYOUT_TAG, int(request.act_dtype == torch.bfloat16)),
+                        out_features=n,
+                        in_features=k,
+                    )
             return PreparedWeight(
                 names=("packed", "block_scale"),
                 tensors=(weight.packed, weight.block_scale),
@@ -316,7 +345,7 @@ class TritonBackend(Backend):
         """
         from quantdispatch.ops import op_view
 
-        if fmt == "nvfp4" and len(meta) == 2 and int(meta[0]) == MMA_LAYOUT_TAG:
+        if fmt in ("nvfp4", "mxfp4") and len(meta) == 2 and int(meta[0]) == MMA_LAYOUT_TAG:
             from quantdispatch.kernels import fp4_mma
 
             words, scales, global_scale = tensors[0], tensors[1], tensors[2]

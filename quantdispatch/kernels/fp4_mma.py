@@ -51,11 +51,13 @@ __all__ = [
     "DECODE_TABLES",
     "LAYOUT",
     "decode_emulated",
+    "encode_mx_scales",
     "encode_scales",
     "mma_dequant_rows",
     "mma_linear",
     "mma_supported_shape",
     "repack",
+    "repack_mx",
     "unpack",
 ]
 
@@ -165,6 +167,54 @@ def _decode_scales(u: torch.Tensor) -> torch.Tensor:
     return torch.where(normal, code_normal, code_sub).to(torch.uint8)
 
 
+#: MXFP4 block scales (E8M0, 2^(e - 127)) are re-encoded as the layout's u codes relative to
+#: the weight's largest, 2^E' with E' = e - e_max + 8, and 2^(e_max - 135) becomes the global
+#: scale. u covers E' = -9..8 (the E4M3 range), so one weight's scales may span 18 binades
+#: (blocks whose codes are all zero excepted); wider weights keep the checkpoint layout.
+MX_SCALE_SPAN = 18
+
+
+def encode_mx_scales(
+    e8m0_u8: torch.Tensor, block_nonzero: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """E8M0 exponent bytes [N, K/32] -> (u codes [N, K/32] uint8, global scale fp32 0-d).
+
+    ``block_nonzero`` [N, K/32] bool: blocks with a non-zero code. All-zero blocks get u = 0
+    (their products are 0 whatever the scale). Raises WeightFormatError for NaN (255) scales
+    and for scales more than :data:`MX_SCALE_SPAN` binades below the weight's largest."""
+    e = e8m0_u8.to(torch.int32)
+    if bool((e == 255).any()):
+        raise WeightFormatError(
+            format_error(
+                "block scales contain the E8M0 NaN code 255",
+                "MXFP4 block scales are finite powers of two (codes 0..254)",
+                "check the checkpoint (the loaders reject these; this is a direct call)",
+            )
+        )
+    e_max = e_low = 127  # a weight of zeros: any scale
+    if bool(block_nonzero.any()):
+        e_max = int(torch.where(block_nonzero, e, torch.full_like(e, -1)).max())
+        e_low = int(torch.where(block_nonzero, e, torch.full_like(e, 255)).min())
+    if e_max - e_low >= MX_SCALE_SPAN:
+        raise WeightFormatError(
+            format_error(
+                f"block scales span 2^{e_low - 127} .. 2^{e_max - 127} ({e_max - e_low + 1} "
+                "binades)",
+                f"the {LAYOUT} layout holds at most {MX_SCALE_SPAN} binades of MXFP4 scales per "
+                "weight",
+                "use the checkpoint layout for this weight (the triton backend does so itself)",
+            )
+        )
+    u = torch.where(block_nonzero, (e - e_max + 8 + 9) << 3, torch.zeros_like(e))
+    global_scale = torch.tensor(2.0 ** (e_max - 135), dtype=torch.float32, device=e.device)
+    return u.to(torch.uint8), global_scale
+
+
+def _scale_pairs(scales: torch.Tensor) -> int:
+    """Scale pairs per tile and chunk of a layout's scales: 32 (NVFP4) or 16 (MXFP4)."""
+    return int(scales.shape[2])
+
+
 def _codes(packed: torch.Tensor) -> torch.Tensor:
     """[N, K/2] packed bytes -> [N, K] codes (low nibble = even element)."""
     p = packed.to(torch.int32)
@@ -209,6 +259,50 @@ def repack(
             packed[r0:r1], block_scale_u8[r0:r1], u[r0:r1], table
         )
     return words, scales
+
+
+def repack_mx(
+    packed: torch.Tensor, e8m0_u8: torch.Tensor, act_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """MXFP4 checkpoint layout (packed [N, K/2] uint8, E8M0 bytes [N, K/32]) -> the mma layout.
+
+    Returns ``words`` (as :func:`repack`), ``scales`` uint8 [N/16, K/64, 16, 2] and the global
+    scale (fp32 0-d). Scale pair ``2g + h`` of a tile and chunk holds the u codes of rows
+    16T+g / 16T+g+8 for group ``2c + h``; lanes ``4g + 2h`` and ``4g + 2h + 1`` (whose 16
+    columns share that group) read it: 0.5 + 1/32 bytes per weight, the checkpoint's. Raises
+    WeightFormatError where :func:`encode_mx_scales` does or the shape does not fit."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    if not mma_supported_shape(n, k) or e8m0_u8.shape != (n, k // 32):
+        raise WeightFormatError(
+            format_error(
+                f"weight {n}x{k} with scales {tuple(e8m0_u8.shape)}",
+                f"the {LAYOUT} layout needs N % {TILE_N} == 0, K % {CHUNK_K} == 0 and scales "
+                "[N, K/32]",
+                "use the checkpoint layout for this weight (the triton backend does so itself)",
+            )
+        )
+    table = DECODE_TABLES[act_dtype]
+    rows = max(TILE_N, REPACK_SLAB_ELEMENTS // k // TILE_N * TILE_N)
+    nonzero = torch.empty((n, k // 32), dtype=torch.bool, device=packed.device)
+    for r0 in range(0, n, rows):  # blocks with a non-zero magnitude, slab by slab
+        mag = _codes(packed[r0 : r0 + rows]) & 0x7
+        nonzero[r0 : r0 + rows] = mag.reshape(mag.shape[0], k // 32, 32).amax(dim=2) > 0
+    u32, global_scale = encode_mx_scales(e8m0_u8, nonzero)
+    tiles, chunks = n // TILE_N, k // CHUNK_K
+    words = torch.empty((tiles, chunks, 32, 4), dtype=torch.int32, device=packed.device)
+    scales = torch.empty((tiles, chunks, 16, 2), dtype=torch.uint8, device=packed.device)
+    keep = torch.ones((1, 1), dtype=torch.uint8, device=packed.device)  # zero no block's codes
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        t0, t1 = r0 // TILE_N, r1 // TILE_N
+        u16 = u32[r0:r1].repeat_interleave(2, dim=1)  # the group-16 view: each code twice
+        w, s = _repack_slab(packed[r0:r1], keep.expand(r1 - r0, k // 16), u16, table)
+        words[t0:t1] = w
+        # lanes 4g + t: t = 0, 1 hold group 2c, t = 2, 3 group 2c + 1 -> keep t = 0 and 2
+        scales[t0:t1] = s.reshape(t1 - t0, chunks, 8, 4, 2)[:, :, :, 0::2].reshape(
+            t1 - t0, chunks, 16, 2
+        )
+    return words, scales, global_scale
 
 
 def _repack_slab(
@@ -290,6 +384,8 @@ def decode_emulated(
     tiles, chunks = words.shape[0], words.shape[1]
     w = words.to(torch.int64).reshape(tiles, chunks, 8, 4, 4) & 0xFFFFFFFF
     bf16 = act_dtype == torch.bfloat16
+    if _scale_pairs(scales) == 16:  # MXFP4: lanes 4g + 2h + {0, 1} read pair 2g + h
+        scales = scales.reshape(tiles, chunks, 8, 2, 2).repeat_interleave(2, dim=3)
     u = scales.to(torch.int64).reshape(tiles, chunks, 8, 4, 2)
     s_bits = u * 16 + (236 << 7) if bf16 else u * 128 + (12 << 10)
     scale = _bits_to(s_bits, act_dtype).to(torch.float64)  # [T, c, g, t, rr]
@@ -532,6 +628,7 @@ def _mma_gemv_kernel(
     BF16: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     DEPTH: tl.constexpr = 1,
+    SPC: tl.constexpr = 32,
 ):
     """One program = WT * R 16-row tiles x (8 * NT) tokens with WT * WK warps: warp (wt, wk)
     takes R consecutive tiles and every WK-th chunk from wk (a K split summed at the end). Its
@@ -545,7 +642,10 @@ def _mma_gemv_kernel(
 
     Tensor shapes (one element per thread along the last axis, 32 * WARPS): per-lane values
     [32W]; weights per tile and chunk [R, U, 32W]; activations per chunk and token tile
-    [U, NT, 32W]; accumulators [R, U, NT, 32W]."""
+    [U, NT, 32W]; accumulators [R, U, NT, 32W].
+
+    SPC: scale pairs per tile and chunk, 32 (NVFP4: one per lane) or 16 (MXFP4, group 32: lanes
+    2i and 2i + 1 read the same pair, see :func:`repack_mx`)."""
     WARPS: tl.constexpr = WT * WK
     m0 = tl.program_id(0) * (8 * NT)
     idx = tl.arange(0, 32 * WARPS)
@@ -562,7 +662,8 @@ def _mma_gemv_kernel(
     x_row = (x_ptr + rows * stride_xm + (16 * t)[None, :])[None, :, :]  # [1, NT, 32W]
     rr = tl.arange(0, R)[:, None, None]
     w_base = w_ptr + (tile[None, None, :] + rr) * (CHUNKS * 128) + (lane * 4)[None, None, :]
-    s_base = s_ptr + (tile[None, None, :] + rr) * (CHUNKS * 32) + lane[None, None, :]
+    s_lane = lane if SPC == 32 else lane // 2  # MXFP4: lanes 2i and 2i + 1 share scale pair i
+    s_base = s_ptr + (tile[None, None, :] + rr) * (CHUNKS * SPC) + s_lane[None, None, :]
     cx = tl.arange(0, UNROLL)[:, None] * WK + wk[None, :]  # [U, 32W] chunk of each slot
     cw = cx[None, :, :]  # [1, U, 32W]
     STEP: tl.constexpr = WK * UNROLL
@@ -575,18 +676,18 @@ def _mma_gemv_kernel(
     EVEN: tl.constexpr = CHUNKS % STEP == 0
     every_tile = rr >= 0  # [R, 1, 1]: broadcasts the chunk masks over the tiles
     q0, q1, q2, q3, u = _load_w(
-        w_base + cw * 128, s_base + cw * 32, (cw < CHUNKS) & every_tile, EVEN
+        w_base + cw * 128, s_base + cw * SPC, (cw < CHUNKS) & every_tile, EVEN
     )
     if DEPTH == 2:  # the second step's weights, in flight with the first's
         c1 = tl.minimum(cw + STEP, CHUNKS - 1) if EVEN else cw + STEP
         p0, p1, p2, p3, pu = _load_w(
-            w_base + c1 * 128, s_base + c1 * 32, (c1 < CHUNKS) & every_tile, EVEN
+            w_base + c1 * 128, s_base + c1 * SPC, (c1 < CHUNKS) & every_tile, EVEN
         )
     for c0 in range(0, CHUNKS, STEP):
         c = c0 + cw
         nxt = tl.minimum(c + DEPTH * STEP, CHUNKS - 1) if EVEN else c + DEPTH * STEP
         n0, n1, n2, n3, nu = _load_w(
-            w_base + nxt * 128, s_base + nxt * 32, (nxt < CHUNKS) & every_tile, EVEN
+            w_base + nxt * 128, s_base + nxt * SPC, (nxt < CHUNKS) & every_tile, EVEN
         )
         ok = (c0 + cx < CHUNKS)[:, None, :]
         x0, x1, x2, x3, x4, x5, x6, x7 = _load_x(x_row + ((c0 + cx) * 64)[:, None, :], ok, EVEN)
@@ -677,6 +778,7 @@ def _mma_dequant_kernel(
     CHUNKS: tl.constexpr,
     WARPS: tl.constexpr,
     BF16: tl.constexpr,
+    SPC: tl.constexpr = 32,
 ):
     """Dequantize tiles tile0.. of the mma layout into 16-bit rows (the large-M path's slab):
     each thread decodes one lane's 32 weights with the GEMV kernel's own PTX, rescales them in
@@ -688,7 +790,8 @@ def _mma_dequant_kernel(
     ok = c < CHUNKS
     cc = tl.minimum(c, CHUNKS - 1)
     w = w_ptr + (tile.to(tl.int64) * CHUNKS + cc) * 128 + lane * 4
-    s = s_ptr + (tile.to(tl.int64) * CHUNKS + cc) * 32 + lane
+    s_lane = lane if SPC == 32 else lane // 2  # MXFP4: lanes 2i and 2i + 1 share scale pair i
+    s = s_ptr + (tile.to(tl.int64) * CHUNKS + cc) * SPC + s_lane
     # chunks past the end (last program) re-decode the last chunk and store the same values
     q0, q1, q2, q3, u = _load_w(w, s, ok, True)
     a = _decode_chunk(q0, q1, q2, q3, u, BF16)
@@ -873,6 +976,7 @@ def mma_linear(
         BF16=x.dtype == torch.bfloat16,
         HAS_BIAS=bias is not None,
         DEPTH=depth,
+        SPC=_scale_pairs(scales),
         num_warps=wt * wk,
         num_stages=1,
     )
@@ -904,6 +1008,7 @@ def mma_dequant_rows(
         CHUNKS=chunks,
         WARPS=warps,
         BF16=out.dtype == torch.bfloat16,
+        SPC=_scale_pairs(scales),
         num_warps=warps,
     )
     return out

@@ -38,6 +38,7 @@ from quantdispatch.kernels.fp4_mma import (
     DECODE_TABLES,
     TILE_N,
     _decode_ptx,
+    _scale_pairs,
 )
 from quantdispatch.kernels.gdc import gdc_launch_dependents, gdc_wait, pdl_capable
 from quantdispatch.kernels.wgmma_hazard import rs_wgmma_hazard, settle
@@ -56,25 +57,36 @@ __all__ = [
 ]
 
 
-def _decode_word_asm(bf16: bool) -> str:
+def _decode_word_asm(bf16: bool, lane_pairs: bool = False) -> str:
     """One word + its two scale codes -> the 4 scaled 16-bit pairs (A registers r = 0..3).
 
     Used with ``pack=2`` on a tensor whose last dimension (the pair's half h) holds the same word
     twice: operands $0..$3 the pairs, $4 / $5 the word, $6 / $7 the scale codes (row g in bits
     0..7, row g + 8 in bits 8..15). Whole 32-bit pairs keep each A register one PTX value
-    (no 16-bit unpack and repack)."""
+    (no 16-bit unpack and repack).
+
+    ``lane_pairs`` (MXFP4): $6 holds both scale pairs of the lane's row group, and the lane
+    takes pair ``(laneid & 3) // 2``: the words' layout puts the layout's lane ``4g + t`` on
+    PTX lane ``4g + t`` (the decoded registers are the wgmma A fragments as they stand), and
+    selecting here keeps any lane-dependent tensor out of Triton's layout choice (one made
+    the A operand go through shared memory)."""
     table = DECODE_TABLES[torch.bfloat16 if bf16 else torch.float16]
     mul = 0x00100010 if bf16 else 0x00800080
     add = ((236 << 7) | (236 << 23)) if bf16 else ((12 << 10) | (12 << 26))
     fma = "fma.rn.bf16x2" if bf16 else "fma.rn.f16x2"
     regs = [f"${r}" for r in range(4)]
+    select = ["mov.b32 %uu, $6;"]
+    if lane_pairs:  # shift right by 16 on lanes 4g + 2, 4g + 3
+        select = ["mov.u32 %uu, %laneid;", "and.b32 %uu, %uu, 2;", "shl.b32 %uu, %uu, 3;"]
+        select.append("shr.b32 %uu, $6, %uu;")
     body = [
         "{",
-        ".reg .b32 %dqs<4>, %dqm<4>, %su, %sg, %sg8, %neg0;",
+        ".reg .b32 %dqs<4>, %dqm<4>, %su, %sg, %sg8, %neg0, %uu;",
         "mov.b32 %neg0, 0x80008000;",
-        "and.b32 %su, $6, 255;",
+        *select,
+        "and.b32 %su, %uu, 255;",
         f"mad.lo.u32 %sg, %su, {mul}, {add};",
-        "bfe.u32 %su, $6, 8, 8;",
+        "bfe.u32 %su, %uu, 8, 8;",
         f"mad.lo.u32 %sg8, %su, {mul}, {add};",
         # LLVM names 16-bit operands %rs<n>: rename the decode's scratch registers
         _decode_ptx(table, "$4", regs).replace("%rs", "%dqs").replace("%rm", "%dqm"),
@@ -88,6 +100,8 @@ def _decode_word_asm(bf16: bool) -> str:
 
 _DECODE_WORD_BF16 = tl.constexpr(_decode_word_asm(True))
 _DECODE_WORD_F16 = tl.constexpr(_decode_word_asm(False))
+_DECODE_WORD_MX_BF16 = tl.constexpr(_decode_word_asm(True, lane_pairs=True))
+_DECODE_WORD_MX_F16 = tl.constexpr(_decode_word_asm(False, lane_pairs=True))
 _DECODE_WORD_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r,r,r,r,r")
 
 # the interpreter path repeats the decode with Triton integer ops: the masks from the tables, the
@@ -148,14 +162,20 @@ def _decode_word_f32(word, u, BF16: tl.constexpr):
 
 
 @triton.jit
-def _decode_word(word, u, BF16: tl.constexpr, DOT_F32: tl.constexpr):
-    """Words (and scale code pairs) [...] -> the 4 A registers r as [..., 2] (half h last)."""
+def _decode_word(word, u, BF16: tl.constexpr, DOT_F32: tl.constexpr, MX: tl.constexpr = False):
+    """Words (and scale code pairs) [...] -> the 4 A registers r as [..., 2] (half h last).
+    MX: ``u`` holds both pairs of the row group; the PTX takes the lane's (DOT_F32: _weight_tile
+    took it already)."""
     if DOT_F32:
         v0, v1, v2, v3, v4, v5, v6, v7 = _decode_word_f32(word, u, BF16)
         return tl.join(v0, v1), tl.join(v2, v3), tl.join(v4, v5), tl.join(v6, v7)
     else:
+        if MX:
+            asm: tl.constexpr = _DECODE_WORD_MX_BF16 if BF16 else _DECODE_WORD_MX_F16
+        else:
+            asm: tl.constexpr = _DECODE_WORD_BF16 if BF16 else _DECODE_WORD_F16
         return tl.inline_asm_elementwise(
-            _DECODE_WORD_BF16 if BF16 else _DECODE_WORD_F16,
+            asm,
             _DECODE_WORD_CONSTRAINTS,
             [tl.join(word, word), tl.join(u, u)],
             dtype=(tl.bfloat16 if BF16 else tl.float16,) * 4,
@@ -173,17 +193,24 @@ def _weight_tile(
     BF16: tl.constexpr,
     DOT_F32: tl.constexpr,
     EVEN: tl.constexpr,
+    MX: tl.constexpr = False,
 ):
-    """[BT, CK, 8, 4, 4] word pointers and [BT, CK, 8, 4, 1] scale pointers -> the
-    [16 BT, 64 CK] weight block, columns in the MMA's K order (chunks not ``ok`` read as 0)."""
+    """[BT, CK, 8, 4, 4] word pointers and [BT, CK, 8, 4, 1] scale pointers ([BT, CK, 8, 1, 1]
+    int32 for MXFP4: both pairs of a row group, each read by two lanes) -> the [16 BT, 64 CK]
+    weight block, columns in the MMA's K order (chunks not ``ok`` read as 0)."""
     if EVEN:
         words = tl.load(w_ptrs)
-        u = tl.load(s_ptrs).to(tl.int32) & 0xFFFF
+        u = tl.load(s_ptrs).to(tl.int32)
     else:
         words = tl.load(w_ptrs, mask=ok, other=0)
-        u = tl.load(s_ptrs, mask=ok, other=0).to(tl.int32) & 0xFFFF
+        u = tl.load(s_ptrs, mask=ok, other=0).to(tl.int32)
+    if not MX:  # int16 pairs, sign-extended
+        u = u & 0xFFFF
     u = tl.broadcast_to(u, words.shape)
-    a0, a1, a2, a3 = _decode_word(words, u, BF16, DOT_F32)
+    if MX and DOT_F32:  # [.., g, 1, 1] int32: pair 0 for lanes q = 0, 1, pair 1 for q = 2, 3
+        q = tl.arange(0, 4)[None, None, None, :, None]
+        u = (u >> (q // 2 * 16)) & 0xFFFF
+    a0, a1, a2, a3 = _decode_word(words, u, BF16, DOT_F32, MX)
     # register r = rr + 2 cc holds rows g + 8 rr, columns 16 t + 4 j + 2 cc + {0, 1} (h); in
     # the MMA's K order (kappa = 16 j + 8 cc + 2 t + h within a chunk) these registers are
     # already the A fragments of a 16-row slab, so the change to the dot operand layout is a
@@ -217,6 +244,7 @@ def _mma_gemm_kernel(
     X_TMA: tl.constexpr,
     SETTLE: tl.constexpr,
     PDL: tl.constexpr,
+    SPC: tl.constexpr = 32,
 ):
     """One [BLOCK_N weight rows, BLOCK_M tokens] tile of out^T over one of SPLIT K ranges of
     PER_SPLIT chunks (a multiple of CK, so no step crosses into the next range).
@@ -259,10 +287,13 @@ def _mma_gemm_kernel(
     j = tl.arange(0, 4)[None, None, None, None, :]
     base = (pid_n * BT + t).to(tl.int64) * CHUNKS + c_lo + c
     w_ptrs = w_ptr + base * 128 + g * 16 + q * 4 + j
-    s_ptrs = s_ptr + base * 32 + g * 4 + q
+    if SPC == 32:
+        s_ptrs = s_ptr + base * 32 + g * 4 + q
+    else:  # MXFP4: both pairs of row group g as one int32 (4 bytes: Triton's cp.async minimum)
+        s_ptrs = s_ptr.to(tl.pointer_type(tl.int32)) + base * (SPC // 2) + g
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for c0 in range(c_lo, c_hi, CK):
-        w = _weight_tile(w_ptrs, s_ptrs, c0 + c < CHUNKS, CK, BF16, DOT_F32, EVEN)
+        w = _weight_tile(w_ptrs, s_ptrs, c0 + c < CHUNKS, CK, BF16, DOT_F32, EVEN, SPC == 16)
         if X_TMA:
             x = x_ptr.load([pid_m * BLOCK_M, c0 * 64])
         elif EVEN:
@@ -276,7 +307,7 @@ def _mma_gemm_kernel(
             if SETTLE:
                 acc = settle(acc)  # the next decode must not overwrite A in flight
         w_ptrs += CK * 128
-        s_ptrs += CK * 32
+        s_ptrs += CK * SPC if SPC == 32 else CK * (SPC // 2)
         if not X_TMA:
             x_ptrs += BK
     if PDL:  # only now: split-sum programs that start early would take the GEMM's SM slots
@@ -605,6 +636,7 @@ def mma_gemm(
         X_TMA=tile.tma,
         SETTLE=rs_wgmma_hazard(x.device),  # the decoded weight is wgmma's A
         PDL=pdl,
+        SPC=_scale_pairs(scales),
         num_warps=tile.warps,
         num_stages=tile.stages,
         maxnreg=tile.maxnreg,

@@ -190,3 +190,22 @@ def test_tiles_that_raced_on_triton_36_match_float64(mg, shape, m):
         torch.testing.assert_close(
             mg.mma_gemm(x, words, scales, gs, tile=tile), first, rtol=0, atol=0
         )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("shape", [*LLAMA, (2880, 2880)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_mxfp4_on_the_layout_heuristic_tiles(mg, shape, dtype):
+    """MXFP4 repacked (kernels.fp4_mma.repack_mx: lane pairs share a scale pair): the heuristic
+    tiles (TMA on SM 9.0+), K splits included, against float64."""
+    from quantdispatch.kernels import fp4_mma
+
+    n, kk = shape
+    g = torch.Generator(device="cuda").manual_seed(n + 3 * kk)
+    u8 = {"generator": g, "dtype": torch.uint8, "device": "cuda"}
+    packed = torch.randint(0, 256, (n, kk // 2), **u8)
+    e8m0 = torch.randint(105, 123, (n, kk // 32), **u8)
+    w64 = fp4_w64(packed, e8m0, 32, True, None)
+    words, scales, gs = fp4_mma.repack_mx(packed, e8m0, dtype)
+    for m in (33, 100, 150, 256):
+        x = torch.randn(m, kk, generator=g, device="cuda").to(dtype)
+        check(mg.mma_gemm(x, words, scales, gs), x.double() @ w64.T, dtype)

@@ -136,3 +136,59 @@ def test_cuda_graph_replay_equals_eager(mma):
             torch.testing.assert_close(
                 static_out, mma.mma_linear(static_x, words, scales, gs), rtol=0, atol=0
             )
+
+
+# ---- MXFP4 on the same layout (kernels.fp4_mma.repack_mx: scale pairs shared by lane pairs) ----
+
+
+def mx_weights(n, kk, g, low=110, high=127):
+    """Random codes, E8M0 bytes low..high (the layout holds 18 binades), the edges present."""
+    u8 = {"generator": g, "dtype": torch.uint8, "device": "cuda"}
+    packed = torch.randint(0, 256, (n, kk // 2), **u8)
+    e8m0 = torch.randint(low, high + 1, (n, kk // 32), **u8)
+    e8m0[0, 0], e8m0[min(1, n - 1), 0] = low, high
+    return packed, e8m0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("shape", LLAMA + OTHER, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_mx_mma_linear_real_shapes(mma, shape, dtype):
+    n, kk = shape
+    g = gen(3 * n + kk)
+    packed, e8m0 = mx_weights(n, kk, g)
+    w64 = fp4_w64(packed, e8m0, 32, True, None)
+    words, scales, gs = mma.repack_mx(packed, e8m0, dtype)
+    assert scales.shape[2] == 16
+    bias = torch.randn(n, generator=g, device="cuda")
+    for m in MS:
+        x = torch.randn(m, kk, generator=g, device="cuda").to(dtype)
+        check(mma.mma_linear(x, words, scales, gs), x.double() @ w64.T, dtype)
+        out = mma.mma_linear(x, words, scales, gs, bias)
+        check(out, x.double() @ w64.T + bias.double(), dtype)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "low", "high"),
+    [
+        (torch.bfloat16, 14, 31),  # 2^-113 .. 2^-96: products stay normal bf16 / fp32
+        (torch.bfloat16, 220, 237),  # .. 2^110: outputs stay finite
+        (torch.float16, 100, 117),
+        (torch.float16, 113, 130),
+    ],
+    ids=["bf16-small", "bf16-large", "fp16-small", "fp16-large"],
+)
+def test_mx_scale_spans_and_every_config(mma, dtype, low, high):
+    """Full 18-binade spans far from 2^0 (the global scale carries the rest), through configs
+    with R tiles, DEPTH 2 and an uneven K split (46 chunks), and the dequantize pass, exactly."""
+    n, kk = 2048, 2944
+    g = gen(low + 7)
+    packed, e8m0 = mx_weights(n, kk, g, low, high)
+    w64 = fp4_w64(packed, e8m0, 32, True, None)
+    words, scales, gs = mma.repack_mx(packed, e8m0, dtype)
+    for cfg in [(1, 1, 8, 4, 1, 2), (2, 2, 2, 2, 2), (1, 2, 2, 2), (4, 1, 4, 2, 2, 2)]:
+        for m in (1, 8 * cfg[0] + 3):
+            x = torch.randn(m, kk, generator=g, device="cuda").to(dtype)
+            check(mma.mma_linear(x, words, scales, gs, config=cfg), x.double() @ w64.T, dtype)
+    out = torch.full((256, kk), float("nan"), dtype=dtype, device="cuda")
+    mma.mma_dequant_rows(words, scales, gs, 512, 768, out)
+    assert torch.equal(out.double(), w64[512:768].to(dtype).double())

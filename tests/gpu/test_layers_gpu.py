@@ -147,3 +147,24 @@ def test_fused_per_token_fp8_quantization_matches_the_torch_maths(m, k):
     assert bool(
         ((deq - xf).abs() <= torch.maximum(xf.abs() * 2.0**-4, s * 2.0**-10) * 1.0001).all()
     )
+
+
+@pytest.mark.parametrize("m", [1, 16, 100, 300])
+def test_mxfp4_takes_the_mma_layout_unless_its_scales_span_too_wide(m):
+    """On SM 8.0+ an MXFP4 weight is repacked to mma16x64 (same bytes) when its block scales
+    span <= 18 binades; one whose scales span more keeps the checkpoint layout. Both match
+    float64 on every path (GEMV, GEMM, dequantize)."""
+    if torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("the mma16x64 layout needs SM 8.0+")
+    forced = load_settings({}, backend={"mxfp4": "triton"})
+    narrow = quantize_mxfp4(_w(4096, 4096, seed=31))
+    w = _w(4096, 4096, seed=32)
+    w[100:116] *= 2.0**-30  # 16 rows 30 binades below the rest
+    wide = quantize_mxfp4(w)
+    for q, layout in ((narrow, "mma_words"), (wide, "packed")):
+        layer = QuantLinear(q, device=DEV, settings=forced)
+        names = {name for name, _ in layer.named_buffers()}
+        assert layout in names, names
+        x = torch.randn(m, 4096, device=DEV).to(torch.bfloat16)
+        ref = _ref(_w64("mxfp4", q), x)
+        assert float((layer(x).double() - ref).norm() / ref.norm()) < 1e-2

@@ -251,6 +251,23 @@ def test_triton_names_the_nvfp4_kernel_family_it_runs(preset, op, says, not_says
         assert not_says not in text
 
 
+@pytest.mark.parametrize(
+    ("preset", "op", "says"),
+    [
+        ("h200", "linear", "weights whose block scales span <= 18 binades: M <= 32: mma.sync"),
+        ("h200", "linear", "wider spans: tl.dot kernels on the checkpoint layout"),
+        ("t4", "linear", "tl.dot kernels on the checkpoint layout"),
+    ],
+)
+def test_triton_names_the_mxfp4_kernel_family_it_runs(preset, op, says):
+    profile = preset_profile(preset)
+    request = Request.make("mxfp4", op, "fp16", "weight_only", n=4096, k=4096)
+    text = get_backend("triton").variant(request, profile)
+    assert text is not None and says in text
+    moe = Request.make("mxfp4", "moe", "bf16", "weight_only", n=4096, k=4096)
+    assert get_backend("triton").variant(moe, profile) is None  # the canonical fused MoE
+
+
 def test_triton_says_when_the_installed_triton_makes_the_gemm_wait_each_step(monkeypatch):
     pytest.importorskip("triton")
     from quantdispatch.kernels import wgmma_hazard
