@@ -24,6 +24,9 @@ Layout ("mma16x64"; N a multiple of 16, K of 64), for tile ``T`` (rows 16T..16T+
   (every E4M3 value, subnormals included, is such a normal number with E in -9..8), so that one
   integer multiply-add yields the scale times a power of two as a 16-bit pair. A zero scale
   zeroes its block's codes instead (the block decodes to 0 either way).
+* MXFP4 (:func:`repack_mx`): the same words; ``scales[T, c, 2g + h, 0 / 1]`` for rows 16T+g /
+  16T+g+8 and group ``2c + h`` (of 32), read by lanes ``4g + 2h`` and ``4g + 2h + 1``, as u
+  codes of the E8M0 scale relative to the weight's largest (the rest is the global scale).
 
 The K permutation (MMA slot 2t + i <-> logical column 16t + 4j + i) is applied identically to
 the activations, so each lane's B fragments for a chunk are 32 contiguous bytes of a row of x
@@ -353,7 +356,9 @@ def unpack(
     """The mma layout back to (packed [N, K/2] uint8, E4M3 scale codes [N, K/16] uint8).
 
     Exact except inside zero-scale blocks, whose codes :func:`repack` zeroed (their values are 0
-    either way)."""
+    either way). NVFP4 layouts only (MXFP4 scales are relative to the weight's largest)."""
+    if _scale_pairs(scales) != 32:
+        raise ValueError("unpack takes NVFP4 mma16x64 layouts (32 scale pairs per tile and chunk)")
     table = DECODE_TABLES[act_dtype]
     tiles, chunks = words.shape[0], words.shape[1]
     codes = _word_codes(words.reshape(tiles, chunks, 8, 4, 4), table)  # [T, c, g, t, j, r, h]

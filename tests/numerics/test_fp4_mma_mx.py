@@ -95,3 +95,10 @@ def test_the_gemm_reads_the_shared_scale_pairs(n, k, m, tile, dtype) -> None:
     ref = x.double() @ mxfp4_weight64(packed, e8m0).T + bias.double()
     rel = float((out.double() - ref).norm() / ref.norm())
     assert rel < (1e-2 if dtype == torch.bfloat16 else 1e-3), f"relative error {rel:.3g}"
+
+
+def test_unpack_refuses_an_mxfp4_layout() -> None:
+    packed, e8m0 = _mx_weight(16, 64, 3)
+    words, scales, _ = fp4_mma.repack_mx(packed, e8m0, torch.bfloat16)
+    with pytest.raises(ValueError, match="unpack takes NVFP4 mma16x64 layouts"):
+        fp4_mma.unpack(words, scales, torch.bfloat16)
