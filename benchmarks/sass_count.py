@@ -29,13 +29,14 @@ SIGNATURE = {
     "out_ptr": "*bf16", "M": "i32", "N": "i32", "stride_xm": "i32", "stride_om": "i32",
     "CHUNKS": "constexpr", "NT": "constexpr", "WT": "constexpr", "WK": "constexpr",
     "UNROLL": "constexpr", "R": "constexpr", "BF16": "constexpr", "HAS_BIAS": "constexpr",
+    "DEPTH": "constexpr", "SPC": "constexpr",
 }  # fmt: skip
 LINE = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);")
 
 
 def sass(nt: int, wt: int, wk: int, unroll: int, r: int, chunks: int = 64) -> str:
     consts = {"CHUNKS": chunks, "NT": nt, "WT": wt, "WK": wk, "UNROLL": unroll, "R": r,
-              "BF16": True, "HAS_BIAS": False}  # fmt: skip
+              "BF16": True, "HAS_BIAS": False, "DEPTH": 1, "SPC": 32}  # fmt: skip
     src = ASTSource(fn=fp4_mma._mma_gemv_kernel, signature=SIGNATURE, constexprs=consts)
     opts = {"num_warps": wt * wk, "num_stages": 1}
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)

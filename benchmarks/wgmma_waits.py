@@ -31,6 +31,9 @@ SASS_LINE = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);")
 
 def _compile(fn, pointers: dict, constexprs: dict, warps: int, stages: int) -> str:
     names = fn.arg_names
+    # constexpr parameters left at their defaults (e.g. SPC) stay compile-time constants
+    defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
+    constexprs = {**defaults, **constexprs}
 
     def kind(n: str) -> str:
         if n in constexprs:
