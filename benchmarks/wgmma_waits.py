@@ -123,15 +123,16 @@ def loop_facts(kernel) -> list[dict]:
     return facts
 
 
-def small_gemm(tma: bool, settle: bool, stages: int = 3):
+def small_gemm(tma: bool, settle: bool, stages: int = 3, spc: int = 32):
     """The mid-M GEMM compiled for sm_90 at a small size (64x64 tiles, K = 512): what
-    tests/unit/test_wgmma_hazard.py inspects."""
+    tests/unit/test_wgmma_hazard.py inspects (spc 16: the MXFP4 layout's shared scale pairs)."""
     ptrs = {"x_ptr": "*bf16", "gs_ptr": "*fp32", "bias_ptr": "*fp32", "out_ptr": "*bf16",
             "w_ptr": "*i32", "s_ptr": "*i16"}  # fmt: skip
     if tma:
         ptrs["x_ptr"] = "tensordesc<bf16[64, 128]>"
     consts = dict(CHUNKS=8, PER_SPLIT=8, BLOCK_N=64, BLOCK_M=64, CK=2, SPLIT=1, BF16=True,
-                  HAS_BIAS=False, DOT_F32=False, X_TMA=tma, SETTLE=settle, PDL=True)  # fmt: skip
+                  HAS_BIAS=False, DOT_F32=False, X_TMA=tma, SETTLE=settle, PDL=True,
+                  SPC=spc)  # fmt: skip
     return _compile(fp4_mma_gemm._mma_gemm_kernel, ptrs, consts, 4, stages)
 
 

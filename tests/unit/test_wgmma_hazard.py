@@ -139,13 +139,15 @@ _LOOP_FACTS = """
 import json, sys
 sys.path.insert(0, "benchmarks")
 import wgmma_waits
-tma = sys.argv[1] == "1"
-print(json.dumps([wgmma_waits.loop_facts(wgmma_waits.small_gemm(tma, s)) for s in (True, False)]))
+tma, spc = sys.argv[1] == "1", int(sys.argv[2])
+facts = [wgmma_waits.loop_facts(wgmma_waits.small_gemm(tma, s, spc=spc)) for s in (True, False)]
+print(json.dumps(facts))
 """
 
 
+@pytest.mark.parametrize("spc", [32, 16], ids=["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("tma", [False, True])
-def test_settled_gemm_waits_for_every_wgmma_and_keeps_its_load_stages(tma) -> None:
+def test_settled_gemm_waits_for_every_wgmma_and_keeps_its_load_stages(tma, spc) -> None:
     """Compile the mid-M GEMM for sm_90 with 3 stages (no GPU needed: Triton's bundled ptxas;
     in a child process, since the tests run Triton's interpreter): settled, its K loop waits
     with ``wait_group 0`` only and keeps the pipelined loads (cp.async / TMA for later steps);
@@ -159,8 +161,8 @@ def test_settled_gemm_waits_for_every_wgmma_and_keeps_its_load_stages(tma) -> No
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = Path(__file__).resolve().parents[2]
-    run = subprocess.run([sys.executable, "-c", _LOOP_FACTS, str(int(tma))], cwd=root, env=env,
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    run = subprocess.run([sys.executable, "-c", _LOOP_FACTS, str(int(tma)), str(spc)], cwd=root,
+                         env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     (settled,), (pipelined,) = json.loads(run.stdout.strip().splitlines()[-1])
     assert settled["rs"] > 0 and pipelined["rs"] > 0  # the decoded weight is wgmma's A
