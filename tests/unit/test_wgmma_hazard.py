@@ -170,3 +170,36 @@ def test_settled_gemm_waits_for_every_wgmma_and_keeps_its_load_stages(tma, spc) 
     assert min(pipelined["waits"]) > 0
     kind = "tma" if tma else "cp_async"
     assert settled[kind] == pipelined[kind] > 0
+
+
+_A_IN_REGISTERS = """
+import json, re, sys
+sys.path.insert(0, "benchmarks")
+import wgmma_waits
+tma, spc = sys.argv[1] == "1", int(sys.argv[2])
+sass = wgmma_waits._sass(wgmma_waits.small_gemm(tma, True, spc=spc))
+ops = re.findall(r"/\\*[0-9a-f]{4,}\\*/\\s+(?:@!?U?P\\w+\\s+)?([A-Z0-9_]+)", sass)
+print(json.dumps({op: ops.count(op) for op in ("STS", "LDSM", "SHFL", "HGMMA")}))
+"""
+
+
+@pytest.mark.parametrize("spc", [32, 16], ids=["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("tma", [False, True])
+def test_the_decoded_weight_reaches_wgmma_in_registers(tma, spc) -> None:
+    """The GEMM's decoded words go to wgmma as they stand (no shared memory, no shuffles): for
+    speed, and for MXFP4 for correctness too, since its PTX picks each lane's scale pair by
+    %laneid, which holds only while Triton keeps layout lane 4g + t on PTX lane 4g + t."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[2]
+    args = [sys.executable, "-c", _A_IN_REGISTERS, str(int(tma)), str(spc)]
+    run = subprocess.run(args, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    counts = json.loads(run.stdout.strip().splitlines()[-1])
+    assert counts["HGMMA"] > 0
+    assert counts["STS"] == counts["LDSM"] == counts["SHFL"] == 0, counts
