@@ -165,7 +165,7 @@ class TritonBackend(Backend):
         if request.format not in ("nvfp4", "mxfp4"):
             return None
         if request.format == "mxfp4" and request.op is Op.MOE:
-            return None
+            return "fused tl.dot kernels on the checkpoint layout"
         if request.op is Op.MOE:
             if profile.capability is None or profile.capability < (8, 0):
                 return "fused tl.dot kernels on the checkpoint layout"
