@@ -164,8 +164,6 @@ class TritonBackend(Backend):
     def variant(self, request: Request, profile: DeviceProfile) -> str | None:
         if request.format not in ("nvfp4", "mxfp4"):
             return None
-        if request.format == "mxfp4" and request.op is Op.MOE:
-            return "fused tl.dot kernels on the checkpoint layout"
         if request.op is Op.MOE:
             if profile.capability is None or profile.capability < (8, 0):
                 return "fused tl.dot kernels on the checkpoint layout"
@@ -176,11 +174,12 @@ class TritonBackend(Backend):
                 many = f"{fp4_mma_moe.DEQUANT_MIN_TOKENS_PER_EXPERT}+"
             except ImportError:  # no triton here: say it without the numbers
                 few, many = "few", "very many"
+            spans = " whose scales span <= 18 binades" if request.format == "mxfp4" else ""
             text = (
-                "gated layers with I and H multiples of 64: experts repacked once (mma16x64, "
-                f"same bytes); {few} tokens per expert: mma.sync kernels with PTX decode (the "
-                "top-k sum inside the down kernel where each pair has its own expert); more: a "
-                "grouped tl.dot GEMM decoding the same weight"
+                f"gated layers with I and H multiples of 64{spans}: experts repacked once "
+                f"(mma16x64, same bytes); {few} tokens per expert: mma.sync kernels with PTX "
+                "decode (the top-k sum inside the down kernel where each pair has its own "
+                "expert); more: a grouped tl.dot GEMM decoding the same weight"
             )
             if profile.capability >= (9, 0):
                 text += (
@@ -310,18 +309,33 @@ class TritonBackend(Backend):
         *,
         gated: bool,
     ) -> PreparedMoe:
-        """NVFP4 experts of a gated layer on an SM 8.0+ GPU (I and H multiples of 64) are
-        repacked into the mma16x64 layout (kernels/fp4_mma_moe.py; same bytes, one copy that
-        every token count reads); everything else keeps the canonical stacks."""
-        if request.format != "nvfp4":
+        """NVFP4 and MXFP4 experts of a gated layer on an SM 8.0+ GPU (I and H multiples of 64;
+        MXFP4: each expert's scales spanning <= 18 binades) are repacked into the mma16x64
+        layout (kernels/fp4_mma_moe.py; same bytes, one copy that every token count reads);
+        everything else keeps the canonical stacks."""
+        if request.format not in ("nvfp4", "mxfp4"):
             return super().prepare_moe(w13, w2, names, meta, request, gated=gated)
-        from quantdispatch.kernels.fp4_mma_moe import moe_layout_supported, repack_experts
+        from quantdispatch.kernels.fp4_mma_moe import (
+            moe_layout_supported,
+            repack_experts,
+            repack_experts_mx,
+        )
 
         device = w13[0].device
         capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
         inter, hidden = w2[0].shape[2] * 2, w2[0].shape[1]  # w2 is [E, H, I/2] packed
         if not moe_layout_supported(inter, hidden, gated, capability):
             return super().prepare_moe(w13, w2, names, meta, request, gated=gated)
+        tag = (MMA_LAYOUT_TAG, int(request.act_dtype == torch.bfloat16))
+        if request.format == "mxfp4":
+            from quantdispatch.errors import WeightFormatError
+
+            try:
+                m13 = repack_experts_mx(w13[0], w13[1], request.act_dtype)
+                m2 = repack_experts_mx(w2[0], w2[1], request.act_dtype)
+            except WeightFormatError:  # an expert's scales too wide apart: canonical stacks
+                return super().prepare_moe(w13, w2, names, meta, request, gated=gated)
+            return PreparedMoe(("mma_words", "mma_scales", "global_scale"), m13, m2, tag)
         r13 = repack_experts(w13[0], w13[1], request.act_dtype)
         r2 = repack_experts(w2[0], w2[1], request.act_dtype)
         return PreparedMoe(
@@ -424,7 +438,7 @@ class TritonBackend(Backend):
     ) -> torch.Tensor:
         """Fused MoE on the stacked canonical expert tensors (see quantdispatch.moe), or on the
         repacked ones prepare_moe made (meta tag MMA_LAYOUT_TAG)."""
-        if fmt == "nvfp4" and len(meta) == 2 and int(meta[0]) == MMA_LAYOUT_TAG:
+        if fmt in ("nvfp4", "mxfp4") and len(meta) == 2 and int(meta[0]) == MMA_LAYOUT_TAG:
             from quantdispatch.kernels.fp4_mma_moe import mma_layout_moe
 
             return mma_layout_moe(

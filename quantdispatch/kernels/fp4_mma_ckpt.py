@@ -369,6 +369,7 @@ def _mma_ckpt_kernel(
     CHUNKS: tl.constexpr, GATE_UP: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
     DIRECT: tl.constexpr, LINEAR: tl.constexpr, NT: tl.constexpr, WT: tl.constexpr,
     WK: tl.constexpr, UNROLL: tl.constexpr, BF16: tl.constexpr, REPACKED: tl.constexpr,
+    SPC: tl.constexpr = 32,
 ):  # fmt: skip
     """One program = one block (LINEAR: 8 * NT consecutive rows of x, T = M; DIRECT: one
     (token, slot) pair; else 8 * NT expert-sorted pairs) x WT 16-row tiles, with WT * WK warps
@@ -420,11 +421,12 @@ def _mma_ckpt_kernel(
     # elements per chunk: repacked 128 words of the tile and 32 scale pairs; checkpoint 32 code
     # bytes and 4 scale bytes of each row
     W_STEP: tl.constexpr = 128 if REPACKED else 32
-    S_STEP: tl.constexpr = 32 if REPACKED else 4
+    S_STEP: tl.constexpr = SPC if REPACKED else 4  # SPC 16: MXFP4, lane pairs share a pair
     if REPACKED:
         tile64 = tile.to(tl.int64) * CHUNKS
         w_base = (w_ptr + e64 * stride_we + tile64 * W_STEP + 4 * lane)[None, :]
-        s_base = (s_ptr + e64 * stride_se + tile64 * S_STEP + lane)[None, :]
+        s_lane = lane if SPC == 32 else lane // 2
+        s_base = (s_ptr + e64 * stride_se + tile64 * S_STEP + s_lane)[None, :]
         up_w = (up_off // 16) * CHUNKS * W_STEP
         up_s = (up_off // 16) * CHUNKS * S_STEP
     else:
@@ -718,6 +720,7 @@ def mma_moe_gemms(
         ids_ptr=ids, sorted_ptr=sorted_ids, bexp_ptr=block_expert, nvalid_ptr=num_blocks,
         tw_ptr=tw, T=pairs, E=e, top_k=top_k, alpha=float(alpha), limit=float(limit),
         ACT=act_code, DIRECT=cfg.direct, LINEAR=False, NT=cfg.nt, BF16=bf16, REPACKED=repacked,
+        SPC=s13.shape[3] if repacked else 32,
     )  # fmt: skip
     _launch(
         cfg.gemm1, n_blocks, inter // 16,

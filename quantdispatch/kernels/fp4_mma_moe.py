@@ -41,7 +41,14 @@ import triton.language as tl
 
 from quantdispatch.errors import InputError, WeightFormatError, format_error
 from quantdispatch.kernels import fused_moe
-from quantdispatch.kernels.fp4_mma import CHUNK_K, TILE_N, mma_dequant_rows, repack, unpack
+from quantdispatch.kernels.fp4_mma import (
+    CHUNK_K,
+    TILE_N,
+    mma_dequant_rows,
+    repack,
+    repack_mx,
+    unpack,
+)
 from quantdispatch.kernels.fp4_mma_ckpt import MmaMoeConfig, mma_moe_config
 from quantdispatch.kernels.fp4_mma_gemm import _weight_tile, kappa_order
 from quantdispatch.kernels.fp4_mma_moe_small import SmallMoeConfig, small_moe, small_moe_config
@@ -68,6 +75,7 @@ __all__ = [
     "moe_layout_config",
     "moe_layout_supported",
     "repack_experts",
+    "repack_experts_mx",
     "unpack_experts",
 ]
 
@@ -112,6 +120,25 @@ def repack_experts(
     for i in range(e):
         words[i], scales[i] = repack(packed[i], codes[i], act_dtype)
     return words, scales
+
+
+def repack_experts_mx(
+    packed: torch.Tensor, e8m0: torch.Tensor, act_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stacked MXFP4 experts (packed uint8 [E, N, K/2], E8M0 bytes [E, N, K/32]) -> (words
+    [E, N/16, K/64, 32, 4], scales uint8 [E, N/16, K/64, 16, 2], global scales fp32 [E]),
+    expert by expert (:func:`.fp4_mma.repack_mx`: each expert's scales relative to its own
+    largest). Raises WeightFormatError if any expert's scales span more than the layout holds."""
+    e, n, k = packed.shape[0], packed.shape[1], packed.shape[2] * 2
+    codes = e8m0.view(torch.uint8)
+    words = torch.empty((e, n // TILE_N, k // CHUNK_K, 32, 4), dtype=torch.int32,
+                        device=packed.device)  # fmt: skip
+    scales = torch.empty((e, n // TILE_N, k // CHUNK_K, 16, 2), dtype=torch.uint8,
+                         device=packed.device)  # fmt: skip
+    gs = torch.empty((e,), dtype=torch.float32, device=packed.device)
+    for i in range(e):
+        words[i], scales[i], gs[i] = repack_mx(packed[i], codes[i], act_dtype)
+    return words, scales, gs
 
 
 def unpack_experts(
@@ -256,8 +283,11 @@ def moe_layout_config(
 
 @triton.jit
 def _tile_pointers(w_ptr, s_ptr, e64, stride_we, stride_se, tile0,
-                   CHUNKS: tl.constexpr, BT: tl.constexpr, CK: tl.constexpr):  # fmt: skip
-    """Word and scale pointers of BT 16-row tiles from ``tile0`` of expert e, first K step."""
+                   CHUNKS: tl.constexpr, BT: tl.constexpr, CK: tl.constexpr,
+                   SPC: tl.constexpr):  # fmt: skip
+    """Word and scale pointers of BT 16-row tiles from ``tile0`` of expert e, first K step
+    (SPC 16, MXFP4: int32 pointers to both scale pairs of a row group, as in
+    :func:`.fp4_mma_gemm._mma_gemm_kernel`)."""
     t = tl.arange(0, BT)[:, None, None, None, None]
     c = tl.arange(0, CK)[None, :, None, None, None]
     g = tl.arange(0, 8)[None, None, :, None, None]
@@ -265,7 +295,11 @@ def _tile_pointers(w_ptr, s_ptr, e64, stride_we, stride_se, tile0,
     j = tl.arange(0, 4)[None, None, None, None, :]
     base = (tile0 + t).to(tl.int64) * CHUNKS + c
     w_ptrs = w_ptr + e64 * stride_we + base * 128 + g * 16 + q * 4 + j
-    s_ptrs = s_ptr + e64 * stride_se + base * 32 + g * 4 + q
+    if SPC == 32:
+        s_ptrs = s_ptr + e64 * stride_se + base * 32 + g * 4 + q
+    else:
+        s32 = s_ptr.to(tl.pointer_type(tl.int32))
+        s_ptrs = s32 + e64 * (stride_se // 2) + base * (SPC // 2) + g
     return w_ptrs, s_ptrs
 
 
@@ -278,7 +312,7 @@ def _moe_gemm_kernel(
     alpha, limit,
     CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, CK: tl.constexpr,
     GATE_UP: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, BF16: tl.constexpr,
-    DOT_F32: tl.constexpr, SETTLE: tl.constexpr,
+    DOT_F32: tl.constexpr, SETTLE: tl.constexpr, SPC: tl.constexpr = 32,
 ):  # fmt: skip
     """One [BLOCK_N weight rows, BLOCK_M pairs] tile of one expert-sorted block.
 
@@ -307,9 +341,11 @@ def _moe_gemm_kernel(
     k = tl.arange(0, BK)
     x_ptrs = x_ptr + x_row.to(tl.int64)[:, None] * stride_xm + k[None, :]
     w_ptrs, s_ptrs = _tile_pointers(w_ptr, s_ptr, e64, stride_we, stride_se, pid_n * BT,
-                                    CHUNKS, BT, CK)  # fmt: skip
+                                    CHUNKS, BT, CK, SPC)  # fmt: skip
     up_w = up_tiles * (CHUNKS * 128)  # < 2^31: (I / 16) * (H / 64) * 128 = I * H / 8
-    up_s = up_tiles * (CHUNKS * 32)
+    S_STEP: tl.constexpr = 32 if SPC == 32 else SPC // 2  # scale pointer units per chunk
+    MX: tl.constexpr = SPC != 32
+    up_s = up_tiles * (CHUNKS * S_STEP)
     c = tl.arange(0, CK)[None, :, None, None, None]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -319,11 +355,11 @@ def _moe_gemm_kernel(
         else:
             x = tl.load(x_ptrs, mask=m_ok[:, None] & (c0 * 64 + k < K)[None, :], other=0.0)
         xt = tl.trans(x.to(tl.float32)) if DOT_F32 else tl.trans(x)
-        w = _weight_tile(w_ptrs, s_ptrs, c0 + c < CHUNKS, CK, BF16, DOT_F32, EVEN)
+        w = _weight_tile(w_ptrs, s_ptrs, c0 + c < CHUNKS, CK, BF16, DOT_F32, EVEN, MX)
         acc = tl.dot(w, xt, acc, input_precision="ieee") if DOT_F32 else tl.dot(w, xt, acc)
         if GATE_UP:
             wu = _weight_tile(w_ptrs + up_w, s_ptrs + up_s, c0 + c < CHUNKS, CK, BF16, DOT_F32,
-                              EVEN)  # fmt: skip
+                              EVEN, MX)  # fmt: skip
             if DOT_F32:
                 acc_up = tl.dot(wu, xt, acc_up, input_precision="ieee")
             else:
@@ -333,7 +369,7 @@ def _moe_gemm_kernel(
             if GATE_UP:
                 acc_up = settle(acc_up)
         w_ptrs += CK * 128
-        s_ptrs += CK * 32
+        s_ptrs += CK * S_STEP
         x_ptrs += BK
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     factor = tl.load(gs_ptr + e64) * 256.0
@@ -381,11 +417,17 @@ def _check_stack(w: Sequence[torch.Tensor], which: str) -> tuple[int, int, int]:
             "build them with fp4_mma_moe.repack_experts (QuantMoE does)",
         )
     e, tiles, chunks = words.shape[:3]
-    if scales.dtype != torch.uint8 or tuple(scales.shape) != (e, tiles, chunks, 32, 2):
+    pairs = scales.shape[3] if scales.dim() == 5 else 0
+    if (
+        scales.dtype != torch.uint8
+        or tuple(scales.shape) != (e, tiles, chunks, pairs, 2)
+        or (pairs not in (32, 16))
+    ):
         _fail(
             f"{which} scales are {scales.dtype} {tuple(scales.shape)}",
-            f"repacked expert scales are uint8 [{e}, {tiles}, {chunks}, 32, 2]",
-            "pass the scales repack_experts returned with these words",
+            f"repacked expert scales are uint8 [{e}, {tiles}, {chunks}, 32, 2] (NVFP4) or "
+            f"[{e}, {tiles}, {chunks}, 16, 2] (MXFP4)",
+            "pass the scales repack_experts / repack_experts_mx returned with these words",
         )
     if gs.dtype != torch.float32 or tuple(gs.shape) != (e,):
         _fail(f"{which} global scales are {gs.dtype} {tuple(gs.shape)}", f"float32 [{e}]", "")
@@ -491,6 +533,7 @@ def mma_layout_moe(
         BLOCK_M=bm, CK=cfg.chunks, ACT=spec.code, BF16=x.dtype == torch.bfloat16,
         DOT_F32=_interpreting(), num_warps=cfg.warps, num_stages=cfg.stages,
         SETTLE=rs_wgmma_hazard(x.device) and not _interpreting(),  # the weight is wgmma's A
+        SPC=w13[1].shape[3],  # 32 NVFP4, 16 MXFP4 scale pairs per tile and chunk
     )  # fmt: skip
     bn13 = cfg.block_n if inter % cfg.block_n == 0 else 64
     w, s, g = w13[0], w13[1].view(torch.int16), w13[2]  # scale pairs as one 16-bit load

@@ -191,6 +191,7 @@ def _gate_up_unit(
     stride_xm, stride_we, stride_se, stride_be, stride_am, alpha, limit, lane, warp,
     TOP_K: tl.constexpr, CH: tl.constexpr, TILES: tl.constexpr, W: tl.constexpr,
     U: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, BF16: tl.constexpr,
+    SPC: tl.constexpr,
 ):  # fmt: skip
     """Gate and up tile ``u % TILES`` of pair ``u // TILES`` over all H (K split over the
     warps), activation, 16 intermediate values stored. A foreign expert stores nothing (the
@@ -204,9 +205,10 @@ def _gate_up_unit(
         x_row = (x_ptr + (p // TOP_K).to(tl.int64) * stride_xm + 16 * t)[None, None, :]
         tile64 = tile.to(tl.int64) * CH
         w_base = (w_ptr + e64 * stride_we + tile64 * 128 + 4 * lane)[None, :]
-        s_base = (s_ptr + e64 * stride_se + tile64 * 32 + lane)[None, :]
+        s_lane = lane if SPC == 32 else lane // 2  # MXFP4: lane pairs share a scale pair
+        s_base = (s_ptr + e64 * stride_se + tile64 * SPC + s_lane)[None, :]
         UP_W: tl.constexpr = TILES * CH * 128  # the up tiles follow the gate tiles
-        UP_S: tl.constexpr = TILES * CH * 32
+        UP_S: tl.constexpr = TILES * CH * SPC
         chunk0 = tl.arange(0, U)[:, None] * W + warp[None, :]  # [U, 32W]
         STEP: tl.constexpr = W * U
         EVEN: tl.constexpr = CH % STEP == 0
@@ -219,14 +221,14 @@ def _gate_up_unit(
         v2 = tl.zeros((U, 1, 32 * W), dtype=tl.float32)
         v3 = tl.zeros((U, 1, 32 * W), dtype=tl.float32)
         ok0 = chunk0 < CH
-        q = _load_w(w_base + chunk0 * 128, s_base + chunk0 * 32, ok0, EVEN)
-        qu = _load_w(w_base + UP_W + chunk0 * 128, s_base + UP_S + chunk0 * 32, ok0, EVEN)
+        q = _load_w(w_base + chunk0 * 128, s_base + chunk0 * SPC, ok0, EVEN)
+        qu = _load_w(w_base + UP_W + chunk0 * 128, s_base + UP_S + chunk0 * SPC, ok0, EVEN)
         for c0 in range(0, CH, STEP):
             c = c0 + chunk0
             nxt = tl.minimum(c + STEP, CH - 1) if EVEN else c + STEP
             okn = nxt < CH
-            qn = _load_w(w_base + nxt * 128, s_base + nxt * 32, okn, EVEN)
-            qun = _load_w(w_base + UP_W + nxt * 128, s_base + UP_S + nxt * 32, okn, EVEN)
+            qn = _load_w(w_base + nxt * 128, s_base + nxt * SPC, okn, EVEN)
+            qun = _load_w(w_base + UP_W + nxt * 128, s_base + UP_S + nxt * SPC, okn, EVEN)
             xs = _load_x(x_row + (c * 64)[:, None, :], (c < CH)[:, None, :], EVEN)
             acc0, acc1, acc2, acc3 = _chunk_mma(acc0, acc1, acc2, acc3, q, xs, BF16, True)
             v0, v1, v2, v3 = _chunk_mma(v0, v1, v2, v3, qu, xs, BF16, True)
@@ -259,7 +261,7 @@ def _down_unit(
     stride_am, stride_we, stride_se, stride_be, stride_om, lane, warp,
     TOP_K: tl.constexpr, CH: tl.constexpr, TILES: tl.constexpr, W: tl.constexpr,
     U: tl.constexpr, HAS_BIAS: tl.constexpr, BF16: tl.constexpr, PDL: tl.constexpr,
-    PF: tl.constexpr,
+    PF: tl.constexpr, SPC: tl.constexpr,
 ):  # fmt: skip
     """Output tile ``v % TILES`` of token ``v // TILES``: the sum over the token's slots of
     routing weight x down(expert, intermediate row). The warps take min(TOP_K, W) slots at a
@@ -287,7 +289,7 @@ def _down_unit(
             mine = mine & (e >= 0) & (e < E)
             e64 = tl.where(mine, e, 0).to(tl.int64)
             _prefetch_l2(w_ptr + e64 * stride_we + tile64 * 128, PF * 512, mine)
-            _prefetch_l2(s_ptr + e64 * stride_se + tile64 * 32, PF * 64, mine)
+            _prefetch_l2(s_ptr + e64 * stride_se + tile64 * SPC, PF * 2 * SPC, mine)
     for ps in tl.static_range(PASSES):
         slot = ps * SPP + warp % SPP
         pair = m * TOP_K + slot
@@ -298,20 +300,21 @@ def _down_unit(
         f = tl.load(tw_ptr + pair, mask=ok_s, other=0.0) * tl.load(gs_ptr + e64, mask=ok_s,
                                                                    other=0.0)  # fmt: skip
         w_base = (w_ptr + e64 * stride_we + tile64 * 128 + 4 * lane)[None, :]
-        s_base = (s_ptr + e64 * stride_se + tile64 * 32 + lane)[None, :]
+        s_lane = lane if SPC == 32 else lane // 2  # MXFP4: lane pairs share a scale pair
+        s_base = (s_ptr + e64 * stride_se + tile64 * SPC + s_lane)[None, :]
         a_row = (a_ptr + pair.to(tl.int64) * stride_am + 16 * t)[None, None, :]
         ok_s2 = ok_s[None, :]
         acc0 = tl.zeros((U, 1, 32 * W), dtype=tl.float32)
         acc1 = tl.zeros((U, 1, 32 * W), dtype=tl.float32)
         acc2 = tl.zeros((U, 1, 32 * W), dtype=tl.float32)
         acc3 = tl.zeros((U, 1, 32 * W), dtype=tl.float32)
-        q = _load_w(w_base + chunk0 * 128, s_base + chunk0 * 32, (chunk0 < CH) & ok_s2, False)
+        q = _load_w(w_base + chunk0 * 128, s_base + chunk0 * SPC, (chunk0 < CH) & ok_s2, False)
         if PDL and ps == 0:
             gdc_wait()  # the gate/up launch is complete and its intermediate visible
         for c0 in range(0, CH, STEP):
             c = c0 + chunk0
             nxt = c + STEP
-            qn = _load_w(w_base + nxt * 128, s_base + nxt * 32, (nxt < CH) & ok_s2, False)
+            qn = _load_w(w_base + nxt * 128, s_base + nxt * SPC, (nxt < CH) & ok_s2, False)
             ok = (c < CH) & ok_s2
             xs = _load_a(a_row + (c * 64)[:, None, :], ok[:, None, :])
             acc0, acc1, acc2, acc3 = _chunk_mma(acc0, acc1, acc2, acc3, q, xs, BF16, True)
@@ -345,7 +348,7 @@ def _small_moe_kernel(
     TOP_K: tl.constexpr, CH1: tl.constexpr, TILES1: tl.constexpr, CH2: tl.constexpr,
     TILES2: tl.constexpr, W: tl.constexpr, U: tl.constexpr, ACT: tl.constexpr,
     HAS_B13: tl.constexpr, HAS_B2: tl.constexpr, BF16: tl.constexpr, GATE_UP: tl.constexpr,
-    PDL: tl.constexpr, PF: tl.constexpr,
+    PDL: tl.constexpr, PF: tl.constexpr, SPC: tl.constexpr = 32,
 ):  # fmt: skip
     """One unit per program: GATE_UP (pair, I tile) or down (token, H tile). PDL: gate/up
     programs let the down launch start at once (it waits for their completion itself; gate/up
@@ -360,13 +363,13 @@ def _small_moe_kernel(
         _gate_up_unit(
             tl.program_id(0), x_ptr, ids_ptr, w13_ptr, s13_ptr, gs13_ptr, b13_ptr, a_ptr, E,
             stride_xm, stride_w13, stride_s13, stride_b13, stride_am, alpha, limit,
-            lane, warp, TOP_K, CH1, TILES1, W, U, ACT, HAS_B13, BF16,
+            lane, warp, TOP_K, CH1, TILES1, W, U, ACT, HAS_B13, BF16, SPC,
         )  # fmt: skip
     else:
         _down_unit(
             tl.program_id(0), a_ptr, ids_ptr, tw_ptr, w2_ptr, s2_ptr, gs2_ptr, b2_ptr, out_ptr,
             E, stride_am, stride_w2, stride_s2, stride_b2, stride_om, lane, warp,
-            TOP_K, CH2, TILES2, W, U, HAS_B2, BF16, PDL, PF,
+            TOP_K, CH2, TILES2, W, U, HAS_B2, BF16, PDL, PF, SPC,
         )  # fmt: skip
 
 
@@ -412,7 +415,7 @@ def small_moe(
         stride_am=a.stride(0), stride_om=out.stride(0), alpha=float(alpha), limit=float(limit),
         TOP_K=top_k, CH1=hidden // 64, TILES1=inter // 16, CH2=inter // 64,
         TILES2=hidden // 16, ACT=act_code, HAS_B13=b13 is not None, HAS_B2=b2 is not None,
-        BF16=x.dtype == torch.bfloat16,
+        BF16=x.dtype == torch.bfloat16, SPC=s13.shape[3],
     )  # fmt: skip
     pf = min(cfg.prefetch, inter // 64) if cfg.pdl else 0
     _small_moe_kernel[(units1,)](

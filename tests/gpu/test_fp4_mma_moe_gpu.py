@@ -27,6 +27,7 @@ from quantdispatch.kernels.fp4_mma_moe import (  # noqa: E402
     mma_layout_moe,
     moe_layout_config,
     repack_experts,
+    repack_experts_mx,
 )
 from quantdispatch.kernels.fp4_mma_moe_small import SmallMoeConfig  # noqa: E402
 from quantdispatch.kernels.fused_moe import DequantMoeConfig  # noqa: E402
@@ -198,3 +199,62 @@ def test_single_pair_kernels_biases_uneven_chunks_graphs_and_determinism(nan_emp
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(replayed, call(r13, r2, x_static, ids, w, cfg, **dict(kw)))
+
+
+# ---- MXFP4 experts on the same layout (scale pairs shared by lane pairs, per-expert global) ----
+
+
+def mx_experts(e, h, i, seed, dtype):
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    w13, w2 = stacks("mxfp4", e, 2 * i, h, gen), stacks("mxfp4", e, h, i, gen)
+    r13 = [*repack_experts_mx(w13[0], w13[1], dtype)]
+    r2 = [*repack_experts_mx(w2[0], w2[1], dtype)]
+    return w13, w2, r13, r2, gen
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("regime", REGIMES, ids=[r[0] for r in REGIMES])
+@pytest.mark.parametrize("m", [1, 37])
+def test_mxfp4_every_regime_matches_float64(nan_empty, m, regime, dtype):
+    if regime[0] == "dequant" and not fm._grouped_mm_capable(DEV):
+        pytest.skip("torch._grouped_mm needs SM 9.0+")
+    if regime[0].endswith("-pdl") and not pdl_capable(DEV):
+        pytest.skip("a programmatic dependent launch needs SM 9.0+")
+    w13, w2, r13, r2, gen = mx_experts(E, H, INTER, seed=m + 50, dtype=dtype)
+    ids, w = routing(m, E, TOP_K, gen)
+    ids = torch.where(ids % 4 == 3, -1, ids)
+    x = torch.randn(m, H, generator=gen, device=DEV).to(dtype)
+    out = call(r13, r2, x, ids, w, regime[1](m))
+    keep = ids >= 0
+    ref = moe64("mxfp4", x, torch.where(keep, ids, 0), torch.where(keep, w, 0.0), w13, w2)
+    assert rel(out, ref) < BOUND[dtype]
+
+
+def test_mxfp4_gpt_oss_sizes_through_quant_moe(nan_empty):
+    """gpt-oss-like experts (H = I = 2880, 45 chunks), clamped SwiGLU, biases: QuantMoE repacks
+    them on the GPU and every M its heuristic meets matches float64."""
+    gen = torch.Generator(device=DEV).manual_seed(61)
+    w13, w2 = stacks("mxfp4", 32, 5760, 2880, gen), stacks("mxfp4", 32, 2880, 2880, gen)
+    b13 = torch.randn(32, 5760, generator=gen, device=DEV)
+    b2 = torch.randn(32, 2880, generator=gen, device=DEV)
+    r13, r2 = [*repack_experts_mx(*w13, torch.bfloat16)], [*repack_experts_mx(*w2, torch.bfloat16)]
+    params = [1.702, 7.0]
+    for m in (1, 3, 90, 700):
+        ids, w = routing(m, 32, 4, gen)
+        x = torch.randn(m, 2880, generator=gen, device=DEV).to(torch.bfloat16)
+        ref = moe64("mxfp4", x, ids, w, w13, w2, b13, b2, "swiglu_oai", params)
+        cfg = moe_layout_config(m, 4, 32, 2880, 2880, DEV)
+        out = call(r13, r2, x, ids, w, cfg, activation="swiglu_oai", params=params, b13=b13,
+                   b2=b2)  # fmt: skip
+        assert rel(out, ref) < BOUND[torch.bfloat16], cfg
+
+
+def test_mxfp4_quant_moe_holds_the_repacked_layout():
+    layer, w13, w2, gen = layer_and_weights("mxfp4", 16, 2, 1024, 512, seed=62)
+    names = dict(layer.named_buffers())
+    assert "w13_mma_words" in names and "w13_packed" not in names
+    assert "18 binades" in layer.decision.explain()
+    x, logits = inputs(24, 1024, 16, gen, torch.bfloat16)
+    ids, w = layer.route(logits)
+    ref = moe64("mxfp4", x, ids, w, w13, w2)
+    assert rel(layer(x, logits), ref) < BOUND[torch.bfloat16]

@@ -266,7 +266,8 @@ def test_triton_names_the_mxfp4_kernel_family_it_runs(preset, op, says):
     assert text is not None and says in text
     moe = Request.make("mxfp4", "moe", "bf16", "weight_only", n=4096, k=4096)
     moe_text = get_backend("triton").variant(moe, profile)
-    assert moe_text == "fused tl.dot kernels on the checkpoint layout"  # not repacked yet
+    repacked = "gated layers with I and H multiples of 64 whose scales span <= 18 binades"
+    assert repacked in moe_text if preset == "h200" else "checkpoint layout" in moe_text
 
 
 def test_triton_says_when_the_installed_triton_makes_the_gemm_wait_each_step(monkeypatch):
