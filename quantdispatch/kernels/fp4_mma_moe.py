@@ -1,4 +1,4 @@
-"""NVFP4 MoE experts in the ``mma16x64`` layout: every regime on one repacked copy.
+"""NVFP4 and MXFP4 MoE experts in the ``mma16x64`` layout: every regime on one repacked copy.
 
 Why: the MoE kernels on the checkpoint layout (:mod:`.fp4_mma_ckpt`, :mod:`.fused_moe`) decode
 each weight with more instructions than the repacked linear kernels (15 vs 11 integer ops per 8
@@ -27,6 +27,8 @@ same bytes (no second copy):
 
 Stacked tensors: ``words`` int32 [E, N/16, K/64, 32, 4], ``scales`` uint8 [E, N/16, K/64, 32, 2]
 (:func:`repack_experts`; N = 2I for w13, gate tiles then up tiles), ``global_scale`` fp32 [E].
+MXFP4 (:func:`repack_experts_mx`): scales [E, N/16, K/64, 16, 2], one pair per group of 32 read
+by two lanes, and each expert's scales relative to its own largest (its global scale).
 The layout places codes for one 16-bit activation dtype (bf16 or fp16), fixed at repack.
 """
 
