@@ -11,11 +11,11 @@ spending device time (benchmarks/NOTES.md).
 
 from __future__ import annotations
 
+import argparse
 import collections
 import os
 import re
 import subprocess
-import sys
 import tempfile
 
 import triton
@@ -66,7 +66,10 @@ def opcode(ins: str) -> str:
 
 
 def main() -> None:
-    configs = [tuple(int(v) for v in a.split(",")) for a in sys.argv[1:]] or [
+    ap = argparse.ArgumentParser(description="SASS of the GEMV's K loop per config (sm_90)")
+    ap.add_argument("configs", nargs="*", help="NT,WT,WK,UNROLL,R (e.g. 1,1,8,4,1)")
+    args = ap.parse_args()
+    configs = [tuple(int(v) for v in a.split(",")) for a in args.configs] or [
         (1, 1, 4, 2, 1),  # M <= 8 on a 2^25+-element weight (gate_up)
         (2, 8, 2, 1, 1),  # M = 16 on it
     ]
