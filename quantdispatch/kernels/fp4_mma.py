@@ -240,16 +240,7 @@ def repack(
     (:data:`REPACK_SLAB_ELEMENTS`).
     """
     table = DECODE_TABLES[act_dtype]
-    n, k = packed.shape[0], packed.shape[1] * 2
-    if not mma_supported_shape(n, k) or block_scale_u8.shape != (n, k // 16):
-        raise WeightFormatError(
-            format_error(
-                f"weight {n}x{k} with scales {tuple(block_scale_u8.shape)}",
-                f"the {LAYOUT} layout needs N % {TILE_N} == 0, K % {CHUNK_K} == 0 and scales "
-                "[N, K/16]",
-                "use the checkpoint layout for this weight (the triton backend does so itself)",
-            )
-        )
+    n, k = _check_repack_shape(packed, block_scale_u8, 16)
     tiles, chunks = n // TILE_N, k // CHUNK_K
     u = encode_scales(block_scale_u8)  # [N, K/16]; checks every scale once
     words = torch.empty((tiles, chunks, 32, 4), dtype=torch.int32, device=packed.device)
@@ -258,10 +249,24 @@ def repack(
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
         t0, t1 = r0 // TILE_N, r1 // TILE_N
-        words[t0:t1], scales[t0:t1] = _repack_slab(
-            packed[r0:r1], block_scale_u8[r0:r1], u[r0:r1], table
-        )
+        zero_blocks = block_scale_u8[r0:r1] == 0  # their codes are dropped (module doc)
+        words[t0:t1], scales[t0:t1] = _repack_slab(packed[r0:r1], u[r0:r1], table, zero_blocks)
     return words, scales
+
+
+def _check_repack_shape(packed: torch.Tensor, scales: torch.Tensor, group: int) -> tuple[int, int]:
+    """(N, K) of a checkpoint weight the layout can take (scales [N, K/group]), or the error."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    if not mma_supported_shape(n, k) or scales.shape != (n, k // group):
+        raise WeightFormatError(
+            format_error(
+                f"weight {n}x{k} with scales {tuple(scales.shape)}",
+                f"the {LAYOUT} layout needs N % {TILE_N} == 0, K % {CHUNK_K} == 0 and scales "
+                f"[N, K/{group}]",
+                "use the checkpoint layout for this weight (the triton backend does so itself)",
+            )
+        )
+    return n, k
 
 
 def repack_mx(
@@ -274,16 +279,7 @@ def repack_mx(
     16T+g / 16T+g+8 for group ``2c + h``; lanes ``4g + 2h`` and ``4g + 2h + 1`` (whose 16
     columns share that group) read it: 0.5 + 1/32 bytes per weight, the checkpoint's. Raises
     WeightFormatError where :func:`encode_mx_scales` does or the shape does not fit."""
-    n, k = packed.shape[0], packed.shape[1] * 2
-    if not mma_supported_shape(n, k) or e8m0_u8.shape != (n, k // 32):
-        raise WeightFormatError(
-            format_error(
-                f"weight {n}x{k} with scales {tuple(e8m0_u8.shape)}",
-                f"the {LAYOUT} layout needs N % {TILE_N} == 0, K % {CHUNK_K} == 0 and scales "
-                "[N, K/32]",
-                "use the checkpoint layout for this weight (the triton backend does so itself)",
-            )
-        )
+    n, k = _check_repack_shape(packed, e8m0_u8, 32)
     table = DECODE_TABLES[act_dtype]
     rows = max(TILE_N, REPACK_SLAB_ELEMENTS // k // TILE_N * TILE_N)
     nonzero = torch.empty((n, k // 32), dtype=torch.bool, device=packed.device)
@@ -294,12 +290,11 @@ def repack_mx(
     tiles, chunks = n // TILE_N, k // CHUNK_K
     words = torch.empty((tiles, chunks, 32, 4), dtype=torch.int32, device=packed.device)
     scales = torch.empty((tiles, chunks, 16, 2), dtype=torch.uint8, device=packed.device)
-    keep = torch.ones((1, 1), dtype=torch.uint8, device=packed.device)  # zero no block's codes
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
         t0, t1 = r0 // TILE_N, r1 // TILE_N
         u16 = u32[r0:r1].repeat_interleave(2, dim=1)  # the group-16 view: each code twice
-        w, s = _repack_slab(packed[r0:r1], keep.expand(r1 - r0, k // 16), u16, table)
+        w, s = _repack_slab(packed[r0:r1], u16, table)
         words[t0:t1] = w
         # lanes 4g + t: t = 0, 1 hold group 2c, t = 2, 3 group 2c + 1 -> keep t = 0 and 2
         scales[t0:t1] = s.reshape(t1 - t0, chunks, 8, 4, 2)[:, :, :, 0::2].reshape(
@@ -309,14 +304,19 @@ def repack_mx(
 
 
 def _repack_slab(
-    packed: torch.Tensor, block_scale_u8: torch.Tensor, u: torch.Tensor, table: DecodeTable
+    packed: torch.Tensor,
+    u: torch.Tensor,
+    table: DecodeTable,
+    zero_blocks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`repack` of whole 16-row tiles (``u``: their encoded scales)."""
+    """Whole 16-row tiles into the layout (``u``: their encoded scales per group of 16;
+    ``zero_blocks`` [N, K/16]: groups whose codes are dropped, as a zero NVFP4 scale says)."""
     n, k = packed.shape[0], packed.shape[1] * 2
     tiles, chunks = n // TILE_N, k // CHUNK_K
     codes = _codes(packed)  # [N, K]
-    zero_block = (block_scale_u8 == 0).repeat_interleave(16, dim=1)
-    codes = torch.where(zero_block, torch.zeros_like(codes), codes)
+    if zero_blocks is not None:
+        dropped = zero_blocks.repeat_interleave(16, dim=1)
+        codes = torch.where(dropped, torch.zeros_like(codes), codes)
     # codes[tile, rr, g, c, t, j, cc] with row = 16 tile + 8 rr + g, col = 64c + 16t + 4j + cc
     c7 = codes.reshape(tiles, 2, 8, chunks, 4, 4, 4)
     # -> [tile, c, g, t, j, rr, cc]

@@ -53,8 +53,12 @@ CPU = torch.device("cpu")
 
 
 def repacked(ex, dtype, zero_blocks=False):
-    """(w13, w2) stacks in the mma16x64 layout, plus the float64 weights they hold."""
+    """(w13, w2) stacks in the mma16x64 layout, plus the float64 weights they hold (MXFP4
+    experts: :func:`repack_experts_mx`, a global scale per expert)."""
     w13, w2, _ = stacked(ex)
+    if ex.fmt == "mxfp4":
+        mx13, mx2 = repack_experts_mx(w13[0], w13[1], dtype), repack_experts_mx(*w2, dtype)
+        return [*mx13], [*mx2], ex.w13, ex.w2
     w13_64, w2_64 = ex.w13.clone(), ex.w2.clone()
     if zero_blocks:  # a zero block scale zeroes its 16 weights (the repack drops their codes)
         scales = w13[1].clone()
@@ -126,9 +130,10 @@ def test_all_tokens_on_one_expert_and_top_k_equal_to_experts():
     assert rel_err(out, moe64(x[:3], ids, w, w13, w2)) < BOUND[torch.float16]
 
 
-def test_wide_tiles_biases_and_swiglu_oai():
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_wide_tiles_biases_and_swiglu_oai(fmt):
     """BLOCK_N 128 where it divides (I = H = 128), biases and gpt-oss's clamped SwiGLU."""
-    ex = make_experts("nvfp4", 3, 128, 128, seed=8)
+    ex = make_experts(fmt, 3, 128, 128, seed=8)
     r13, r2, w13, w2 = repacked(ex, torch.bfloat16)
     g = torch.Generator().manual_seed(9)
     b13, b2 = torch.randn(3, 256, generator=g), torch.randn(3, 128, generator=g)
@@ -382,39 +387,18 @@ def test_grouped_gemm_settles_where_the_hazard_holds(monkeypatch):
 # ---- MXFP4 experts on the same layout ----------------------------------------------------------
 
 
-def repacked_mx(ex, dtype):
-    """MXFP4 (w13, w2) stacks in the mma16x64 layout (per-expert global scales), plus the
-    float64 weights they hold."""
-    w13, w2, _ = stacked(ex)
-    return [*repack_experts_mx(w13[0], w13[1], dtype)], [*repack_experts_mx(w2[0], w2[1], dtype)]
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_mxfp4_experts_grouped_gemm(dtype):
     """H = 192 (3 chunks), I = 64; unused experts, ids -1: the shared scale pairs (int32 loads,
     each lane's pair picked by its position) and each expert's own global scale."""
     ex = make_experts("mxfp4", 5, 192, 64, seed=21)
-    r13, r2 = repacked_mx(ex, dtype)
+    r13, r2, _, _ = repacked(ex, dtype)
     assert r13[1].shape[3] == 16 and r13[2].shape == (5,)
     ids, w = routing(9, 5, 2, seed=22, choices=[0, 2, 3])
     ids[0, 1] = -1
     x = rand_x(9, 192, dtype, seed=23)
     out = run(r13, r2, x, ids, w, MoeGemmTile(16))
     assert rel_err(out, moe64(x, ids, w, ex.w13, ex.w2)) < BOUND[dtype]
-
-
-def test_mxfp4_experts_gpt_oss_swiglu_biases_wide_tiles():
-    ex = make_experts("mxfp4", 3, 128, 128, seed=24)
-    r13, r2 = repacked_mx(ex, torch.bfloat16)
-    g = torch.Generator().manual_seed(25)
-    b13, b2 = torch.randn(3, 256, generator=g), torch.randn(3, 128, generator=g)
-    ids, w = routing(5, 3, 2, seed=26)
-    x = rand_x(5, 128, torch.bfloat16, seed=27)
-    params = (1.702, 7.0)
-    cfg = MoeGemmTile(16, block_n=128, warps=8, stages=3)
-    out = run(r13, r2, x, ids, w, cfg, "swiglu_oai", params, b13, b2)
-    ref = moe64(x, ids, w, ex.w13, ex.w2, b13, b2, "swiglu_oai", params)
-    assert rel_err(out, ref) < BOUND[torch.bfloat16]
 
 
 def test_mxfp4_expert_scales_too_wide_apart_are_refused():
