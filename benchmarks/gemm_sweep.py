@@ -4,7 +4,9 @@ Every (shape, M, tile) is first checked against the float64 reference (relative 
 fp16 activations and a poisoned output once per shape and M) and only then timed (CUDA-graph
 replays, weights rotated past L2), next to bf16 cuBLAS and what the triton backend runs.
 Usage: python benchmarks/gemm_sweep.py [--shapes qkv,o,gate_up,down] [--ms 32,64,128]
-       [--tiles BNxBMxBKwWsS[kSPLIT][rMAXNREG],...]
+       [--tiles BNxBMxBKwWsS[kSPLIT][rMAXNREG],...] [--pad-ab]
+``--pad-ab``: TMA tiles also timed on unpadded activations (label ``/u``: the last token tile's
+boxes run past row M, as before session 14).
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ def main() -> None:
     ap.add_argument(
         "--kappa", action="store_true", help="also time the activation permutation alone"
     )
+    ap.add_argument(
+        "--pad-ab", action="store_true", help="TMA tiles also on unpadded activations (/u)"
+    )
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     bw = L.copy_bandwidth()
@@ -51,7 +56,9 @@ def main() -> None:
     L.log(f"bandwidth copy {bw['copy'] / 1e12:.2f} TB/s, sm {bw['sm_elementwise'] / 1e12:.2f} TB/s")
     if rs_wgmma_hazard(torch.device("cuda")):
         L.log("register-operand wgmma guard: every tile settles its accumulator each K step")
-    tiles = [parse_tile(t) for t in args.tiles.split(",")]
+    tiles = [(parse_tile(t), True) for t in args.tiles.split(",")]
+    if args.pad_ab:
+        tiles += [(tile, False) for tile, _ in tiles if tile.tma]
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
         p = L.Problem(n, k, gen)
@@ -84,26 +91,29 @@ def main() -> None:
                     line.append(f"{label} {t:5.1f}")
             ref = xs[0].double() @ w64.T
             best = None
-            for tile in tiles:
+            for tile, pad in tiles:
                 if n % tile.block_n:
                     continue
+                label = tile.label() + ("" if pad else "/u")
+                fp4_mma_gemm.PAD_TMA_ROWS = pad  # read at call (and capture) time
                 try:
                     y = fp4_mma_gemm.mma_gemm(xs[0], *rot[0], p.gscale, tile=tile)
                 except Exception as e:  # a tile too large for shared memory or registers
-                    line.append(f"{tile.label()} ERR {type(e).__name__}")
+                    line.append(f"{label} ERR {type(e).__name__}")
                     continue
                 err = L.rel_err(y, ref)
                 if not err < L.BOUND:
-                    line.append(f"{tile.label()} BAD {err:.1e}")
+                    line.append(f"{label} BAD {err:.1e}")
                     continue
                 calls = [
                     (lambda x=x, r=r, t=tile, p=p: fp4_mma_gemm.mma_gemm(x, *r, p.gscale, tile=t))
                     for x, r in zip(xs, rot, strict=True)
                 ]
                 t = L.time_calls(L.graph_calls(calls, m), L.replays_for(m))
-                line.append(f"{tile.label()} {t:6.1f}")
+                fp4_mma_gemm.PAD_TMA_ROWS = True
+                line.append(f"{label} {t:6.1f}")
                 if best is None or t < best[0]:
-                    best = (t, tile.label())
+                    best = (t, label)
             if best:
                 line.append(f"| best {best[1]} {best[0]:.1f} = {best[0] / floor:.2f}x floor")
             L.log(" ".join(line))

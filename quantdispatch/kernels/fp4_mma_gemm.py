@@ -352,16 +352,18 @@ def _split_sum_kernel(
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def kappa_order_torch(x: torch.Tensor) -> torch.Tensor:
+def kappa_order_torch(x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
     """The reference of :func:`kappa_order` (one generic torch copy; the CPU path)."""
     m, k = x.shape
-    return x.reshape(m, k // 64, 4, 4, 2, 2).permute(0, 1, 3, 4, 2, 5).reshape(m, k)
+    out = x.reshape(m, k // 64, 4, 4, 2, 2).permute(0, 1, 3, 4, 2, 5).reshape(m, k)
+    return out if rows is None or rows == m else torch.nn.functional.pad(out, (0, 0, 0, rows - m))
 
 
 @triton.jit
-def _kappa_kernel(x_ptr, out_ptr, M, stride_xm, W: tl.constexpr, BLOCK_M: tl.constexpr,
+def _kappa_kernel(x_ptr, out_ptr, M, M_OUT, stride_xm, W: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_W: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-    """x viewed as 32-bit pairs [M, W] -> the same pairs in the MMA's K order. Within each
+    """x viewed as 32-bit pairs [M, W] -> the same pairs in the MMA's K order, in an [M_OUT, W]
+    output whose rows past M are zeros. Within each
     chunk (32 pairs), destination pair d = 8 j + 4 cc + t comes from pair 8 t + 2 j + cc; a
     warp reads and writes whole 128-byte chunk rows (the gather stays inside one line).
     PDL: let the GEMM launch once every program is past its store (it waits for this kernel
@@ -372,31 +374,39 @@ def _kappa_kernel(x_ptr, out_ptr, M, stride_xm, W: tl.constexpr, BLOCK_M: tl.con
     d = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
     within = d % 32
     src = d - within + 8 * (within % 4) + 2 * (within // 8) + (within // 4) % 2
-    ok = (rows < M)[:, None] & (d < W)[None, :]
+    in_w = (d < W)[None, :]
     r64 = rows.to(tl.int64)[:, None]
-    v = tl.load(x_ptr + r64 * stride_xm + src[None, :], mask=ok)
-    tl.store(out_ptr + r64 * W + d[None, :], v, mask=ok)
+    v = tl.load(x_ptr + r64 * stride_xm + src[None, :], mask=(rows < M)[:, None] & in_w, other=0)
+    tl.store(out_ptr + r64 * W + d[None, :], v, mask=(rows < M_OUT)[:, None] & in_w)
     if PDL:
         gdc_launch_dependents()
 
 
-def kappa_order(x: torch.Tensor, *, release_next: bool = False) -> torch.Tensor:
+def kappa_order(
+    x: torch.Tensor, *, release_next: bool = False, rows: int | None = None
+) -> torch.Tensor:
     """x [M, K] -> a contiguous copy whose columns follow the MMA's K order within each chunk of
-    64: column 16 j + 8 cc + 2 t + h holds x's column 16 t + 4 j + 2 cc + h.
+    64: column 16 j + 8 cc + 2 t + h holds x's column 16 t + 4 j + 2 cc + h. ``rows`` (>= M):
+    the copy has that many rows, those past M zero (whole TMA boxes, see :func:`mma_gemm`).
 
     On a GPU one Triton pass over 32-bit pairs (:func:`kappa_order_triton`): torch's generic
     copy of the 6-D permuted view ran at ~1.2 TB/s (H200, gemm-sweep-h200-2026-11-30-m16-
     kappa.log: 12.3 us for down's activations at M = 256, a fifth of that GEMM call)."""
     if x.device.type != "cuda" or x.shape[0] == 0:
-        return kappa_order_torch(x)
-    return kappa_order_triton(x, release_next=release_next)
+        return kappa_order_torch(x, rows)
+    return kappa_order_triton(x, release_next=release_next, rows=rows)
 
 
-def kappa_order_triton(x: torch.Tensor, *, release_next: bool = False) -> torch.Tensor:
+def kappa_order_triton(
+    x: torch.Tensor, *, release_next: bool = False, rows: int | None = None
+) -> torch.Tensor:
     """:func:`kappa_order` by :func:`_kappa_kernel` (any device Triton runs on; the CPU tests
     run it in the interpreter). x [M, K] 16-bit, K a multiple of 64. ``release_next``: the
     next launch is a programmatic dependent one that waits for this kernel (SM 9.0+)."""
     m, k = x.shape
+    rows = m if rows is None else rows
+    if rows < m:
+        raise ValueError(f"kappa_order_triton: rows={rows} is fewer than x's {m} rows")
     if x.element_size() != 2 or k % CHUNK_K:
         raise ValueError(
             f"kappa_order_triton: x is {x.dtype} [{m}, {k}]; it permutes 16-bit activations "
@@ -406,11 +416,12 @@ def kappa_order_triton(x: torch.Tensor, *, release_next: bool = False) -> torch.
         x = x.contiguous()
     w = k // 2
     pairs = x.view(torch.int32)  # [M, K/2], row stride x.stride(0) / 2
-    out = torch.empty((m, k), dtype=x.dtype, device=x.device)
+    out = torch.empty((rows, k), dtype=x.dtype, device=x.device)
     block_m, block_w = 16, 128
-    grid = (triton.cdiv(m, block_m), triton.cdiv(w, block_w))
-    _kappa_kernel[grid](pairs, out.view(torch.int32), m, pairs.stride(0), W=w, BLOCK_M=block_m,
-                        BLOCK_W=block_w, PDL=release_next, num_warps=4)  # fmt: skip
+    grid = (triton.cdiv(rows, block_m), triton.cdiv(w, block_w))
+    _kappa_kernel[grid](pairs, out.view(torch.int32), m, rows, pairs.stride(0), W=w,
+                        BLOCK_M=block_m, BLOCK_W=block_w, PDL=release_next,
+                        num_warps=4)  # fmt: skip
     return out
 
 
@@ -453,6 +464,10 @@ def parse_tile(text: str) -> GemmTile:
     maxnreg = int(found.group(7)) if found.group(7) else None
     return GemmTile(bn, bm, bk // CHUNK_K, warps, stages, split, maxnreg, found.group(8) == "t")
 
+
+#: Whether TMA tiles read activations padded to whole BLOCK_M rows (benchmarks switch it off
+#: to compare; see :func:`mma_gemm`).
+PAD_TMA_ROWS = True
 
 #: Weights from this many rows are wide enough to fill the H200 without a K split.
 WIDE_N = 16384
@@ -519,11 +534,13 @@ _POINTER_TILES = (
 #: winner 128x128w8s2, qkv M=256 33 vs 47; M=512: gate_up 249 vs 278, down 127 vs 153 for
 #: 128x128w8s3). At M 65..128 a K split lets the 64x128 tile decode each weight once and still
 #: fill the SMs (gemm-sweep-h200-2026-11-30-ksplit3 / -m65-256 logs, two or three sweeps): qkv
-#: k2 21.4 vs 24.7 for 64x64 unsplit, down k4 34.5 vs 41.4, o k4 16.5 vs 17.5. At M 129..192
-#: three 64-token tiles waste less than two of 128 (M=192: qkv 39.7 vs 49.9, gate_up 131 vs
-#: 196, down 71 vs 89); from 193 on 64x128 again, with a 2-way K split for long or narrow
-#: weights (gemm-sweep-h200-2026-11-30-m256.log: down 66.0 vs 83.3 for 128x64w8s3k2, o 26.1
-#: vs 28.6; qkv and gate_up stay unsplit, 33.3 vs 40.8 and 127.9 vs 145.9).
+#: k2 21.4 vs 24.7 for 64x64 unsplit, down k4 34.5 vs 41.4, o k4 16.5 vs 17.5. At M 129..256
+#: 64x128 too, with a 2-way K split for long or narrow weights (gemm-sweep-h200-2026-11-30-
+#: pad.log, M = 160 / 192 / 224: o 22.2-22.8 vs 26.9 unsplit, down 58.0-59.9 vs 79.4-83.5;
+#: qkv and gate_up stay unsplit, 31.3-31.8 vs 36.5-37.9 and 117-123 vs 132-141). Sweeps before
+#: session 14 let the last token tile's TMA boxes run past row M, which cost up to 2x (gate_up
+#: M=160 231 vs 117 us; M=72 118 vs 59) and had made 64-token tiles win at M 129..192; the
+#: activations are now padded to whole token tiles (:func:`mma_gemm`).
 _TMA_TILES = tuple(
     (top, rule, replace(tile, tma=True))
     for top, rule, tile in (
@@ -535,9 +552,6 @@ _TMA_TILES = tuple(
         (128, "wide", GemmTile(64, 128, 2, 4, 3, 1)),
         (128, "tall_short", GemmTile(64, 128, 2, 4, 3, 2)),
         (128, "any", GemmTile(64, 128, 2, 4, 3, 4)),
-        (192, "wide", GemmTile(64, 64, 2, 4, 4, 1)),
-        (192, "tall_short", GemmTile(64, 64, 2, 4, 4, 2)),
-        (192, "any", GemmTile(64, 64, 2, 4, 4, 1)),
         (256, "long_or_narrow", GemmTile(64, 128, 2, 4, 3, 2)),
         (None, "any", GemmTile(64, 128, 2, 4, 3, 1)),
     )
@@ -606,7 +620,10 @@ def mma_gemm(
     # on SM 9.0+ the permutation, the GEMM and the split sum form a programmatic-dependent
     # chain: each launch starts while the one before finishes and waits for it before it reads
     pdl = pdl_capable(x.device)
-    xk = kappa_order(x, release_next=pdl)
+    # TMA boxes that run past the activations' last row were slow on the H200 (gate_up M=160:
+    # 227 us for 64x128 tiles, M=256 129); the copy into the K order is made whole tiles high
+    rows = triton.cdiv(m, tile.block_m) * tile.block_m if tile.tma and PAD_TMA_ROWS else m
+    xk = kappa_order(x, release_next=pdl, rows=rows)
     ck = tile.chunks
     x_arg: object = xk
     if tile.tma:

@@ -80,11 +80,27 @@ def test_the_permutation_kernel_equals_the_torch_copy(m, k, pad) -> None:
     assert got.is_contiguous() and torch.equal(got, mg.kappa_order_torch(x))
 
 
+@pytest.mark.parametrize(("m", "rows"), [(5, 16), (17, 64), (3, 3)])
+def test_the_permutation_pads_to_whole_token_tiles_with_zeros(m, rows, monkeypatch) -> None:
+    """``rows``: the copy the TMA tiles read is whole BLOCK_M tiles high (a box never runs past
+    the last row); the rows past M are written as zeros by the kernel itself, over poison."""
+    x = torch.randn(m, 256, dtype=torch.float32).to(torch.bfloat16)
+    want = torch.cat([mg.kappa_order_torch(x), torch.zeros(rows - m, 256, dtype=x.dtype)])
+    assert torch.equal(mg.kappa_order_torch(x, rows), want)
+    poison = torch.full((rows, 256), float("nan"), dtype=x.dtype)
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: poison)  # the kernel's output buffer
+    got = mg.kappa_order_triton(x, rows=rows)
+    monkeypatch.undo()
+    assert got.shape == (rows, 256) and torch.equal(got, want)
+
+
 def test_the_permutation_kernel_refuses_what_it_cannot_permute() -> None:
     with pytest.raises(ValueError, match="multiple of 64"):
         mg.kappa_order_triton(torch.zeros(2, 96, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="16-bit"):
         mg.kappa_order_triton(torch.zeros(2, 64, dtype=torch.float32))
+    with pytest.raises(ValueError, match="rows=2 is fewer"):
+        mg.kappa_order_triton(torch.zeros(3, 64, dtype=torch.bfloat16), rows=2)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -177,13 +193,14 @@ def test_configs_fit_the_shape(n, k, tma) -> None:
 
 @pytest.mark.parametrize(
     ("n", "k", "m", "label"),
-    [  # the H200 winners the TMA table encodes (NOTES: sessions 9, 10, 13)
+    [  # the H200 winners the TMA table encodes (NOTES: sessions 9, 10, 13, 14)
         (28672, 4096, 128, "64x128x128w4s3t"),  # gate_up
         (6144, 4096, 128, "64x128x128w4s3k2t"),  # qkv (session 13)
         (4096, 14336, 128, "64x128x128w4s3k4t"),  # down
         (4096, 4096, 128, "64x128x128w4s3k4t"),  # o
-        (6144, 4096, 192, "64x64x128w4s4k2t"),  # three 64-token tiles at M 129..192
-        (28672, 4096, 192, "64x64x128w4s4t"),
+        (6144, 4096, 160, "64x128x128w4s3t"),  # padded token tiles: 128 at 129..192 too
+        (28672, 4096, 192, "64x128x128w4s3t"),
+        (4096, 14336, 160, "64x128x128w4s3k2t"),
         (4096, 14336, 256, "64x128x128w4s3k2t"),
         (4096, 4096, 256, "64x128x128w4s3k2t"),  # o
         (6144, 4096, 256, "64x128x128w4s3t"),
