@@ -18,6 +18,12 @@ Models (experts, top-k, hidden, intermediate): Qwen3-30B-A3B (128, 8, 2048, 768)
 * ``floor``: NVFP4 bytes of the experts the routing actually touches (distinct ids, averaged
   over the rotated routings) + activations in/out, divided by the copy bandwidth measured here.
 
+``--format mxfp4`` times MXFP4 experts instead (E8M0 scales, group 32), on gpt-oss-20b / 120b
+(32 / 128 experts, top-4, H = I = 2880) with gpt-oss's clamped SwiGLU and float32 expert
+biases, the bf16 baseline running the same activation and biases: the ``mxfp4`` column is the
+repacked stacks (one global scale per expert), ``mxfp4 ckpt`` the tl.dot kernels on the
+checkpoint layout.
+
 Routing: random router logits, top-k, softmax over the selected (renormalized), 8 different
 routings (and activations) cycled inside each CUDA graph so that consecutive calls touch
 different experts (the weights of one call stay out of L2 for the next). Each kernel is checked
@@ -25,6 +31,7 @@ against the reference backend (fp32, chunked dequant) before it is timed; a fail
 recorded and not timed. Timing: median over CUDA-graph replays after a warm-up.
 
     PYTHONPATH=$PWD python3 benchmarks/moe.py [--quick] [--out DIR] [--models a,b] [--sweep]
+                                              [--format mxfp4]
 
 ``--sweep`` then times alternative tile configs at a few points (written to a second JSON)
 within ``--sweep-budget`` seconds. ``--smoke`` runs tiny shapes on the CPU interpreter (a
@@ -63,16 +70,24 @@ from quantdispatch.kernels.fp4_mma_moe import (
     mma_layout_moe,
     moe_layout_config,
     repack_experts,
+    repack_experts_mx,
 )
 from quantdispatch.kernels.fp4_mma_moe_small import SmallMoeConfig
 from quantdispatch.kernels.wgmma_hazard import rs_wgmma_hazard
+from quantdispatch.moe_math import apply_activation
 
 MODELS: dict[str, tuple[int, int, int, int]] = {
     "qwen3-30b-a3b": (128, 8, 2048, 768),
     "mixtral-8x7b": (8, 2, 4096, 14336),
     "deepseek-v3": (256, 8, 7168, 2048),
 }
+MX_MODELS: dict[str, tuple[int, int, int, int]] = {
+    "gpt-oss-20b": (32, 4, 2880, 2880),
+    "gpt-oss-120b": (128, 4, 2880, 2880),
+}
 SMOKE_MODELS = {"tiny": (8, 2, 128, 64), "tiny-wide": (16, 4, 192, 128)}
+#: per format: the activation (and its parameters) and whether the experts carry biases
+FORMAT_ACT = {"nvfp4": ("silu", (), False), "mxfp4": ("swiglu_oai", (1.702, 7.0), True)}
 MS = [1, 4, 16, 64, 256, 1024, 4096]
 QUICK_MS = [1, 16, 256, 4096]
 SMOKE_MS = [1, 4, 33]
@@ -176,20 +191,34 @@ def driver_version() -> str:
 
 
 class Layer:
-    """Random NVFP4 experts of one model (stacked canonical tensors) and their bf16 copy."""
+    """Random NVFP4 or MXFP4 experts of one model (stacked canonical tensors), the same experts
+    repacked, and their bf16 copy."""
 
-    def __init__(self, e: int, top_k: int, h: int, i: int, dev: torch.device, seed: int):
-        self.e, self.top_k, self.h, self.i, self.dev = e, top_k, h, i, dev
+    def __init__(self, e: int, top_k: int, h: int, i: int, dev: torch.device, seed: int,
+                 fmt: str = "nvfp4"):  # fmt: skip
+        self.e, self.top_k, self.h, self.i, self.dev, self.fmt = e, top_k, h, i, dev, fmt
+        self.act, self.params, biased = FORMAT_ACT[fmt]
         gen = torch.Generator(device=dev).manual_seed(seed)
-        self.w13 = self._nvfp4(2 * i, h, gen)
-        self.w2 = self._nvfp4(h, i, gen)
+        make = self._nvfp4 if fmt == "nvfp4" else self._mxfp4
+        self.w13 = make(2 * i, h, gen)
+        self.w2 = make(h, i, gen)
         # the same experts in the mma16x64 layout (what QuantMoE holds on an SM 8.0+ GPU)
-        self.r13 = [*repack_experts(self.w13[0], self.w13[1], torch.bfloat16), self.w13[2]]
-        self.r2 = [*repack_experts(self.w2[0], self.w2[1], torch.bfloat16), self.w2[2]]
-        self.bytes_per_expert = int(3 * i * h * (0.5 + 1 / 16) + 8)
+        if fmt == "nvfp4":
+            self.r13 = [*repack_experts(self.w13[0], self.w13[1], torch.bfloat16), self.w13[2]]
+            self.r2 = [*repack_experts(self.w2[0], self.w2[1], torch.bfloat16), self.w2[2]]
+        else:
+            self.r13 = list(repack_experts_mx(self.w13[0], self.w13[1], torch.bfloat16))
+            self.r2 = list(repack_experts_mx(self.w2[0], self.w2[1], torch.bfloat16))
+        self.b13 = self.b2 = None
+        if biased:  # gpt-oss: float32 biases per expert on both GEMMs
+            self.b13 = 0.05 * torch.randn(e, 2 * i, generator=gen, device=dev)
+            self.b2 = 0.05 * torch.randn(e, h, generator=gen, device=dev)
+        per_weight = 0.5 + (1 / 16 if fmt == "nvfp4" else 1 / 32)
+        extra = 4 * (2 * i + h) if biased else 8
+        self.bytes_per_expert = int(3 * i * h * per_weight + extra)
         # bf16 experts [E, N, K], dequantized once (the unquantized baseline's weights)
-        self.b13 = self._dequant(self.w13)
-        self.b2 = self._dequant(self.w2)
+        self.d13 = self._dequant(self.w13)
+        self.d2 = self._dequant(self.w2)
         self.grouped = hasattr(torch, "_grouped_mm") and dev.type == "cuda"
 
     def _nvfp4(self, n: int, k: int, gen: torch.Generator) -> list[torch.Tensor]:
@@ -200,14 +229,28 @@ class Layer:
         gs = (0.5 + torch.rand(e, generator=gen, device=dev)) / (3 * math.sqrt(k))
         return [packed, bits.view(torch.float8_e4m3fn), gs.to(torch.float32)]
 
+    def _mxfp4(self, n: int, k: int, gen: torch.Generator) -> list[torch.Tensor]:
+        """E8M0 exponents around 2^-7 (|w| ~ 1/sqrt(K)), spanning 8 binades (within the
+        layout's 18: every expert is repacked, as a real checkpoint's normally are)."""
+        e, dev = self.e, self.dev
+        packed = torch.randint(0, 256, (e, n, k // 2), generator=gen, device=dev, dtype=torch.uint8)
+        e8m0 = torch.randint(116, 124, (e, n, k // 32), generator=gen, device=dev,
+                             dtype=torch.uint8)  # fmt: skip
+        return [packed, e8m0]
+
     def _dequant(self, w: list[torch.Tensor]) -> torch.Tensor:
-        packed, bs, gs = w
+        packed, bs = w[0], w[1]
         e, n, kh = packed.shape
+        group = 16 if self.fmt == "nvfp4" else 32
         lut = torch.tensor(E2M1 + [-v for v in E2M1], device=self.dev)
         out = torch.empty((e, n, 2 * kh), dtype=torch.bfloat16, device=self.dev)
         for x in range(e):
             codes = torch.stack([packed[x] & 0xF, packed[x] >> 4], -1).flatten(-2).long()
-            v = lut[codes].view(n, -1, 16) * bs[x].float()[:, :, None] * gs[x]
+            if self.fmt == "nvfp4":
+                scale = bs[x].float() * w[2][x]
+            else:
+                scale = torch.exp2(bs[x].float() - 127)
+            v = lut[codes].view(n, -1, group) * scale[:, :, None]
             out[x] = v.view(n, -1).to(torch.bfloat16)
         return out
 
@@ -228,40 +271,56 @@ class Layer:
         return cfg if self.dev.type == "cuda" or isinstance(cfg, MoeGemmTile) else MoeGemmTile(16)
 
     def nvfp4(self, x, ids, w, config=None):
-        return mma_layout_moe(x, ids, w, self.r13, self.r2, None, None, activation="silu",
-                              params=[], packed_for=torch.bfloat16,
+        """The repacked stacks (named for the default format; MXFP4 runs here too)."""
+        return mma_layout_moe(x, ids, w, self.r13, self.r2, self.b13, self.b2,
+                              activation=self.act, params=list(self.params),
+                              packed_for=torch.bfloat16,
                               config=config or self.config(x.shape[0]))  # fmt: skip
 
     def nvfp4_ckpt(self, x, ids, w, config=None):
-        return fm.fused_moe(x, ids, w, self.w13, self.w2, None, None, fmt="nvfp4",
-                            activation="silu", params=[], meta=[0], config=config)  # fmt: skip
+        return fm.fused_moe(x, ids, w, self.w13, self.w2, self.b13, self.b2, fmt=self.fmt,
+                            activation=self.act, params=list(self.params), meta=[0],
+                            config=config)  # fmt: skip
 
     def reference(self, x, ids, w):
-        return ReferenceBackend().moe(x, ids, w, self.w13, self.w2, None, None, "nvfp4", "silu",
-                                      [], [0])  # fmt: skip
+        return ReferenceBackend().moe(x, ids, w, self.w13, self.w2, self.b13, self.b2, self.fmt,
+                                      self.act, list(self.params), [0])  # fmt: skip
 
     def bf16(self, x, ids, w):
-        """Unquantized MoE: sort pairs by expert, two grouped GEMMs, weighted top-k sum."""
+        """Unquantized MoE: sort pairs by expert, two grouped GEMMs (+ the experts' biases),
+        the activation, weighted top-k sum."""
         m, k = ids.shape
         flat = ids.flatten().long()
         order = torch.argsort(flat, stable=True)
         xs = x.index_select(0, order // k)
+        row_expert = flat[order]
+
+        def act(hh: torch.Tensor, rows: torch.Tensor | slice) -> torch.Tensor:
+            if self.b13 is not None:
+                hh = hh + self.b13[row_expert[rows]].to(hh.dtype)
+            if self.act == "silu":
+                return F.silu(hh[:, : self.i]) * hh[:, self.i :]
+            return apply_activation(hh, self.act, self.params)
+
+        def down_bias(ys: torch.Tensor, rows: torch.Tensor | slice) -> torch.Tensor:
+            return ys if self.b2 is None else ys + self.b2[row_expert[rows]].to(ys.dtype)
+
         if self.grouped:
             counts = torch.zeros(self.e, dtype=torch.int32, device=x.device)
             counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
             offs = torch.cumsum(counts, 0, dtype=torch.int32)
-            hh = torch._grouped_mm(xs, self.b13.transpose(1, 2), offs=offs)
-            a = F.silu(hh[:, : self.i]) * hh[:, self.i :]
-            ys = torch._grouped_mm(a, self.b2.transpose(1, 2), offs=offs)
+            hh = torch._grouped_mm(xs, self.d13.transpose(1, 2), offs=offs)
+            a = act(hh, slice(None))
+            ys = down_bias(torch._grouped_mm(a, self.d2.transpose(1, 2), offs=offs), slice(None))
         else:  # eager per-expert loop (host sync on the counts)
             counts = torch.bincount(flat, minlength=self.e).tolist()
             ys = torch.empty((m * k, self.h), dtype=x.dtype, device=x.device)
             start = 0
             for e, c in enumerate(counts):
                 if c:
-                    hh = xs[start : start + c] @ self.b13[e].T
-                    a = F.silu(hh[:, : self.i]) * hh[:, self.i :]
-                    ys[start : start + c] = a @ self.b2[e].T
+                    rows = slice(start, start + c)
+                    a = act(xs[rows] @ self.d13[e].T, rows)
+                    ys[rows] = down_bias(a @ self.d2[e].T, rows)
                 start += c
         y = torch.empty_like(ys)
         y[order] = ys
@@ -325,14 +384,15 @@ def run_point(layer: Layer, name: str, m: int, gen, bw: float, graphs: bool) -> 
     x0, ids0, w0 = inputs[0]
     ref = layer.reference(x0, ids0, w0)
     cfg = layer.config(m)
-    ckpt_cfg = fm.moe_config(m, layer.top_k, layer.e, layer.i, layer.h, "nvfp4", x0.device)
     rows = []
-    for kern in ["nvfp4", "nvfp4_ckpt", "bf16"]:
-        fn = {"nvfp4": layer.nvfp4, "nvfp4_ckpt": layer.nvfp4_ckpt, "bf16": layer.bf16}[kern]
+    fmt = layer.fmt
+    ckpt_cfg = fm.moe_config(m, layer.top_k, layer.e, layer.i, layer.h, fmt, x0.device)
+    for kern in [fmt, f"{fmt}_ckpt", "bf16"]:
+        fn = {fmt: layer.nvfp4, f"{fmt}_ckpt": layer.nvfp4_ckpt, "bf16": layer.bf16}[kern]
         row = {"model": name, "M": m, "kernel": kern, "us": None, "rel_err": math.nan,
                "floor_us": floor, "experts_touched": touched}  # fmt: skip
-        if kern.startswith("nvfp4"):
-            row["config"] = config_dict(cfg if kern == "nvfp4" else ckpt_cfg)
+        if kern.startswith(fmt):
+            row["config"] = config_dict(cfg if kern == fmt else ckpt_cfg)
         else:
             row["path"] = "grouped_mm" if layer.grouped else "per-expert loop (eager)"
         try:
@@ -356,9 +416,9 @@ def run_point(layer: Layer, name: str, m: int, gen, bw: float, graphs: bool) -> 
     vs_floor = f"{nv['us'] / floor:.2f}x" if nv["us"] and floor == floor else "-"
     dot = f" (ckpt {fmt_us(rows[1]['us'])})"
     log(
-        f"{name} M={m}: nvfp4 {fmt_us(nv['us'])}{dot} (e={nv['rel_err']:.1e}) "
+        f"{name} M={m}: {fmt} {fmt_us(nv['us'])}{dot} (e={nv['rel_err']:.1e}) "
         f"bf16 {fmt_us(bf['us'])} (e={bf['rel_err']:.1e}) floor {floor:.1f} | "
-        f"bf16/nvfp4 {ratio} nvfp4/floor {vs_floor}"
+        f"bf16/{fmt} {ratio} {fmt}/floor {vs_floor}"
     )
     return rows
 
@@ -369,6 +429,10 @@ def fmt_us(us: float | None) -> str:
 
 def markdown(meta: dict, rows: list[dict]) -> str:
     by = {(r["model"], r["M"], r["kernel"]): r for r in rows}
+    fmt = meta.get("format", "nvfp4")
+    fp4 = fmt.upper()
+    act = ("gpt-oss's clamped SwiGLU (alpha 1.702, limit 7) and float32 expert biases on both "
+           "GEMMs, in every column. " if fmt == "mxfp4" else "")  # fmt: skip
     out = [
         f"# MoE layer on {meta['device']} ({meta['date']})",
         "",
@@ -378,25 +442,25 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         f"{meta['cuda']}; streaming bandwidth {meta['copy_bw_TBps']:.2f} TB/s (read+write; "
         f"{meta.get('floor_bandwidth_source', 'the faster of a copy and an SM pass')}). Median "
         f"us per call over CUDA-graph replays, {ROUTINGS} routings cycled per graph; each kernel "
-        "checked against the reference backend first (FAIL = not timed). bf16 activations. "
-        "floor = NVFP4 bytes of the experts touched + x + out, / that bandwidth. bf16 = "
-        f"{meta['bf16_path']}. Targets: M <= 16: bf16/nvfp4 >= 2 and nvfp4/floor <= 2; "
-        "M = 4096: nvfp4/bf16 <= 1.5.",
+        f"checked against the reference backend first (FAIL = not timed). bf16 activations. {act}"
+        f"floor = {fp4} bytes of the experts touched + x + out, / that bandwidth. bf16 = "
+        f"{meta['bf16_path']}. Targets: M <= 16: bf16/{fmt} >= 2 and {fmt}/floor <= 2; "
+        f"M = 4096: {fmt}/bf16 <= 1.5.",
         "",
-        "| model | E, top-k, H, I | M | experts touched | nvfp4 | nvfp4 ckpt | bf16 | floor "
-        "| bf16/nvfp4 | nvfp4/floor | err nvfp4 | config |",
+        f"| model | E, top-k, H, I | M | experts touched | {fmt} | {fmt} ckpt | bf16 | floor "
+        f"| bf16/{fmt} | {fmt}/floor | err {fmt} | config |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, dims in meta["models"].items():
         for m in meta["ms"]:
-            nv, bf = by.get((name, m, "nvfp4")), by.get((name, m, "bf16"))
+            nv, bf = by.get((name, m, fmt)), by.get((name, m, "bf16"))
             if nv is None or bf is None:
                 continue
             ok = nv["us"] and bf["us"]
             r1 = f"{bf['us'] / nv['us']:.2f}x" if ok else "-"
             fl = nv["floor_us"]
             r2 = f"{nv['us'] / fl:.2f}x" if nv["us"] and fl == fl else "-"
-            dot = by.get((name, m, "nvfp4_ckpt"))
+            dot = by.get((name, m, f"{fmt}_ckpt"))
             out.append(
                 f"| {name} | {', '.join(map(str, dims))} | {m} | {nv['experts_touched']:.1f} | "
                 f"{fmt_us(nv['us'])} | {fmt_us(dot['us']) if dot else '-'} | {fmt_us(bf['us'])} "
@@ -493,7 +557,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help=f"M in {QUICK_MS}")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
-    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--models", help="comma-separated names (default: all of the format's)")
+    ap.add_argument("--format", choices=sorted(FORMAT_ACT), default="nvfp4",
+                    help="nvfp4: Qwen3 / Mixtral / DeepSeek shapes; mxfp4: gpt-oss")  # fmt: skip
     ap.add_argument("--sweep", action="store_true", help="then time alternative tile configs")
     ap.add_argument("--sweep-budget", type=float, default=90.0)
     ap.add_argument("--sweep-points", help="MODEL:M,... instead of the built-in sweep points")
@@ -517,7 +583,12 @@ def main() -> None:
 
     smoke = args.smoke
     dev = torch.device("cpu" if smoke else "cuda")
-    models = SMOKE_MODELS if smoke else {k: MODELS[k] for k in args.models.split(",")}
+    catalog = MODELS if args.format == "nvfp4" else MX_MODELS
+    unknown = set(args.models.split(",")) - set(catalog) if args.models else set()
+    if unknown:
+        ap.error(f"unknown {args.format} models {sorted(unknown)}; known: {', '.join(catalog)}")
+    names = args.models.split(",") if args.models else list(catalog)
+    models = SMOKE_MODELS if smoke else {k: catalog[k] for k in names}
     ms = SMOKE_MS if smoke else (QUICK_MS if args.quick else MS)
     if args.ms:
         ms = [int(v) for v in args.ms.split(",")]
@@ -537,6 +608,7 @@ def main() -> None:
         # register-operand wgmma launches settle each K step (kernels/wgmma_hazard.py)
         "rs_wgmma_settled": torch.cuda.is_available() and rs_wgmma_hazard(torch.device("cuda")),
         "date": date,
+        "format": args.format,
         "models": models,
         "ms": ms,
         "routings_per_graph": ROUTINGS,
@@ -547,11 +619,12 @@ def main() -> None:
     meta["copy_bw_TBps"] = bw / 1e12
     log(f"{dev_name}: streaming bandwidth {bw / 1e12:.2f} TB/s")
     gen = torch.Generator(device=dev).manual_seed(0)
-    base = out_dir / f"moe-{slug}-{date}"
+    tag = "" if args.format == "nvfp4" else f"-{args.format}"
+    base = out_dir / f"moe{tag}-{slug}-{date}"
     rows: list[dict] = []
     layers: dict[str, Layer] = {}
     for idx, (name, (e, k, h, i)) in enumerate(models.items()):
-        layer = Layer(e, k, h, i, dev, seed=idx)
+        layer = Layer(e, k, h, i, dev, seed=idx, fmt=args.format)
         meta["bf16_path"] = (
             "torch._grouped_mm on expert-sorted tokens"
             if layer.grouped
@@ -564,7 +637,7 @@ def main() -> None:
         base.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         base.with_suffix(".md").write_text(markdown(meta, rows))
         if args.sweep and name in {p[0] for p in SWEEP_POINTS}:
-            del layer.b13, layer.b2  # the sweep only runs nvfp4
+            del layer.d13, layer.d2  # the sweep only runs the repacked path
             layers[name] = layer
         del layer
         if dev.type == "cuda":
@@ -572,7 +645,7 @@ def main() -> None:
     log(markdown(meta, rows))
     if args.sweep and not smoke:
         srows = sweep(layers, gen, args.sweep_budget, args.sweep_small)
-        (out_dir / f"moe-sweep-{slug}-{date}.json").write_text(
+        (out_dir / f"moe{tag}-sweep-{slug}-{date}.json").write_text(
             json.dumps({"meta": meta, "rows": srows}, indent=1)
         )
     log(f"done in {time.time() - t_start:.0f}s")
