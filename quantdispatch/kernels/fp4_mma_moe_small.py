@@ -95,9 +95,9 @@ PREFETCH_MAX_BYTES = 16 << 20
 #: Bytes of one chunk (16 rows x 64 columns) of repacked weights: 4-bit codes, a byte of scale
 #: per 16 of them (512 + 64).
 CHUNK_BYTES = TILE_N * CHUNK_K // 2 + TILE_N * CHUNK_K // 16
-#: The L2 prefetch pays only on long down loops: from this many chunks of I (I >= 4096), the
+#: The L2 prefetch pays only on long down loops: from this many chunks of I (I >= 2560), the
 #: first eighth of them (measured on the H200, see :func:`small_moe_config`).
-PREFETCH_MIN_CHUNKS = 64
+PREFETCH_MIN_CHUNKS = 40
 
 
 def small_moe_config(
@@ -118,7 +118,9 @@ def small_moe_config(
     every (slot, output tile) only where I has PREFETCH_MIN_CHUNKS chunks. H200, two sweeps each
     (results/moe-sweep-h200-2026-11-30-topk-pdl-*.json; us, without PDL / PDL / PDL + prefetch of
     1/8, 1/4, all): Qwen3 M=1 13.3 / 12.1 / 14.0, 14.1, 13.8; Mixtral M=1 66.7 / 65.5 / 61.8,
-    62.3, 69.1; DeepSeek-V3 M=1 68.0 / 66.7 / 66.4, 68.2, 75.5."""
+    62.3, 69.1; DeepSeek-V3 M=1 68.0 / 66.7 / 66.4, 68.2, 75.5. Session 14, MXFP4 gpt-oss
+    (I = 2880, 45 chunks; moe-mxfp4-sweep-h200-2026-11-30.json) M=1: 36.0 / 35.3 / 28.4, 28.6,
+    31.3, hence the prefetch from 40 chunks (Qwen3 has 12, DeepSeek-V3 32, Mixtral 224)."""
     if m * top_k * (inter // 16) <= GATE_UP_WIDE_MAX_PROGRAMS:
         warps, unroll = 8, 1
     programs = m * (hidden // 16)

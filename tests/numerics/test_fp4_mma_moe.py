@@ -267,11 +267,12 @@ def test_regimes_from_tokens_per_expert():
         assert got == SmallMoeConfig(*want, 2)
     assert small_moe_config(1, 1, 64, 64 * 16, 4, 2) == SmallMoeConfig(8, 1, 16, 2)  # cap at 16
     # a programmatic dependent down launch (SM 9.0+); its programs prefetch the first eighth of
-    # their weights into L2 where I has 64+ chunks, at most PREFETCH_MAX_BYTES (576 B a chunk)
+    # their weights into L2 where I has 40+ chunks, at most PREFETCH_MAX_BYTES (576 B a chunk)
     qwen3 = small_moe_config(1, 8, 768, 2048, 4, 2, pdl=True)
     assert qwen3 == SmallMoeConfig(8, 1, 16, 2, True, 0) and "pdl pf0" in qwen3.label()
     assert small_moe_config(1, 8, 2048, 7168, 4, 2, pdl=True).prefetch == 0  # DeepSeek-V3
     assert small_moe_config(1, 2, 14336, 4096, 4, 2, pdl=True).prefetch == 28  # Mixtral: 224/8
+    assert small_moe_config(1, 4, 2880, 2880, 4, 2, pdl=True).prefetch == 5  # gpt-oss: 45/8
     assert small_moe_config(16, 2, 14336, 4096, 4, 2, pdl=True).prefetch == 3  # 16 MB cap
     assert small_moe_config(1, 2, 14336, 4096, 4, 2).prefetch == 0  # no PDL, no prefetch
     assert not moe_layout_config(1, 8, 128, 768, 2048, CPU).pdl  # not on the CPU
