@@ -486,7 +486,9 @@ WARP_SWEEP = [((1, 2, 2), (1, 1, 2)), ((1, 4, 2), (1, 2, 2)), ((1, 2, 2), (1, 2,
 
 def sweep_configs(m: int, top_k: int, e: int, i: int, h: int, only_small: bool = False) -> list:
     """The mma.sync kernels (the heuristic's warps; 8- and 16-pair blocks) up to 16 tokens per
-    expert, grouped GEMM tiles from 2 on."""
+    expert, grouped GEMM tiles from 2 on; the single-pair kernels also where the heuristic
+    picks 8-pair blocks at <= 1 token per expert. ``only_small``: the single-pair kernels (and
+    the pick) only."""
     from quantdispatch.kernels.fp4_mma_ckpt import mma_moe_config
 
     tpe = m * top_k / e
@@ -507,6 +509,16 @@ def sweep_configs(m: int, top_k: int, e: int, i: int, h: int, only_small: bool =
         out = list(dict.fromkeys(out))
         if only_small:
             return out
+    if tpe <= 1 and not out:  # 8-pair blocks picked: the single-pair kernels as challengers
+        from quantdispatch.kernels.fp4_mma_moe_small import small_moe_config
+
+        tuned = mma_moe_config(m * top_k, e, i, h, direct=True, repacked=True).gemm1
+        pick = small_moe_config(m, top_k, i, h, tuned.wk, tuned.unroll, pdl=True)
+        out += [pick, replace(pick, warps=4, unroll=2), replace(pick, warps=8, unroll=2),
+                replace(pick, warps_down=8), replace(pick, warps_down=16)]  # fmt: skip
+        out = list(dict.fromkeys(out))
+        if only_small:  # against the heuristic's pick only
+            return [moe_layout_config(m, top_k, e, i, h, torch.device("cuda")), *out]
     if tpe <= 1:  # single pairs or 8-pair blocks, warps per GEMM (wt, wk, unroll) around the pick
         for direct in (True, False):
             for g1, g2 in WARP_SWEEP:
