@@ -32,7 +32,7 @@ TAIL=26 step dequant-sweep 90 python3 benchmarks/dequant_sweep.py
 TAIL=40 step mma-sweep "${MMA_S:-300}" python3 benchmarks/mma_sweep.py ${MMA_ARGS:-}
 TAIL=40 step gemv-ablation "${ABL_S:-150}" python3 benchmarks/gemv_ablation.py ${ABL_ARGS:-}
 TAIL=40 step gemm-sweep "${GEMM_S:-300}" python3 benchmarks/gemm_sweep.py ${GEMM_ARGS:-}
-step bench-linear "${LINEAR_S:-200}" python3 benchmarks/linear.py --out "$OUT"
+step bench-linear "${LINEAR_S:-200}" python3 benchmarks/linear.py --out "$OUT" ${LINEAR_ARGS:-}
 step bench-moe "${MOE_S:-150}" python3 benchmarks/moe.py --out "$OUT" ${MOE_ARGS:-}
 step stream-small 90 python3 benchmarks/stream_small.py --out "$OUT"
 ls -la "$OUT"
