@@ -68,6 +68,13 @@ def _build_parser() -> argparse.ArgumentParser:
         choices=[s.value for s in Scheme],
         help="checkpoint scheme (default: each format's usual one)",
     )
+    doc.add_argument(
+        "--shape",
+        type=_weight_shape,
+        metavar="NxK",
+        help="one linear layer's weight, N output rows x K input columns (e.g. 6144x4096): "
+        "its decisions and the kernel for each M range (default: the rules by weight size)",
+    )
     doc.add_argument("--policy", help="policy TOML file laid over the default")
     doc.add_argument("--json", action="store_true", help="one JSON object on stdout")
     doc.add_argument(
@@ -78,6 +85,17 @@ def _build_parser() -> argparse.ArgumentParser:
     ver.add_argument("--format", action="append", dest="formats", metavar="F")
     ver.add_argument("--json", action="store_true")
     return parser
+
+
+def _weight_shape(text: str) -> tuple[int, int]:
+    """``--shape NxK`` -> (N, K), positive integers."""
+    n, sep, k = text.lower().partition("x")
+    if not sep or not n.strip().isdigit() or not k.strip().isdigit() or 0 in (int(n), int(k)):
+        raise argparse.ArgumentTypeError(
+            f"--shape {text!r}: expected NxK, two positive integers (the weight's output rows "
+            "and input columns), e.g. --shape 6144x4096"
+        )
+    return int(n), int(k)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -147,10 +165,12 @@ def _doctor(args: argparse.Namespace) -> int:
     for fmt in formats:
         for op in ops:
             for dt in dtypes:
+                n, k = args.shape if args.shape and op == Op.LINEAR.value else (None, None)
                 try:
                     d = select(
-                        fmt, op, dt, args.scheme, device=profile, settings=settings, policy=policy
-                    )
+                        fmt, op, dt, args.scheme, n=n, k=k, device=profile, settings=settings,
+                        policy=policy,
+                    )  # fmt: skip
                 except QuantDispatchError as exc:
                     if isinstance(exc, ConfigurationError):
                         raise

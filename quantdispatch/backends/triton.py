@@ -56,6 +56,11 @@ MMA_LARGE_WEIGHT_ELEMENTS = 2**25
 #: qkv 42 vs 46; M=512: qkv 81 vs ~65).
 GEMM_MAX_M = 256
 GEMM_MAX_M_LARGE_WEIGHT = 512
+#: ... and the mma kernel keeps only the smallest M there.
+MMA_MAX_M_SM90 = 32
+MMA_MAX_M_SM90_LARGE_WEIGHT = 16
+#: The mma16x64 layout's granules: 16-row tiles, 64-column chunks (kernels/fp4_mma.py).
+MMA_TILE_ROWS, MMA_CHUNK_COLS = 16, 64
 
 
 def gemm_eligible(n: int, k: int, capability: tuple[int, int] | None) -> bool:
@@ -97,7 +102,9 @@ def _mma_ranges(n: int, k: int, capability: tuple[int, int] | None) -> tuple[int
     """(largest M for the mma kernel, largest M for the GEMM; 0 = no GEMM) of an N x K weight."""
     large = n * k >= MMA_LARGE_WEIGHT_ELEMENTS
     if gemm_eligible(n, k, capability):
-        return (16, GEMM_MAX_M_LARGE_WEIGHT) if large else (32, GEMM_MAX_M)
+        if large:
+            return MMA_MAX_M_SM90_LARGE_WEIGHT, GEMM_MAX_M_LARGE_WEIGHT
+        return MMA_MAX_M_SM90, GEMM_MAX_M
     return (MMA_MAX_M_LARGE_WEIGHT if large else MMA_MAX_M), 0
 
 
@@ -190,8 +197,9 @@ class TritonBackend(Backend):
             return text + "; other layers: the checkpoint layout and fused tl.dot kernels"
         if request.op is not Op.LINEAR:
             return None
-        n = request.n if request.n is not None else 16
-        k = request.k if request.k is not None else 64
+        if request.n is None or request.k is None:
+            return self._linear_ranges(request, profile)
+        n, k = request.n, request.k
         if mma_layout_eligible(request.format, n, k, request.act_dtype, profile.capability):
             text = (
                 f"M <= {mma_max_m(n, k, profile.capability)}: mma.sync kernel with PTX decode "
@@ -210,6 +218,38 @@ class TritonBackend(Backend):
                 )
             return text
         return "tl.dot kernels on the checkpoint layout; large M: dequantized slabs + cuBLAS"
+
+    def _linear_ranges(self, request: Request, profile: DeviceProfile) -> str:
+        """The kernel ranges of an FP4 linear whose shape is not given (doctor without
+        ``--shape``): the rules by weight size, not one made-up shape's answer."""
+        cap = profile.capability
+        granule = (MMA_TILE_ROWS, MMA_CHUNK_COLS)
+        if not mma_layout_eligible(request.format, *granule, request.act_dtype, cap):
+            return "tl.dot kernels on the checkpoint layout; large M: dequantized slabs + cuBLAS"
+        big = "for weights of 2^25+ elements"
+        if cap is not None and cap[0] == 9:
+            text = (
+                f"M <= {MMA_MAX_M_SM90} ({MMA_MAX_M_SM90_LARGE_WEIGHT} {big}): mma.sync kernel "
+                "with PTX decode on a repacked weight "
+                f"(mma16x64, same bytes); M <= {GEMM_MAX_M} ({GEMM_MAX_M_LARGE_WEIGHT} {big}) "
+                "where N is a multiple of 64: tl.dot (wgmma) GEMM decoding the same weight"
+            )
+            text += ", activation tiles by TMA" if _host_descriptors() else ""
+            text += _rs_wgmma_note()
+        else:
+            text = (
+                f"M <= {MMA_MAX_M} ({MMA_MAX_M_LARGE_WEIGHT} {big}): mma.sync kernel with PTX "
+                "decode on a repacked weight (mma16x64, same bytes)"
+            )
+        text = (
+            f"N a multiple of {MMA_TILE_ROWS} and K of {MMA_CHUNK_COLS}: {text}; larger M: "
+            "dequantized "
+            "slabs + cuBLAS; other shapes: tl.dot kernels on the checkpoint layout (doctor "
+            "--shape NxK answers for one layer)"
+        )
+        if request.format == "mxfp4":
+            text = "block scales spanning <= 18 binades, " + text
+        return text
 
     def shape_reasons(self, request: Request) -> list[str]:
         group = _GROUP.get(request.format)

@@ -115,6 +115,30 @@ def test_bad_flag_is_one_line(capsys):
     assert e.value.code == 2 and err.count("\n") == 1 and "--frobnicate" in err
 
 
+def test_shape_answers_for_one_linear_layer(capsys):
+    """--shape NxK: the linear decisions for that weight (its M ranges), MoE ones unchanged."""
+    pytest.importorskip("triton")
+    argv = ("doctor", "--device", "h200", "--format", "nvfp4", "--act-dtype", "bf16")
+    code, out, err = _run(capsys, *argv, "--shape", "28672x4096")
+    assert code == 0, err
+    assert "nvfp4 linear (W4A4, bf16, N=28672 K=4096)" in out
+    assert "M <= 16: mma.sync kernel" in out and "M <= 512: tl.dot (wgmma) GEMM" in out
+    assert "nvfp4 moe (W4A4, bf16) on" in out
+    code, out, err = _run(capsys, *argv)  # no shape: the rules by weight size
+    assert code == 0, err
+    assert "M <= 32 (16 for weights of 2^25+ elements): mma.sync kernel" in out
+    assert "--shape NxK answers for one layer" in out
+
+
+@pytest.mark.parametrize("bad", ["6144", "6144x", "x4096", "0x64", "64x-1", "axb"])
+def test_a_malformed_shape_is_one_line_naming_the_form(capsys, bad):
+    with pytest.raises(SystemExit) as e:
+        main(["doctor", "--shape", bad])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1
+    assert f"--shape {bad!r}: expected NxK" in err and "e.g. --shape 6144x4096" in err
+
+
 def test_unknown_device_and_format(capsys):
     code, _, err = _run(capsys, "doctor", "--device", "h300")
     assert code == 2 and "valid presets" in err

@@ -270,6 +270,26 @@ def test_triton_names_the_mxfp4_kernel_family_it_runs(preset, op, says):
     assert repacked in moe_text if preset == "h200" else "checkpoint layout" in moe_text
 
 
+@pytest.mark.parametrize(
+    ("preset", "fmt", "says", "not_says"),
+    [
+        ("h200", "nvfp4", "M <= 32 (16 for weights of 2^25+ elements): mma.sync", None),
+        ("h200", "nvfp4", "M <= 256 (512 for weights of 2^25+ elements) where N is", None),
+        ("a100", "nvfp4", "M <= 64 (128 for weights of 2^25+ elements): mma.sync", "wgmma"),
+        ("h200", "mxfp4", "spanning <= 18 binades, N a multiple of 16 and K of 64", None),
+        ("t4", "nvfp4", "tl.dot kernels on the checkpoint layout", "mma.sync"),
+    ],
+)
+def test_without_a_shape_triton_states_the_rules_by_weight_size(preset, fmt, says, not_says):
+    """doctor without --shape: the M ranges for every weight size, not one made-up shape's."""
+    pytest.importorskip("triton")
+    request = Request.make(fmt, "linear", "fp16", "weight_only")
+    text = get_backend("triton").variant(request, preset_profile(preset))
+    assert text is not None and says in text
+    if not_says:
+        assert not_says not in text
+
+
 def test_triton_says_when_the_installed_triton_makes_the_gemm_wait_each_step(monkeypatch):
     pytest.importorskip("triton")
     from quantdispatch.kernels import wgmma_hazard
