@@ -98,6 +98,26 @@ def _rs_wgmma_note() -> str:
     return f", each K step waits for its wgmmas: {why}"
 
 
+_CHECKPOINT_LAYOUT_TEXT = (
+    "tl.dot kernels on the checkpoint layout; large M: dequantized slabs + cuBLAS"
+)
+_MX_SPAN_TEXT = "weights whose block scales span <= 18 binades"
+
+
+def _fp4_ranges_text(mma_top: str, gemm_top: str | None) -> str:
+    """doctor's words for a repacked FP4 linear's kernels by M: the mma kernel up to
+    ``mma_top``, the wgmma GEMM up to ``gemm_top`` (None: no GEMM), then dequantized slabs."""
+    text = (
+        f"M <= {mma_top}: mma.sync kernel with PTX decode on a repacked weight (mma16x64, "
+        "same bytes)"
+    )
+    if gemm_top is not None:
+        text += f"; M <= {gemm_top}: tl.dot (wgmma) GEMM decoding the same weight"
+        text += ", activation tiles by TMA" if _host_descriptors() else ""
+        text += _rs_wgmma_note()
+    return text + "; larger M: dequantized slabs + cuBLAS"
+
+
 def _mma_ranges(n: int, k: int, capability: tuple[int, int] | None) -> tuple[int, int]:
     """(largest M for the mma kernel, largest M for the GEMM; 0 = no GEMM) of an N x K weight."""
     large = n * k >= MMA_LARGE_WEIGHT_ELEMENTS
@@ -200,24 +220,13 @@ class TritonBackend(Backend):
         if request.n is None or request.k is None:
             return self._linear_ranges(request, profile)
         n, k = request.n, request.k
-        if mma_layout_eligible(request.format, n, k, request.act_dtype, profile.capability):
-            text = (
-                f"M <= {mma_max_m(n, k, profile.capability)}: mma.sync kernel with PTX decode "
-                "on a repacked weight (mma16x64, same bytes)"
-            )
-            gemm_top = _mma_ranges(n, k, profile.capability)[1]
-            if gemm_top:
-                text += f"; M <= {gemm_top}: tl.dot (wgmma) GEMM decoding the same weight"
-                text += ", activation tiles by TMA" if _host_descriptors() else ""
-                text += _rs_wgmma_note()
-            text += "; larger M: dequantized slabs + cuBLAS"
-            if request.format == "mxfp4":
-                return (
-                    "weights whose block scales span <= 18 binades: " + text + "; wider spans: "
-                    "tl.dot kernels on the checkpoint layout"
-                )
-            return text
-        return "tl.dot kernels on the checkpoint layout; large M: dequantized slabs + cuBLAS"
+        if not mma_layout_eligible(request.format, n, k, request.act_dtype, profile.capability):
+            return _CHECKPOINT_LAYOUT_TEXT
+        mma_top, gemm_top = _mma_ranges(n, k, profile.capability)
+        text = _fp4_ranges_text(str(mma_top), str(gemm_top) if gemm_top else None)
+        if request.format == "mxfp4":
+            return f"{_MX_SPAN_TEXT}: {text}; wider spans: tl.dot kernels on the checkpoint layout"
+        return text
 
     def _linear_ranges(self, request: Request, profile: DeviceProfile) -> str:
         """The kernel ranges of an FP4 linear whose shape is not given (doctor without
@@ -225,31 +234,22 @@ class TritonBackend(Backend):
         cap = profile.capability
         granule = (MMA_TILE_ROWS, MMA_CHUNK_COLS)
         if not mma_layout_eligible(request.format, *granule, request.act_dtype, cap):
-            return "tl.dot kernels on the checkpoint layout; large M: dequantized slabs + cuBLAS"
+            return _CHECKPOINT_LAYOUT_TEXT
         big = "for weights of 2^25+ elements"
         if cap is not None and cap[0] == 9:
-            text = (
-                f"M <= {MMA_MAX_M_SM90} ({MMA_MAX_M_SM90_LARGE_WEIGHT} {big}): mma.sync kernel "
-                "with PTX decode on a repacked weight "
-                f"(mma16x64, same bytes); M <= {GEMM_MAX_M} ({GEMM_MAX_M_LARGE_WEIGHT} {big}) "
-                "where N is a multiple of 64: tl.dot (wgmma) GEMM decoding the same weight"
+            text = _fp4_ranges_text(
+                f"{MMA_MAX_M_SM90} ({MMA_MAX_M_SM90_LARGE_WEIGHT} {big})",
+                f"{GEMM_MAX_M} ({GEMM_MAX_M_LARGE_WEIGHT} {big}) where N is a multiple of 64",
             )
-            text += ", activation tiles by TMA" if _host_descriptors() else ""
-            text += _rs_wgmma_note()
         else:
-            text = (
-                f"M <= {MMA_MAX_M} ({MMA_MAX_M_LARGE_WEIGHT} {big}): mma.sync kernel with PTX "
-                "decode on a repacked weight (mma16x64, same bytes)"
-            )
-        text = (
-            f"N a multiple of {MMA_TILE_ROWS} and K of {MMA_CHUNK_COLS}: {text}; larger M: "
-            "dequantized "
-            "slabs + cuBLAS; other shapes: tl.dot kernels on the checkpoint layout (doctor "
+            text = _fp4_ranges_text(f"{MMA_MAX_M} ({MMA_MAX_M_LARGE_WEIGHT} {big})", None)
+        where = f"N a multiple of {MMA_TILE_ROWS} and K of {MMA_CHUNK_COLS}"
+        if request.format == "mxfp4":
+            where = f"{_MX_SPAN_TEXT}, {where}"
+        return (
+            f"{where}: {text}; other shapes: tl.dot kernels on the checkpoint layout (doctor "
             "--shape NxK answers for one layer)"
         )
-        if request.format == "mxfp4":
-            text = "block scales spanning <= 18 binades, " + text
-        return text
 
     def shape_reasons(self, request: Request) -> list[str]:
         group = _GROUP.get(request.format)

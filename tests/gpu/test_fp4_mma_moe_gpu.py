@@ -45,12 +45,17 @@ def nan_empty(monkeypatch):
     monkeypatch.setattr(fm, "empty", empty)  # every MoE buffer comes from fused_moe.empty
 
 
-def experts(e, h, i, seed, dtype):
+def _repacked(fmt, w, dtype):
+    """One stacked weight in the mma16x64 layout (NVFP4 keeps its global scales)."""
+    if fmt == "nvfp4":
+        return [*repack_experts(w[0], w[1], dtype), w[2]]
+    return [*repack_experts_mx(w[0], w[1], dtype)]
+
+
+def experts(e, h, i, seed, dtype, fmt="nvfp4"):
     gen = torch.Generator(device=DEV).manual_seed(seed)
-    w13, w2 = stacks("nvfp4", e, 2 * i, h, gen), stacks("nvfp4", e, h, i, gen)
-    r13 = [*repack_experts(w13[0], w13[1], dtype), w13[2]]
-    r2 = [*repack_experts(w2[0], w2[1], dtype), w2[2]]
-    return w13, w2, r13, r2, gen
+    w13, w2 = stacks(fmt, e, 2 * i, h, gen), stacks(fmt, e, h, i, gen)
+    return w13, w2, _repacked(fmt, w13, dtype), _repacked(fmt, w2, dtype), gen
 
 
 def routing(m, e, top_k, gen):
@@ -102,16 +107,21 @@ def test_every_regime_matches_float64(nan_empty, m, regime, dtype):
     assert rel(out, ref) < BOUND[dtype]
 
 
-def test_gpt_oss_like_clamped_swiglu_with_biases(nan_empty):
-    """32 experts, top 4, H = I = 2880 (45 chunks: not a multiple of the 2-chunk K step)."""
-    w13, w2, r13, r2, gen = experts(32, 2880, 2880, seed=5, dtype=torch.bfloat16)
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_gpt_oss_sizes_clamped_swiglu_with_biases(nan_empty, fmt):
+    """gpt-oss-like experts: 32, top 4, H = I = 2880 (45 chunks: not a multiple of the 2-chunk
+    K step), clamped SwiGLU and biases, at every M the heuristic meets (single pairs, 8-pair
+    blocks, grouped GEMM, dequantize) against float64."""
+    gen = torch.Generator(device=DEV).manual_seed(61 if fmt == "mxfp4" else 5)
+    w13, w2 = stacks(fmt, 32, 5760, 2880, gen), stacks(fmt, 32, 2880, 2880, gen)
+    r13, r2 = _repacked(fmt, w13, torch.bfloat16), _repacked(fmt, w2, torch.bfloat16)
     b13 = torch.randn(32, 5760, generator=gen, device=DEV)
     b2 = torch.randn(32, 2880, generator=gen, device=DEV)
     params = [1.702, 7.0]
-    for m in (3, 90):
+    for m in (1, 3, 90, 700):
         ids, w = routing(m, 32, 4, gen)
         x = torch.randn(m, 2880, generator=gen, device=DEV).to(torch.bfloat16)
-        ref = moe64("nvfp4", x, ids, w, w13, w2, b13, b2, "swiglu_oai", params)
+        ref = moe64(fmt, x, ids, w, w13, w2, b13, b2, "swiglu_oai", params)
         cfg = moe_layout_config(m, 4, 32, 2880, 2880, DEV)
         out = call(r13, r2, x, ids, w, cfg, activation="swiglu_oai", params=params, b13=b13,
                    b2=b2)  # fmt: skip
@@ -176,8 +186,7 @@ def test_single_pair_kernels_biases_uneven_chunks_graphs_and_determinism(nan_emp
     for w in (w13, w2):  # the largest E4M3 block scale (448) on some rows, the weights kept small
         w[1].view(torch.uint8)[:, 16:32] = 0x7E
         w[2] /= 448.0
-    r13 = [*repack_experts(w13[0], w13[1], torch.bfloat16), w13[2]]
-    r2 = [*repack_experts(w2[0], w2[1], torch.bfloat16), w2[2]]
+    r13, r2 = _repacked("nvfp4", w13, torch.bfloat16), _repacked("nvfp4", w2, torch.bfloat16)
     b13 = torch.randn(32, 5760, generator=gen, device=DEV)
     b2 = torch.randn(32, 2880, generator=gen, device=DEV)
     params = [1.702, 7.0]
@@ -204,14 +213,6 @@ def test_single_pair_kernels_biases_uneven_chunks_graphs_and_determinism(nan_emp
 # ---- MXFP4 experts on the same layout (scale pairs shared by lane pairs, per-expert global) ----
 
 
-def mx_experts(e, h, i, seed, dtype):
-    gen = torch.Generator(device=DEV).manual_seed(seed)
-    w13, w2 = stacks("mxfp4", e, 2 * i, h, gen), stacks("mxfp4", e, h, i, gen)
-    r13 = [*repack_experts_mx(w13[0], w13[1], dtype)]
-    r2 = [*repack_experts_mx(w2[0], w2[1], dtype)]
-    return w13, w2, r13, r2, gen
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("regime", REGIMES, ids=[r[0] for r in REGIMES])
 @pytest.mark.parametrize("m", [1, 37])
@@ -220,7 +221,7 @@ def test_mxfp4_every_regime_matches_float64(nan_empty, m, regime, dtype):
         pytest.skip("torch._grouped_mm needs SM 9.0+")
     if regime[0].endswith("-pdl") and not pdl_capable(DEV):
         pytest.skip("a programmatic dependent launch needs SM 9.0+")
-    w13, w2, r13, r2, gen = mx_experts(E, H, INTER, seed=m + 50, dtype=dtype)
+    w13, w2, r13, r2, gen = experts(E, H, INTER, seed=m + 50, dtype=dtype, fmt="mxfp4")
     ids, w = routing(m, E, TOP_K, gen)
     ids = torch.where(ids % 4 == 3, -1, ids)
     x = torch.randn(m, H, generator=gen, device=DEV).to(dtype)
@@ -228,25 +229,6 @@ def test_mxfp4_every_regime_matches_float64(nan_empty, m, regime, dtype):
     keep = ids >= 0
     ref = moe64("mxfp4", x, torch.where(keep, ids, 0), torch.where(keep, w, 0.0), w13, w2)
     assert rel(out, ref) < BOUND[dtype]
-
-
-def test_mxfp4_gpt_oss_sizes_through_quant_moe(nan_empty):
-    """gpt-oss-like experts (H = I = 2880, 45 chunks), clamped SwiGLU, biases: QuantMoE repacks
-    them on the GPU and every M its heuristic meets matches float64."""
-    gen = torch.Generator(device=DEV).manual_seed(61)
-    w13, w2 = stacks("mxfp4", 32, 5760, 2880, gen), stacks("mxfp4", 32, 2880, 2880, gen)
-    b13 = torch.randn(32, 5760, generator=gen, device=DEV)
-    b2 = torch.randn(32, 2880, generator=gen, device=DEV)
-    r13, r2 = [*repack_experts_mx(*w13, torch.bfloat16)], [*repack_experts_mx(*w2, torch.bfloat16)]
-    params = [1.702, 7.0]
-    for m in (1, 3, 90, 700):
-        ids, w = routing(m, 32, 4, gen)
-        x = torch.randn(m, 2880, generator=gen, device=DEV).to(torch.bfloat16)
-        ref = moe64("mxfp4", x, ids, w, w13, w2, b13, b2, "swiglu_oai", params)
-        cfg = moe_layout_config(m, 4, 32, 2880, 2880, DEV)
-        out = call(r13, r2, x, ids, w, cfg, activation="swiglu_oai", params=params, b13=b13,
-                   b2=b2)  # fmt: skip
-        assert rel(out, ref) < BOUND[torch.bfloat16], cfg
 
 
 def test_mxfp4_quant_moe_holds_the_repacked_layout():

@@ -276,7 +276,7 @@ def test_triton_names_the_mxfp4_kernel_family_it_runs(preset, op, says):
         ("h200", "nvfp4", "M <= 32 (16 for weights of 2^25+ elements): mma.sync", None),
         ("h200", "nvfp4", "M <= 256 (512 for weights of 2^25+ elements) where N is", None),
         ("a100", "nvfp4", "M <= 64 (128 for weights of 2^25+ elements): mma.sync", "wgmma"),
-        ("h200", "mxfp4", "spanning <= 18 binades, N a multiple of 16 and K of 64", None),
+        ("h200", "mxfp4", "span <= 18 binades, N a multiple of 16 and K of 64: M <= 32", None),
         ("t4", "nvfp4", "tl.dot kernels on the checkpoint layout", "mma.sync"),
     ],
 )
