@@ -569,11 +569,30 @@ def sweep(layers: dict[str, Layer], gen, budget_s: float, only_small: bool = Fal
     return rows
 
 
+def parse_shape(text: str) -> tuple[str, tuple[int, int, int, int]]:
+    """``NAME=E,TOPK,H,I`` -> (NAME, (E, TOPK, H, I)), each a positive integer, TOPK <= E."""
+    name, sep, dims = text.partition("=")
+    parts = dims.split(",")
+    if not sep or not name or len(parts) != 4 or not all(p.strip().isdigit() for p in parts):
+        raise ValueError(f"--shape {text!r}: expected NAME=E,TOPK,H,I, e.g. mine=64,6,2048,1408")
+    e, k, h, i = (int(p) for p in parts)
+    if min(e, k, h, i) < 1 or k > e:
+        raise ValueError(f"--shape {text!r}: E, TOPK, H, I must be positive with TOPK <= E")
+    return name, (e, k, h, i)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help=f"M in {QUICK_MS}")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument("--models", help="comma-separated names (default: all of the format's)")
+    ap.add_argument(
+        "--shape",
+        action="append",
+        default=[],
+        metavar="NAME=E,TOPK,H,I",
+        help="time this MoE shape too (repeatable; H and I multiples of 64 for the mma kernels)",
+    )
     ap.add_argument("--format", choices=sorted(FORMAT_ACT), default="nvfp4",
                     help="nvfp4: Qwen3 / Mixtral / DeepSeek shapes; mxfp4: gpt-oss")  # fmt: skip
     ap.add_argument("--sweep", action="store_true", help="then time alternative tile configs")
@@ -599,7 +618,13 @@ def main() -> None:
 
     smoke = args.smoke
     dev = torch.device("cpu" if smoke else "cuda")
-    catalog = MODELS if args.format == "nvfp4" else MX_MODELS
+    catalog = dict(MODELS if args.format == "nvfp4" else MX_MODELS)
+    for text in args.shape:
+        try:
+            name, dims = parse_shape(text)
+        except ValueError as exc:
+            ap.error(str(exc))
+        catalog[name] = dims
     unknown = set(args.models.split(",")) - set(catalog) if args.models else set()
     if unknown:
         ap.error(f"unknown {args.format} models {sorted(unknown)}; known: {', '.join(catalog)}")
