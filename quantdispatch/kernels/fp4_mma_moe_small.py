@@ -48,6 +48,7 @@ from quantdispatch.kernels.gdc import gdc_launch_dependents, gdc_wait
 __all__ = [
     "DOWN_MIN_WARPS",
     "GATE_UP_WIDE_MAX_PROGRAMS",
+    "GATE_UP_WIDE_MIN_CHUNKS_PDL",
     "PREFETCH_MAX_BYTES",
     "SmallMoeConfig",
     "small_moe",
@@ -88,6 +89,9 @@ DOWN_MIN_WARPS = 3072
 #: Up to this many gate/up programs (pairs x I/16), 8 warps with one chunk in flight each: a
 #: grid this small holds too few warps per SM for the per-pair kernel's tuning.
 GATE_UP_WIDE_MAX_PROGRAMS = 1024
+#: ... but with the down kernel launched as a programmatic dependent (SM 9.0+), only where K
+#: (the hidden size) has at least this many chunks: 8 per warp.
+GATE_UP_WIDE_MIN_CHUNKS_PDL = 64
 #: With a programmatic dependent launch the down programs prefetch at most this many bytes of
 #: their weights into L2 while gate/up runs (L2 is 50 MB on the H100 / H200, more on newer
 #: GPUs; gate/up streams its own weights through it at the same time).
@@ -111,7 +115,11 @@ def small_moe_config(
     programs) 16 warps 13.7, 8 17.5, 4 18.5; Mixtral-8x7B M=1 (256) 16: 66.9, 8: 76.2;
     DeepSeek-V3 M=1 (448) 8: 72.0, 16: 75.6; Qwen3 M=4 (512) 8: 33.0, 16: 37.7. Gate/up 8 x 1
     against 4 x 2: Qwen3 M=1 (384 programs) 13.3 vs 14.4, DeepSeek-V3 M=1 (1024) 68.3 vs 72.2;
-    bigger grids keep the tuning (Mixtral M=1, 1792: 4 x 2 76.2, 8 x 2 88.3).
+    bigger grids keep the tuning (Mixtral M=1, 1792: 4 x 2 76.2, 8 x 2 88.3). With ``pdl``
+    the 8 x 1 rule holds only from GATE_UP_WIDE_MIN_CHUNKS_PDL chunks of K (session 15,
+    moe-sweep-h200-2026-11-30-s15.json and moe-mxfp4-sweep-h200-2026-11-30-s15.json; us, 8 x 1
+    vs the tuning's 4 x 2): DeepSeek-V3 M=1 (112 chunks) 65.8 vs 69.2; Qwen3 M=1 (32) 12.9 vs
+    12.0, M=2 23.0 vs 19.4; gpt-oss-20b / 120b M=1 (45) 28.3 / 28.3 vs 24.9 / 25.1.
 
     ``pdl`` (SM 9.0+): the down kernel as a programmatic dependent launch, its first chunks
     loaded before it waits for gate/up; an L2 prefetch of the first eighth of the chunks of
@@ -121,7 +129,9 @@ def small_moe_config(
     62.3, 69.1; DeepSeek-V3 M=1 68.0 / 66.7 / 66.4, 68.2, 75.5. Session 14, MXFP4 gpt-oss
     (I = 2880, 45 chunks; moe-mxfp4-sweep-h200-2026-11-30.json) M=1: 36.0 / 35.3 / 28.4, 28.6,
     31.3, hence the prefetch from 40 chunks (Qwen3 has 12, DeepSeek-V3 32, Mixtral 224)."""
-    if m * top_k * (inter // 16) <= GATE_UP_WIDE_MAX_PROGRAMS:
+    if m * top_k * (inter // 16) <= GATE_UP_WIDE_MAX_PROGRAMS and (
+        not pdl or hidden // 64 >= GATE_UP_WIDE_MIN_CHUNKS_PDL
+    ):
         warps, unroll = 8, 1
     programs = m * (hidden // 16)
     down = 4

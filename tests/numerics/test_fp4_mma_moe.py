@@ -268,8 +268,17 @@ def test_regimes_from_tokens_per_expert():
     assert small_moe_config(1, 1, 64, 64 * 16, 4, 2) == SmallMoeConfig(8, 1, 16, 2)  # cap at 16
     # a programmatic dependent down launch (SM 9.0+); its programs prefetch the first eighth of
     # their weights into L2 where I has 40+ chunks, at most PREFETCH_MAX_BYTES (576 B a chunk)
+    # with it, gate/up keeps 8 x 1 on small grids only where K has 64+ chunks (DeepSeek-V3);
+    # Qwen3 (32 chunks) and gpt-oss (45) keep the per-pair tuning they are given
     qwen3 = small_moe_config(1, 8, 768, 2048, 4, 2, pdl=True)
-    assert qwen3 == SmallMoeConfig(8, 1, 16, 2, True, 0) and "pdl pf0" in qwen3.label()
+    assert qwen3 == SmallMoeConfig(4, 2, 16, 2, True, 0) and "pdl pf0" in qwen3.label()
+    def gate_up(cfg: SmallMoeConfig) -> tuple[int, int]:
+        return cfg.warps, cfg.unroll
+
+    assert gate_up(small_moe_config(2, 8, 768, 2048, 4, 2, pdl=True)) == (4, 2)
+    assert gate_up(small_moe_config(1, 8, 2048, 7168, 4, 2, pdl=True)) == (8, 1)  # DeepSeek-V3
+    assert gate_up(small_moe_config(1, 4, 2880, 2880, 4, 2, pdl=True)) == (4, 2)  # gpt-oss
+    assert gate_up(small_moe_config(1, 4, 2880, 2880, 4, 2)) == (8, 1)  # no PDL: as before
     assert small_moe_config(1, 8, 2048, 7168, 4, 2, pdl=True).prefetch == 0  # DeepSeek-V3
     assert small_moe_config(1, 2, 14336, 4096, 4, 2, pdl=True).prefetch == 28  # Mixtral: 224/8
     assert small_moe_config(1, 4, 2880, 2880, 4, 2, pdl=True).prefetch == 5  # gpt-oss: 45/8
