@@ -644,6 +644,18 @@ def _gemm_config_repacked(blocks: int, tiles: int, chunks: int, gate_up: bool) -
     return MmaGemmConfig(1, wk, 2 if chunks >= 4 * wk else 1)
 
 
+def _even_split(cfg: MmaGemmConfig, chunks: int) -> MmaGemmConfig:
+    """No K split whose step (WK x UNROLL chunks) leaves a ragged last step: its warps then run
+    the masked loop, with idle slots in the last step. From the H200 (session 15,
+    ksplit-probe-h200-2026-11-30.log; us per layer, 8-pair blocks, both GEMMs K split 2 x 2
+    against no split): 45 chunks (gpt-oss, H = I = 2880) 128 experts top-4 M=16 244 vs 214,
+    32 experts M=4 84.5 vs 80.8; 46 chunks 241 vs 225 and 77.5 vs 73.5; where the split is even
+    it is kept (44 chunks 204 vs 201, 64 chunks 404 vs 396, DeepSeek-V3 M=16 701 vs 770)."""
+    if cfg.wk > 1 and chunks % (cfg.wk * cfg.unroll):
+        return MmaGemmConfig(cfg.wt, 1, 2 if chunks >= 4 else 1)
+    return cfg
+
+
 def mma_moe_config(
     pairs: int,
     experts: int,
@@ -661,6 +673,9 @@ def mma_moe_config(
     if repacked and direct:
         g1 = _gemm_config_repacked(blocks, inter // 16, hidden // 64, True)
         g2 = _gemm_config_repacked(blocks, hidden // 16, inter // 64, False)
+    elif repacked:
+        g1 = _even_split(_gemm_config(blocks, inter // 16, hidden // 64), hidden // 64)
+        g2 = _even_split(_gemm_config(blocks, hidden // 16, inter // 64), inter // 64)
     else:
         g1 = _gemm_config(blocks, inter // 16, hidden // 64)
         g2 = _gemm_config(blocks, hidden // 16, inter // 64)

@@ -298,6 +298,19 @@ def test_regimes_from_tokens_per_expert():
     assert isinstance(moe_layout_config(4096, 2, 8, 14336, 4096, CPU), MoeGemmTile)
 
 
+def test_eight_pair_blocks_split_k_only_evenly():
+    """Repacked 8-pair blocks keep a K split only where its step (WK x UNROLL chunks) divides
+    the chunks: gpt-oss (45 chunks) runs unsplit; Qwen3 / Mixtral / DeepSeek-V3 keep theirs."""
+    oss = mma_moe_config(64, 128, 2880, 2880, direct=False, repacked=True)  # 120b M=16
+    assert (oss.gemm1.wk, oss.gemm1.unroll, oss.gemm2.wk, oss.gemm2.unroll) == (1, 2, 1, 2)
+    for pairs, e, i, h in [(128, 128, 768, 2048), (8, 8, 14336, 4096), (128, 256, 2048, 7168)]:
+        repacked = mma_moe_config(pairs, e, i, h, direct=False, repacked=True)
+        assert repacked == mma_moe_config(pairs, e, i, h, direct=False)
+        assert repacked.gemm1.wk > 1
+    # the checkpoint-layout kernels (not measured on 45 chunks) keep the split
+    assert mma_moe_config(64, 128, 2880, 2880, direct=False).gemm1.wk == 2
+
+
 def test_tiles_fit_the_gpus_shared_memory(monkeypatch):
     """The 128-pair tile (~150 KB of pipeline by the upper bound) runs where 227 KB are
     available (H100 / H200); a 99 KB GPU (RTX 30/40/50, L40S) gets the 64-pair tile, which
