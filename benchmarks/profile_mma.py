@@ -6,8 +6,10 @@
 ``--kernel mma`` is the repacked mma16x64 linear kernel, ``gemm`` the wgmma GEMM on the same
 layout (its heuristic tile), ``ckpt`` the checkpoint-layout one,
 ``moe`` the fused MoE on Qwen3-30B-A3B experts (M tokens, top 8 of 128; checkpoint layout),
-``moe-repacked`` what QuantMoE runs on the same experts (repacked, its heuristic). Prints the
-time of the last call so a run without the profiler is a quick check too.
+``moe-repacked`` what QuantMoE runs on the same experts (repacked, its heuristic; other experts
+with ``--moe-shape E,TOPK,H,I``, the 8-pair-block kernels with given K splits with
+``--moe-split WKxU/WKxU``, gate/up / down). Prints the time of the last call so a run without
+the profiler is a quick check too.
 """
 
 from __future__ import annotations
@@ -31,12 +33,20 @@ def main() -> None:
     ap.add_argument("--config", default="", help="NT,WT,WK,UNROLL (linear kernels)")
     ap.add_argument("--tile", default="", help="BNxBMxBKwWsS[kS][rR] (gemm; default: heuristic)")
     ap.add_argument("--calls", type=int, default=5)
+    ap.add_argument("--moe-shape", default="128,8,2048,768", help="E,TOPK,H,I (moe kernels)")
+    ap.add_argument("--moe-split", default="", help="WKxU/WKxU: 8-pair blocks, gate/up / down")
     args = ap.parse_args()
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     cfg = tuple(int(v) for v in args.config.split(",")) if args.config else None
     if args.kernel.startswith("moe"):
-        e, top_k, h, i = 128, 8, 2048, 768
+        e, top_k, h, i = (int(v) for v in args.moe_shape.split(","))
+        moe_cfg = None
+        if args.moe_split:
+            g1, g2 = (tuple(int(v) for v in part.split("x")) for part in args.moe_split.split("/"))
+            moe_cfg = fp4_mma_ckpt.MmaMoeConfig(
+                1, fp4_mma_ckpt.MmaGemmConfig(1, *g1), fp4_mma_ckpt.MmaGemmConfig(1, *g2)
+            )
 
         def stack(n: int, k: int) -> list[torch.Tensor]:
             packed = torch.randint(0, 256, (e, n, k // 2), generator=g, device=dev).to(torch.uint8)
@@ -56,7 +66,7 @@ def main() -> None:
             def call() -> torch.Tensor:
                 return fp4_mma_moe.mma_layout_moe(x, ids, tw, r13, r2, None, None,
                                                   activation="silu", params=[],
-                                                  packed_for=x.dtype)  # fmt: skip
+                                                  packed_for=x.dtype, config=moe_cfg)  # fmt: skip
         else:
 
             def call() -> torch.Tensor:
