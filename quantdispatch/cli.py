@@ -75,6 +75,14 @@ def _build_parser() -> argparse.ArgumentParser:
         help="one linear layer's weight, N output rows x K input columns (e.g. 6144x4096): "
         "its decisions and the kernel for each M range (default: the rules by weight size)",
     )
+    doc.add_argument(
+        "--moe",
+        type=_moe_shape,
+        metavar="E,TOPK,H,I",
+        help="one MoE layer: experts, top-k, hidden and intermediate size (e.g. "
+        "128,8,2048,768): the kernel the triton backend runs its NVFP4 / MXFP4 experts on for "
+        "each M range",
+    )
     doc.add_argument("--policy", help="policy TOML file laid over the default")
     doc.add_argument("--json", action="store_true", help="one JSON object on stdout")
     doc.add_argument(
@@ -140,6 +148,85 @@ def _profile_dict(profile: Any) -> dict[str, Any]:
     return data
 
 
+def _moe_shape(text: str) -> tuple[int, int, int, int]:
+    """``--moe E,TOPK,H,I`` -> (E, TOPK, H, I), positive integers, TOPK <= E."""
+    parts = text.split(",")
+    if len(parts) != 4 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(
+            f"--moe {text!r}: expected E,TOPK,H,I, four positive integers (experts, experts "
+            "per token, hidden size, intermediate size), e.g. --moe 128,8,2048,768"
+        )
+    e, k, h, i = (int(p) for p in parts)
+    if k > e:
+        raise argparse.ArgumentTypeError(
+            f"--moe {text!r}: top-k {k} is more than the {e} experts; give TOPK <= E"
+        )
+    return e, k, h, i
+
+
+def _moe_layer(shape: tuple[int, int, int, int], profile: Any) -> dict:
+    """The triton backend's kernels for one MoE layer's NVFP4 / MXFP4 experts by M (doctor
+    --moe): the ranges come from the same plan QuantMoE runs, for this GPU (a simulated one:
+    from its compute capability)."""
+    e, k, h, i = shape
+    capability = profile.capability
+    out: dict[str, Any] = {"experts": e, "top_k": k, "hidden": h, "intermediate": i}
+    if capability is None or capability < (8, 0):
+        out["note"] = (
+            "the experts keep the checkpoint layout and run the fused tl.dot kernels (the "
+            "mma.sync kernels on repacked experts need SM 8.0+)"
+        )
+        out["ranges"] = []
+        return out
+    if h % 64 or i % 64:
+        out["note"] = (
+            f"H={h} and I={i} must both be multiples of 64 to repack the experts: they keep "
+            "the checkpoint layout and run the fused tl.dot kernels"
+        )
+        out["ranges"] = []
+        return out
+    try:
+        from quantdispatch.kernels.fp4_mma_moe import MoeDeviceFacts, moe_kernel_ranges
+    except ImportError as exc:  # no triton: no kernels to name
+        out["note"] = f"the kernels cannot be named here: {exc}"
+        out["ranges"] = []
+        return out
+    if profile.kind == "cuda" and not profile.simulated and profile.torch_cuda:
+        import torch
+
+        facts = MoeDeviceFacts.of(torch.device("cuda", profile.index or 0))
+    else:
+        facts = MoeDeviceFacts.for_capability(capability)
+    out["note"] = (
+        "gated experts, repacked once (mma16x64, same bytes; MXFP4 experts whose block scales "
+        "span <= 18 binades, the others keep the checkpoint layout)"
+    )
+    out["ranges"] = [
+        {"m_min": lo, "m_max": hi, "tokens_per_expert": [lo * k / e, hi * k / e], "kernel": w}
+        for lo, hi, w in moe_kernel_ranges(k, e, i, h, facts)
+    ]
+    out["ranges"][-1]["m_max"] = None  # the last range goes on
+    return out
+
+
+def _moe_layer_text(layer: dict, label: str) -> str:
+    lines = [
+        f"MoE layer: {layer['experts']} experts, top-{layer['top_k']}, hidden "
+        f"{layer['hidden']}, intermediate {layer['intermediate']}, NVFP4 / MXFP4 experts on "
+        f"the triton backend, {label}",
+        f"  {layer['note']}",
+    ]
+    for r in layer["ranges"]:
+        lo, hi = r["m_min"], r["m_max"]
+        span = f"M >= {lo}" if hi is None else (f"M = {lo}" if lo == hi else f"M {lo}..{hi}")
+        tpe_lo, tpe_hi = r["tokens_per_expert"]
+        tpe = f"{tpe_lo:.3g}+" if hi is None else f"{tpe_lo:.3g}" + (
+            "" if lo == hi else f"..{tpe_hi:.3g}"
+        )
+        lines.append(f"  {span} ({tpe} tokens per expert): {r['kernel']}")
+    return "\n".join(lines)
+
+
 def _doctor(args: argparse.Namespace) -> int:
     from quantdispatch.api import select
     from quantdispatch.device import device_profile
@@ -191,6 +278,7 @@ def _doctor(args: argparse.Namespace) -> int:
                 decisions.append(d.to_dict())
                 blocks.append(d.explain())
 
+    moe_layer = _moe_layer(args.moe, profile) if args.moe else None
     if args.json:
         out = {
             "quantdispatch": _version(),
@@ -199,12 +287,17 @@ def _doctor(args: argparse.Namespace) -> int:
             "settings": {**settings.describe(), "policy_files": list(policy.sources)},
             "decisions": decisions,
         }
+        if moe_layer is not None:
+            out["moe_layer"] = moe_layer
         print(json.dumps(out, indent=2))
     else:
         print(_human_header(profile, settings, policy))
         print("Decisions (-> chosen; 'no' rejected; 'ok' could also run)")
         for b in blocks:
             print(b)
+            print()
+        if moe_layer is not None:
+            print(_moe_layer_text(moe_layer, profile.label()))
             print()
     if errors:
         print(f"quantdispatch: error: {errors[0]}", file=sys.stderr)

@@ -71,11 +71,15 @@ from quantdispatch.moe_math import get_activation
 
 __all__ = [
     "MMA_MAX_TOKENS_PER_EXPERT",
+    "MoeDeviceFacts",
     "MoeGemmTile",
     "dequant_experts",
+    "describe_moe_config",
     "mma_layout_moe",
+    "moe_kernel_ranges",
     "moe_layout_config",
     "moe_layout_supported",
+    "moe_plan",
     "repack_experts",
     "repack_experts_mx",
     "unpack_experts",
@@ -221,6 +225,33 @@ def _fit_shared(tile: MoeGemmTile, limit: int) -> MoeGemmTile:
     return MoeGemmTile(16, stages=2)
 
 
+@dataclass(frozen=True)
+class MoeDeviceFacts:
+    """What the MoE regime takes from the GPU besides the sizes: whether torch._grouped_mm
+    runs there (SM 9.0+), the shared memory one program may use, and whether the down kernel is
+    a programmatic dependent launch. ``of`` asks the device; ``for_capability`` answers from a
+    compute capability alone (doctor's simulated GPUs)."""
+
+    grouped_mm: bool
+    shared_bytes: int
+    pdl: bool
+
+    @classmethod
+    def of(cls, device: torch.device) -> MoeDeviceFacts:
+        return cls(_grouped_mm_capable(device), _max_shared_memory(device), pdl_capable(device))
+
+    @classmethod
+    def for_capability(cls, capability: tuple[int, int]) -> MoeDeviceFacts:
+        from quantdispatch.kernels.gdc import HAS_GDC, pdl_enabled
+
+        hopper = capability >= (9, 0)
+        return cls(
+            hopper and hasattr(torch, "_grouped_mm"),
+            _SHARED_BY_CAPABILITY.get(capability, _SHARED_DEFAULT),
+            hopper and HAS_GDC and pdl_enabled(),
+        )
+
+
 def moe_layout_config(
     m: int,
     top_k: int,
@@ -228,6 +259,21 @@ def moe_layout_config(
     inter: int,
     hidden: int,
     device: torch.device,
+    *,
+    allow_dequant: bool = True,
+) -> SmallMoeConfig | MmaMoeConfig | MoeGemmTile | DequantMoeConfig:
+    """:func:`moe_plan` for ``device``."""
+    facts = MoeDeviceFacts.of(device)
+    return moe_plan(m, top_k, experts, inter, hidden, facts, allow_dequant=allow_dequant)
+
+
+def moe_plan(
+    m: int,
+    top_k: int,
+    experts: int,
+    inter: int,
+    hidden: int,
+    facts: MoeDeviceFacts,
     *,
     allow_dequant: bool = True,
 ) -> SmallMoeConfig | MmaMoeConfig | MoeGemmTile | DequantMoeConfig:
@@ -257,7 +303,7 @@ def moe_layout_config(
         allow_dequant
         and tpe >= DEQUANT_MIN_TOKENS_PER_EXPERT
         and buffer <= DEQUANT_MAX_BUFFER_BYTES
-        and _grouped_mm_capable(device)
+        and facts.grouped_mm
     ):
         return DequantMoeConfig()
     if tpe <= MMA_MAX_TOKENS_PER_EXPERT:
@@ -265,7 +311,7 @@ def moe_layout_config(
         cfg = mma_moe_config(pairs, experts, inter, hidden, direct=direct, repacked=True)
         if direct:  # single pairs: the top-k sum inside the down kernel (fp4_mma_moe_small)
             return small_moe_config(
-                m, top_k, inter, hidden, cfg.gemm1.wk, cfg.gemm1.unroll, pdl_capable(device)
+                m, top_k, inter, hidden, cfg.gemm1.wk, cfg.gemm1.unroll, facts.pdl
             )
         return cfg
     if tpe <= 12:
@@ -276,7 +322,43 @@ def moe_layout_config(
         tile = MoeGemmTile(64, stages=3)
     else:
         tile = MoeGemmTile(128, block_n=128, warps=8, stages=3)
-    return _fit_shared(tile, _max_shared_memory(device))
+    return _fit_shared(tile, facts.shared_bytes)
+
+
+def describe_moe_config(cfg: SmallMoeConfig | MmaMoeConfig | MoeGemmTile | DequantMoeConfig) -> str:
+    """doctor's words for one regime and its launch parameters."""
+    if isinstance(cfg, SmallMoeConfig):
+        return (
+            "single (token, slot) pairs: mma.sync gate/up, then a down kernel that also sums "
+            f"the top-k slots ({cfg.label()})"
+        )
+    if isinstance(cfg, MmaMoeConfig):
+        g1, g2 = cfg.gemm1, cfg.gemm2
+        what = "one per (token, slot) pair" if cfg.direct else f"blocks of {cfg.block_m} pairs"
+        return (
+            f"mma.sync kernels, {what} (gate/up / down: K split {g1.wk} / {g2.wk} ways, "
+            f"{g1.unroll} / {g2.unroll} chunks in flight, {g1.wt} / {g2.wt} tiles a warp)"
+        )
+    if isinstance(cfg, MoeGemmTile):
+        return f"grouped tl.dot GEMM decoding the repacked experts ({cfg.label()})"
+    return "experts dequantized per GEMM + torch._grouped_mm"
+
+
+def moe_kernel_ranges(
+    top_k: int, experts: int, inter: int, hidden: int, facts: MoeDeviceFacts,
+    max_m: int = 1 << 16,
+) -> list[tuple[int, int, str]]:  # fmt: skip
+    """(first M, last M, words) for every run of M in 1..max_m that gets the same config from
+    :func:`moe_plan`; the last run ends at ``max_m`` (and goes on beyond it)."""
+    ranges: list[tuple[int, int, str]] = []
+    start, prev = 1, moe_plan(1, top_k, experts, inter, hidden, facts)
+    for m in range(2, max_m + 1):
+        cfg = moe_plan(m, top_k, experts, inter, hidden, facts)
+        if cfg != prev:
+            ranges.append((start, m - 1, describe_moe_config(prev)))
+            start, prev = m, cfg
+    ranges.append((start, max_m, describe_moe_config(prev)))
+    return ranges
 
 
 # --------------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 import subprocess
@@ -185,3 +186,62 @@ def test_verify_refuses_a_simulated_device(capsys, monkeypatch):
     monkeypatch.setenv("QUANTDISPATCH_DEVICE", "h100")
     code, _, err = _run(capsys, "verify")
     assert code == 1 and "verify runs kernels" in err
+
+
+def test_moe_answers_for_one_moe_layer(capsys):
+    """--moe E,TOPK,H,I: the kernel for every M range of that layer, from the plan QuantMoE
+    runs (gpt-oss-20b on a simulated H200: single pairs, 8-pair blocks unsplit on its 45-chunk
+    K, grouped GEMM tiles, then dequantize + grouped_mm from 512 tokens per expert)."""
+    pytest.importorskip("triton")
+    argv = ("doctor", "--device", "h200", "--format", "mxfp4", "--op", "moe", "--act-dtype", "bf16")
+    code, out, err = _run(capsys, *argv, "--moe", "32,4,2880,2880")
+    assert code == 0, err
+    assert "MoE layer: 32 experts, top-4, hidden 2880, intermediate 2880" in out
+    assert "M = 1 (0.125 tokens per expert): single (token, slot) pairs" in out
+    assert "M 3..32 (0.375..4 tokens per expert): mma.sync kernels, blocks of 8 pairs" in out
+    assert "K split 1 / 1 ways" in out
+    assert "M >= 4096 (512+ tokens per expert): experts dequantized per GEMM" in out
+
+
+def test_moe_ranges_are_the_plan(capsys):
+    """The JSON ranges cover M = 1.. without gaps, and each names what moe_plan picks at both
+    of its ends (an A100: no torch._grouped_mm below SM 9.0, so no dequantize range)."""
+    pytest.importorskip("triton")
+    from quantdispatch.kernels.fp4_mma_moe import MoeDeviceFacts, describe_moe_config, moe_plan
+
+    for device, cap in [("h200", (9, 0)), ("a100", (8, 0)), ("rtx4090", (8, 9))]:
+        layer = _json(capsys, "--device", device, "--op", "moe", "--moe", "128,8,2048,768")[
+            "moe_layer"
+        ]
+        facts = MoeDeviceFacts.for_capability(cap)
+        ranges = layer["ranges"]
+        assert ranges[0]["m_min"] == 1 and ranges[-1]["m_max"] is None
+        for prev, cur in itertools.pairwise(ranges):
+            assert cur["m_min"] == prev["m_max"] + 1
+        for r in ranges:
+            for m in (r["m_min"], r["m_max"] or r["m_min"]):
+                cfg = moe_plan(m, 8, 128, 768, 2048, facts)
+                assert describe_moe_config(cfg) == r["kernel"]
+        dequant = any("dequantized" in r["kernel"] for r in ranges)
+        assert dequant == (cap >= (9, 0))
+
+
+def test_moe_layers_the_mma_kernels_cannot_take(capsys):
+    code, out, err = _run(
+        capsys, "doctor", "--device", "t4", "--op", "moe", "--moe", "8,2,4096,14336"
+    )
+    assert code == 0, err
+    assert "need SM 8.0+" in out
+    code, out, err = _run(
+        capsys, "doctor", "--device", "h200", "--op", "moe", "--moe", "8,2,4000,14336"
+    )
+    assert code == 0, err
+    assert "H=4000 and I=14336 must both be multiples of 64" in out
+
+
+@pytest.mark.parametrize("bad", ["8,2,4096", "8,2,4096,x", "8,0,4096,14336", "8,9,4096,14336"])
+def test_a_malformed_moe_is_one_line_naming_the_form(capsys, bad):
+    with pytest.raises(SystemExit) as e:
+        main(["doctor", "--moe", bad])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and f"--moe {bad!r}" in err
