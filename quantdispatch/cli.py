@@ -206,6 +206,7 @@ def _moe_layer(shape: tuple[int, int, int, int], profile: Any) -> dict:
         for lo, hi, w in moe_kernel_ranges(k, e, i, h, facts)
     ]
     out["ranges"][-1]["m_max"] = None  # the last range goes on
+    out["ranges"][-1]["tokens_per_expert"][1] = None
     return out
 
 

@@ -646,7 +646,8 @@ def _gemm_config_repacked(blocks: int, tiles: int, chunks: int, gate_up: bool) -
 
 def _even_split(cfg: MmaGemmConfig, chunks: int) -> MmaGemmConfig:
     """No K split whose step (WK x UNROLL chunks) leaves a ragged last step: its warps then run
-    the masked loop, with idle slots in the last step. From the H200 (session 15,
+    the predicated loop (Nsight Compute: 12-19% more instructions at 45 chunks, same occupancy
+    and issue rate; results/ncu-ksplit-h200-2026-11-30/). From the H200 (session 15,
     ksplit-probe-h200-2026-11-30.log; us per layer, 8-pair blocks, both GEMMs K split 2 x 2
     against no split): 45 chunks (gpt-oss, H = I = 2880) 128 experts top-4 M=16 244 vs 214,
     32 experts M=4 84.5 vs 80.8; 46 chunks 241 vs 225 and 77.5 vs 73.5; where the split is even
