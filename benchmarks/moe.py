@@ -66,6 +66,7 @@ from quantdispatch.backends.reference import ReferenceBackend
 from quantdispatch.kernels import fused_moe as fm
 from quantdispatch.kernels.fp4_mma_ckpt import MmaGemmConfig, MmaMoeConfig
 from quantdispatch.kernels.fp4_mma_moe import (
+    MMA_MAX_TOKENS_PER_EXPERT,
     MoeGemmTile,
     mma_layout_moe,
     moe_layout_config,
@@ -486,7 +487,8 @@ WARP_SWEEP = [((1, 2, 2), (1, 1, 2)), ((1, 4, 2), (1, 2, 2)), ((1, 2, 2), (1, 2,
 
 def sweep_configs(m: int, top_k: int, e: int, i: int, h: int, only_small: bool = False) -> list:
     """The mma.sync kernels (the heuristic's warps; 8- and 16-pair blocks) up to 16 tokens per
-    expert, grouped GEMM tiles from 2 on; the single-pair kernels also where the heuristic
+    expert, the 8-pair blocks' warps per GEMM (WARP_SWEEP) where the heuristic runs them,
+    grouped GEMM tiles from 2 on; the single-pair kernels also where the heuristic
     picks 8-pair blocks at <= 1 token per expert. ``only_small``: the single-pair kernels (and
     the pick) only."""
     from quantdispatch.kernels.fp4_mma_ckpt import mma_moe_config
@@ -526,6 +528,8 @@ def sweep_configs(m: int, top_k: int, e: int, i: int, h: int, only_small: bool =
         return out
     if tpe <= 16:
         out += [mma_moe_config(m * top_k, e, i, h, direct=False, nt=nt) for nt in (1, 2)]
+    if tpe <= MMA_MAX_TOKENS_PER_EXPERT:  # 8-pair blocks picked: their warps per GEMM too
+        out += [MmaMoeConfig(1, MmaGemmConfig(*g1), MmaGemmConfig(*g2)) for g1, g2 in WARP_SWEEP]
     if tpe >= 2:
         blocks = [bm for bm in (16, 32, 64, 128) if bm <= max(16, 4 * tpe)]
         for bm in blocks[-3:]:
