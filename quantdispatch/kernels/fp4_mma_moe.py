@@ -34,6 +34,7 @@ The layout places codes for one 16-bit activation dtype (bf16 or fp16), fixed at
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -111,19 +112,24 @@ def moe_layout_supported(
     )
 
 
+def _stack_buffers(packed: torch.Tensor, pairs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty repacked stacks for packed uint8 [E, N, K/2]: words int32 [E, N/16, K/64, 32, 4]
+    and scales uint8 [E, N/16, K/64, pairs, 2] (32 pairs NVFP4, 16 MXFP4)."""
+    e, n, k = packed.shape[0], packed.shape[1], packed.shape[2] * 2
+    lead = (e, n // TILE_N, k // CHUNK_K)
+    words = torch.empty((*lead, 32, 4), dtype=torch.int32, device=packed.device)
+    return words, torch.empty((*lead, pairs, 2), dtype=torch.uint8, device=packed.device)
+
+
 def repack_experts(
     packed: torch.Tensor, block_scale: torch.Tensor, act_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Stacked checkpoint tensors (packed uint8 [E, N, K/2], E4M3 block scales [E, N, K/16])
     -> (words int32 [E, N/16, K/64, 32, 4], scales uint8 [E, N/16, K/64, 32, 2]), expert by
     expert on the tensors' device (one expert's temporaries at a time). Same bytes."""
-    e, n, k = packed.shape[0], packed.shape[1], packed.shape[2] * 2
     codes = block_scale.view(torch.uint8)
-    words = torch.empty((e, n // TILE_N, k // CHUNK_K, 32, 4), dtype=torch.int32,
-                        device=packed.device)  # fmt: skip
-    scales = torch.empty((e, n // TILE_N, k // CHUNK_K, 32, 2), dtype=torch.uint8,
-                         device=packed.device)  # fmt: skip
-    for i in range(e):
+    words, scales = _stack_buffers(packed, 32)
+    for i in range(packed.shape[0]):
         words[i], scales[i] = repack(packed[i], codes[i], act_dtype)
     return words, scales
 
@@ -135,14 +141,10 @@ def repack_experts_mx(
     [E, N/16, K/64, 32, 4], scales uint8 [E, N/16, K/64, 16, 2], global scales fp32 [E]),
     expert by expert (:func:`.fp4_mma.repack_mx`: each expert's scales relative to its own
     largest). Raises WeightFormatError if any expert's scales span more than the layout holds."""
-    e, n, k = packed.shape[0], packed.shape[1], packed.shape[2] * 2
     codes = e8m0.view(torch.uint8)
-    words = torch.empty((e, n // TILE_N, k // CHUNK_K, 32, 4), dtype=torch.int32,
-                        device=packed.device)  # fmt: skip
-    scales = torch.empty((e, n // TILE_N, k // CHUNK_K, 16, 2), dtype=torch.uint8,
-                         device=packed.device)  # fmt: skip
-    gs = torch.empty((e,), dtype=torch.float32, device=packed.device)
-    for i in range(e):
+    words, scales = _stack_buffers(packed, 16)
+    gs = torch.empty((packed.shape[0],), dtype=torch.float32, device=packed.device)
+    for i in range(packed.shape[0]):
         words[i], scales[i], gs[i] = repack_mx(packed[i], codes[i], act_dtype)
     return words, scales, gs
 
@@ -225,6 +227,12 @@ def _fit_shared(tile: MoeGemmTile, limit: int) -> MoeGemmTile:
     return MoeGemmTile(16, stages=2)
 
 
+@functools.cache
+def _fixed_facts(device: torch.device) -> tuple[bool, int]:
+    """(torch._grouped_mm runs there, shared memory per program) of one device, asked once."""
+    return _grouped_mm_capable(device), _max_shared_memory(device)
+
+
 @dataclass(frozen=True)
 class MoeDeviceFacts:
     """What the MoE regime takes from the GPU besides the sizes: whether torch._grouped_mm
@@ -238,7 +246,10 @@ class MoeDeviceFacts:
 
     @classmethod
     def of(cls, device: torch.device) -> MoeDeviceFacts:
-        return cls(_grouped_mm_capable(device), _max_shared_memory(device), pdl_capable(device))
+        """Per call (each forward without a config): the fixed facts come from a per-device
+        cache; PDL is asked each time (``QUANTDISPATCH_PDL`` may change)."""
+        grouped_mm, shared_bytes = _fixed_facts(device)
+        return cls(grouped_mm, shared_bytes, pdl_capable(device))
 
     @classmethod
     def for_capability(cls, capability: tuple[int, int]) -> MoeDeviceFacts:

@@ -272,6 +272,7 @@ def test_regimes_from_tokens_per_expert():
     # Qwen3 (32 chunks) and gpt-oss (45) keep the per-pair tuning they are given
     qwen3 = small_moe_config(1, 8, 768, 2048, 4, 2, pdl=True)
     assert qwen3 == SmallMoeConfig(4, 2, 16, 2, True, 0) and "pdl pf0" in qwen3.label()
+
     def gate_up(cfg: SmallMoeConfig) -> tuple[int, int]:
         return cfg.warps, cfg.unroll
 
@@ -311,17 +312,18 @@ def test_eight_pair_blocks_split_k_only_evenly():
     assert mma_moe_config(64, 128, 2880, 2880, direct=False).gemm1.wk == 2
 
 
-def test_tiles_fit_the_gpus_shared_memory(monkeypatch):
+def test_tiles_fit_the_gpus_shared_memory():
     """The 128-pair tile (~150 KB of pipeline by the upper bound) runs where 227 KB are
     available (H100 / H200); a 99 KB GPU (RTX 30/40/50, L40S) gets the 64-pair tile, which
     fits by that bound."""
     big = moe_layout_config(4096, 8, 128, 768, 2048, CPU)
     assert big.block_m == 128 and big.shared_bytes() > 99 * 1024
-    monkeypatch.setattr(mm, "_max_shared_memory", lambda device: 99 * 1024)
-    small = moe_layout_config(4096, 8, 128, 768, 2048, CPU)
+    assert mm.MoeDeviceFacts.for_capability((8, 9)).shared_bytes == 99 * 1024  # RTX 4090 / L40S
+    rtx = mm.MoeDeviceFacts(grouped_mm=False, shared_bytes=99 * 1024, pdl=False)
+    small = mm.moe_plan(4096, 8, 128, 768, 2048, rtx)
     assert small.block_m == 64 and small.shared_bytes() + mm._SHARED_MARGIN <= 99 * 1024
     # the smaller tiles fit as they are
-    assert [moe_layout_config(m, 8, 128, 768, 2048, CPU).block_m for m in (128, 256, 512)] == [
+    assert [mm.moe_plan(m, 8, 128, 768, 2048, rtx).block_m for m in (128, 256, 512)] == [
         16,
         32,
         64,
