@@ -171,26 +171,24 @@ def _moe_layer(shape: tuple[int, int, int, int], profile: Any) -> dict:
     e, k, h, i = shape
     capability = profile.capability
     out: dict[str, Any] = {"experts": e, "top_k": k, "hidden": h, "intermediate": i}
+
+    def unrepacked(note: str) -> dict:
+        return {**out, "note": note, "ranges": []}
+
     if capability is None or capability < (8, 0):
-        out["note"] = (
+        return unrepacked(
             "the experts keep the checkpoint layout and run the fused tl.dot kernels (the "
             "mma.sync kernels on repacked experts need SM 8.0+)"
         )
-        out["ranges"] = []
-        return out
     if h % 64 or i % 64:
-        out["note"] = (
+        return unrepacked(
             f"H={h} and I={i} must both be multiples of 64 to repack the experts: they keep "
             "the checkpoint layout and run the fused tl.dot kernels"
         )
-        out["ranges"] = []
-        return out
     try:
         from quantdispatch.kernels.fp4_mma_moe import MoeDeviceFacts, moe_kernel_ranges
     except ImportError as exc:  # no triton: no kernels to name
-        out["note"] = f"the kernels cannot be named here: {exc}"
-        out["ranges"] = []
-        return out
+        return unrepacked(f"the kernels cannot be named here: {exc}")
     if profile.kind == "cuda" and not profile.simulated and profile.torch_cuda:
         import torch
 
