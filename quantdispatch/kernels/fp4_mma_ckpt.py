@@ -657,6 +657,32 @@ def _even_split(cfg: MmaGemmConfig, chunks: int) -> MmaGemmConfig:
     return cfg
 
 
+#: 8-pair blocks on repacked experts: a GEMM with at most this many (block, tile) programs (the
+#: blocks counted as the experts that uniform routing is expected to touch) and at least
+#: FEW_PROGRAMS_MIN_CHUNKS chunks of K splits K 4 ways with one chunk in flight per warp.
+FEW_PROGRAMS = 6144
+FEW_PROGRAMS_MIN_CHUNKS = 40
+
+
+def expected_experts(pairs: int, experts: int) -> float:
+    """Experts that ``pairs`` (token, slot) pairs touch on average under uniform routing:
+    E (1 - (1 - 1/E)^pairs) (real routers are skewed: they touch fewer)."""
+    return experts * (1.0 - (1.0 - 1.0 / experts) ** pairs)
+
+
+def _few_programs_split(cfg: MmaGemmConfig, programs: float, chunks: int) -> MmaGemmConfig:
+    """A 4-way K split with one chunk in flight where a GEMM has few programs and a long K,
+    in place of a smaller split (the 16-chunks-a-warp floor of :func:`_gemm_config`, or a
+    ragged split :func:`_even_split` dropped). From the H200 (session 16,
+    ksplit-probe-h200-2026-11-30-few*.log; us per layer, 4 x 1 on both GEMMs against the pick,
+    no split): gpt-oss-20b (45 chunks, ~1900..5700 programs) M=3 57.3 vs 61.4, M=4 68.3 vs 78.4,
+    M=8 98.4 vs 108.8, M=16 135.2 vs 143.7; gpt-oss-120b M=9 (~5650) ties, M=16 (~9200) loses
+    (222.8 vs 212.4 for gate/up alone)."""
+    if cfg.wk < 4 and programs <= FEW_PROGRAMS and chunks >= FEW_PROGRAMS_MIN_CHUNKS:
+        return MmaGemmConfig(cfg.wt, 4, 1)
+    return cfg
+
+
 def mma_moe_config(
     pairs: int,
     experts: int,
@@ -677,6 +703,9 @@ def mma_moe_config(
     elif repacked:
         g1 = _even_split(_gemm_config(blocks, inter // 16, hidden // 64), hidden // 64)
         g2 = _even_split(_gemm_config(blocks, hidden // 16, inter // 64), inter // 64)
+        touched = expected_experts(pairs, experts)
+        g1 = _few_programs_split(g1, touched * (inter // 16), hidden // 64)
+        g2 = _few_programs_split(g2, touched * (hidden // 16), inter // 64)
     else:
         g1 = _gemm_config(blocks, inter // 16, hidden // 64)
         g2 = _gemm_config(blocks, hidden // 16, inter // 64)

@@ -92,6 +92,15 @@ __all__ = [
 MMA_MAX_TOKENS_PER_EXPERT = 4
 #: From this many tokens per expert (SM 9.0+), dequantize + torch._grouped_mm (as fused_moe).
 DEQUANT_MIN_TOKENS_PER_EXPERT = 512
+#: Small experts (I x H at most DIRECT_MAX_EXPERT_ELEMENTS) run one mma block per (token, slot)
+#: pair, no expert sort, up to this many tokens per expert: their blocks of 8 pairs would mostly
+#: hold one pair, and the sort is a large part of a small expert's time. H200 (session 16,
+#: ksplit-probe-h200-2026-11-30-few*.log; us per layer, one block per pair vs 8-pair blocks):
+#: Qwen3-30B-A3B (768 x 2048) M=5 38.6 vs 45.6, M=6 43.8 vs 48.4, M=8 51.5 vs 55.5; 64 experts
+#: of 1024 x 2048, top-8, M=3 32.0 vs 38.0, M=4 37.5 vs 42.6. Bigger experts keep the blocks
+#: (1536 x 4096 M=8 179.6 vs 160.8; gpt-oss-120b M=12 178.7 vs 167.2).
+DIRECT_MAX_TOKENS_PER_EXPERT = 0.5
+DIRECT_MAX_EXPERT_ELEMENTS = 1 << 22
 #: ... as long as the transient 16-bit copy of one GEMM's experts stays below this (bytes).
 DEQUANT_MAX_BUFFER_BYTES = 4 * 2**30
 
@@ -292,7 +301,8 @@ def moe_plan(
 
     Tokens per expert ``tpe = M * top_k / E``: <= MMA_MAX_TOKENS_PER_EXPERT the mma.sync
     kernels (single pairs when 4 * pairs <= E, with the top-k sum in the down kernel,
-    :func:`.fp4_mma_moe_small.small_moe_config`; else 8-pair blocks); >=
+    :func:`.fp4_mma_moe_small.small_moe_config`; small experts up to
+    DIRECT_MAX_TOKENS_PER_EXPERT one block per pair; else 8-pair blocks); >=
     DEQUANT_MIN_TOKENS_PER_EXPERT on SM 9.0+ dequantize + grouped_mm; in between the grouped
     GEMM, with blocks of 16 / 32 / 64 pairs (64-row weight tiles, 4 warps) and above 96 tokens
     per expert 128 pairs on 128-row tiles (8 warps). From the H200 sweep
@@ -324,6 +334,8 @@ def moe_plan(
             return small_moe_config(
                 m, top_k, inter, hidden, cfg.gemm1.wk, cfg.gemm1.unroll, facts.pdl
             )
+        if tpe <= DIRECT_MAX_TOKENS_PER_EXPERT and inter * hidden <= DIRECT_MAX_EXPERT_ELEMENTS:
+            return mma_moe_config(pairs, experts, inter, hidden, direct=True, repacked=True)
         return cfg
     if tpe <= 12:
         tile = MoeGemmTile(16, stages=3)

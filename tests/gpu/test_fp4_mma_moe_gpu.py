@@ -118,7 +118,7 @@ def test_gpt_oss_sizes_clamped_swiglu_with_biases(nan_empty, fmt):
     b13 = torch.randn(32, 5760, generator=gen, device=DEV)
     b2 = torch.randn(32, 2880, generator=gen, device=DEV)
     params = [1.702, 7.0]
-    for m in (1, 3, 90, 700):
+    for m in (1, 3, 16, 90, 700):  # 3 and 16: 8-pair blocks, K split 4 ways (few programs)
         ids, w = routing(m, 32, 4, gen)
         x = torch.randn(m, 2880, generator=gen, device=DEV).to(torch.bfloat16)
         ref = moe64(fmt, x, ids, w, w13, w2, b13, b2, "swiglu_oai", params)
@@ -126,6 +126,22 @@ def test_gpt_oss_sizes_clamped_swiglu_with_biases(nan_empty, fmt):
         out = call(r13, r2, x, ids, w, cfg, activation="swiglu_oai", params=params, b13=b13,
                    b2=b2)  # fmt: skip
         assert rel(out, ref) < BOUND[torch.bfloat16], cfg
+
+
+@pytest.mark.parametrize("m", [4, 5, 8, 9])
+def test_the_plan_between_single_pairs_and_blocks_matches_float64(nan_empty, m):
+    """Qwen3-30B-A3B at the plan's picks around 0.5 tokens per expert: single pairs (M=4), one
+    8-row block per pair without the expert sort (M = 5..8, small experts), 8-pair blocks
+    (M=9)."""
+    w13, w2, r13, r2, gen = experts(E, H, INTER, seed=40 + m, dtype=torch.bfloat16)
+    ids, w = routing(m, E, TOP_K, gen)
+    x = torch.randn(m, H, generator=gen, device=DEV).to(torch.bfloat16)
+    cfg = moe_layout_config(m, TOP_K, E, INTER, H, DEV)
+    assert isinstance(cfg, SmallMoeConfig if m == 4 else MmaMoeConfig)
+    assert m == 4 or cfg.direct == (m <= 8)
+    out = call(r13, r2, x, ids, w, cfg)
+    ref = moe64("nvfp4", x, ids, w, w13, w2)
+    assert rel(out, ref) < BOUND[torch.bfloat16], cfg
 
 
 def test_agrees_with_the_checkpoint_layout_kernels():

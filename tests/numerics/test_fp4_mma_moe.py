@@ -312,6 +312,52 @@ def test_eight_pair_blocks_split_k_only_evenly():
     assert mma_moe_config(64, 128, 2880, 2880, direct=False).gemm1.wk == 2
 
 
+def test_few_program_blocks_split_k_four_ways():
+    """Repacked 8-pair blocks whose GEMM has few programs (the experts uniform routing touches x
+    row tiles <= FEW_PROGRAMS) and 40+ chunks of K take a 4-way split, one chunk in flight:
+    gpt-oss-20b (32 experts) at every 8-pair M; gpt-oss-120b only while its blocks are few."""
+    from quantdispatch.kernels.fp4_mma_ckpt import FEW_PROGRAMS, expected_experts
+
+    assert expected_experts(1, 32) == pytest.approx(1.0)
+    assert expected_experts(32, 32) == pytest.approx(32 * (1 - (31 / 32) ** 32))
+    for m in (3, 4, 8, 16, 32):  # gpt-oss-20b: at most ~32 x 180 programs
+        cfg = mma_moe_config(4 * m, 32, 2880, 2880, direct=False, repacked=True)
+        assert (cfg.gemm1.wk, cfg.gemm1.unroll, cfg.gemm2.wk, cfg.gemm2.unroll) == (4, 1, 4, 1)
+    assert expected_experts(36, 128) * 180 <= FEW_PROGRAMS  # 120b M=9: still few
+    for m in (12, 16):  # 120b: ~40 and ~51 blocks x 180 tiles: no split, as before
+        cfg = mma_moe_config(4 * m, 128, 2880, 2880, direct=False, repacked=True)
+        assert (cfg.gemm1.wk, cfg.gemm2.wk) == (1, 1)
+    # short K (Qwen3: 32 / 12 chunks) and splits already 4-way (Mixtral) keep their configs
+    qwen3 = mma_moe_config(40, 128, 768, 2048, direct=False, repacked=True)
+    assert (qwen3.gemm1.wk, qwen3.gemm1.unroll, qwen3.gemm2.wk) == (2, 2, 1)
+    mixtral = mma_moe_config(4, 8, 14336, 4096, direct=False, repacked=True)
+    assert (mixtral.gemm1.wk, mixtral.gemm1.unroll, mixtral.gemm2.unroll) == (4, 2, 2)
+    # the checkpoint-layout kernels were not measured this way
+    assert mma_moe_config(16, 32, 2880, 2880, direct=False).gemm1.wk == 2
+
+
+def test_small_experts_run_one_block_per_pair_up_to_half_a_token_per_expert():
+    """Between single pairs (4 x pairs <= E) and 8-pair blocks, experts of at most
+    DIRECT_MAX_EXPERT_ELEMENTS (I x H) run one mma block per pair (no expert sort) up to
+    0.5 tokens per expert; bigger experts keep the blocks."""
+    from quantdispatch.kernels.fp4_mma_moe import DIRECT_MAX_EXPERT_ELEMENTS
+
+    for m in (5, 6, 8):  # Qwen3-30B-A3B: 768 x 2048, 0.31..0.5 per expert
+        cfg = moe_layout_config(m, 8, 128, 768, 2048, CPU)
+        assert isinstance(cfg, MmaMoeConfig) and cfg.direct
+        assert cfg == mma_moe_config(8 * m, 128, 768, 2048, direct=True, repacked=True)
+    assert not moe_layout_config(9, 8, 128, 768, 2048, CPU).direct  # 0.56 per expert
+    assert isinstance(moe_layout_config(4, 8, 128, 768, 2048, CPU), SmallMoeConfig)
+    assert 1024 * 2048 <= DIRECT_MAX_EXPERT_ELEMENTS < 1536 * 4096
+    assert moe_layout_config(3, 8, 64, 1024, 2048, CPU).direct  # 64 experts, 0.375 per expert
+    # Qwen3-235B-A22B-sized, gpt-oss-120b / 20b, DeepSeek-V3, Mixtral at 0.375..0.5 per expert
+    for m, k, e, i, h in [(8, 8, 128, 1536, 4096), (12, 4, 128, 2880, 2880),
+                          (4, 4, 32, 2880, 2880), (12, 8, 256, 2048, 7168),
+                          (2, 2, 8, 14336, 4096)]:  # fmt: skip
+        cfg = moe_layout_config(m, k, e, i, h, CPU)
+        assert isinstance(cfg, MmaMoeConfig) and not cfg.direct, (m, k, e, i, h)
+
+
 def test_tiles_fit_the_gpus_shared_memory():
     """The 128-pair tile (~150 KB of pipeline by the upper bound) runs where 227 KB are
     available (H100 / H200); a 99 KB GPU (RTX 30/40/50, L40S) gets the 64-pair tile, which
