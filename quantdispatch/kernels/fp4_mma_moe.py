@@ -92,6 +92,8 @@ __all__ = [
 MMA_MAX_TOKENS_PER_EXPERT = 4
 #: From this many tokens per expert (SM 9.0+), dequantize + torch._grouped_mm (as fused_moe).
 DEQUANT_MIN_TOKENS_PER_EXPERT = 512
+#: ... as long as the transient 16-bit copy of one GEMM's experts stays below this (bytes).
+DEQUANT_MAX_BUFFER_BYTES = 4 * 2**30
 #: Small experts (I x H at most DIRECT_MAX_EXPERT_ELEMENTS) run one mma block per (token, slot)
 #: pair, no expert sort, up to this many tokens per expert: their blocks of 8 pairs would mostly
 #: hold one pair, and the sort is a large part of a small expert's time. H200 (session 16,
@@ -101,8 +103,6 @@ DEQUANT_MIN_TOKENS_PER_EXPERT = 512
 #: (1536 x 4096 M=8 179.6 vs 160.8; gpt-oss-120b M=12 178.7 vs 167.2).
 DIRECT_MAX_TOKENS_PER_EXPERT = 0.5
 DIRECT_MAX_EXPERT_ELEMENTS = 1 << 22
-#: ... as long as the transient 16-bit copy of one GEMM's experts stays below this (bytes).
-DEQUANT_MAX_BUFFER_BYTES = 4 * 2**30
 
 
 def moe_layout_supported(
