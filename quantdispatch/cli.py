@@ -218,10 +218,11 @@ def _moe_layer_text(layer: dict, label: str) -> str:
     for r in layer["ranges"]:
         lo, hi = r["m_min"], r["m_max"]
         span = f"M >= {lo}" if hi is None else (f"M = {lo}" if lo == hi else f"M {lo}..{hi}")
-        tpe_lo, tpe_hi = r["tokens_per_expert"]
-        tpe = f"{tpe_lo:.3g}+" if hi is None else f"{tpe_lo:.3g}" + (
-            "" if lo == hi else f"..{tpe_hi:.3g}"
-        )
+        tpe_lo, tpe_hi = r["tokens_per_expert"]  # 6 significant digits: 1023.88, not 1.02e+03
+        if hi is None:
+            tpe = f"{tpe_lo:.6g}+"
+        else:
+            tpe = f"{tpe_lo:.6g}" + ("" if lo == hi else f"..{tpe_hi:.6g}")
         lines.append(f"  {span} ({tpe} tokens per expert): {r['kernel']}")
     return "\n".join(lines)
 

@@ -90,8 +90,12 @@ __all__ = [
 #: grouped GEMM (its blocks are at least 16 pairs: with fewer tokens per expert most of each
 #: wgmma would be padding).
 MMA_MAX_TOKENS_PER_EXPERT = 4
-#: From this many tokens per expert (SM 9.0+), dequantize + torch._grouped_mm (as fused_moe).
-DEQUANT_MIN_TOKENS_PER_EXPERT = 512
+#: From this many tokens per expert (SM 9.0+), dequantize + torch._grouped_mm. H200 (session 16,
+#: moe*-sweep-h200-2026-11-30-s16-*.json; us, the plan's grouped GEMM tile vs dequantize): at
+#: 512 per expert the GEMM wins on every model timed (Qwen3 M=8192 2127 vs 3959, Mixtral
+#: M=2048 3678 vs 4078, gpt-oss-20b M=4096 2431 vs 3325), at 1024 dequantize does (Mixtral
+#: M=4096 6455 vs 7327). (fused_moe's checkpoint-layout kernels keep 512: not re-measured.)
+DEQUANT_MIN_TOKENS_PER_EXPERT = 1024
 #: ... as long as the transient 16-bit copy of one GEMM's experts stays below this (bytes).
 DEQUANT_MAX_BUFFER_BYTES = 4 * 2**30
 #: Small experts (I x H at most DIRECT_MAX_EXPERT_ELEMENTS) run one mma block per (token, slot)
@@ -225,6 +229,15 @@ def _max_shared_memory(device: torch.device) -> int:
     return _SHARED_BY_CAPABILITY.get((props.major, props.minor), _SHARED_DEFAULT)
 
 
+def _tile_warps(tile: MoeGemmTile, block_n: int) -> int:
+    """Warps for one GEMM of ``tile`` run ``block_n`` rows wide: the tile's warps scale with
+    the rows when a GEMM whose N the tile's width does not divide falls back to 64-row tiles
+    (8 warps on 64 rows would split the tokens between two warpgroups that decode the same
+    weights: gpt-oss-20b, N = 2880, M=1024 1033.6 us against 716.6 with 4; session 16,
+    moe-mxfp4-sweep-h200-2026-11-30-s16-wide.json)."""
+    return max(4, tile.warps * block_n // tile.block_n)
+
+
 def _fit_shared(tile: MoeGemmTile, limit: int) -> MoeGemmTile:
     """``tile``, or the largest smaller one whose pipeline fits ``limit`` bytes by the upper
     bound of :meth:`MoeGemmTile.shared_bytes` (the 128-pair tile's is ~150 KB: kept on A100 /
@@ -305,7 +318,8 @@ def moe_plan(
     DIRECT_MAX_TOKENS_PER_EXPERT one block per pair; else 8-pair blocks); >=
     DEQUANT_MIN_TOKENS_PER_EXPERT on SM 9.0+ dequantize + grouped_mm; in between the grouped
     GEMM, with blocks of 16 / 32 / 64 pairs (64-row weight tiles, 4 warps) and above 96 tokens
-    per expert 128 pairs on 128-row tiles (8 warps). From the H200 sweep
+    per expert 128 pairs on 128-row tiles (8 warps; 64-row tiles and 4 warps where 128 does
+    not divide I or H, e.g. gpt-oss's 2880). From the H200 sweep
     (benchmarks/results/moe-sweep-h200-*.json; us): at 4 per expert the mma kernels win
     (Qwen3 M=64 125 vs 167, DeepSeek-V3 M=128 1952 vs 2409); at 8 it is mixed (Qwen3 163 vs
     172, Mixtral 310 vs 353, DeepSeek-V3 2777 vs 2564) and the GEMM wins the sum; 16 per expert:
@@ -343,6 +357,8 @@ def moe_plan(
         tile = MoeGemmTile(32, stages=3)
     elif tpe <= 96:
         tile = MoeGemmTile(64, stages=3)
+    elif inter % 128 or hidden % 128:  # 128-row tiles would not divide N: 64 rows, 4 warps
+        tile = MoeGemmTile(128, block_n=64, warps=4, stages=3)
     else:
         tile = MoeGemmTile(128, block_n=128, warps=8, stages=3)
     return _fit_shared(tile, facts.shared_bytes)
@@ -638,7 +654,7 @@ def mma_layout_moe(
         sorted_ptr=sorted_ids, bexp_ptr=block_expert, nvalid_ptr=num_blocks, tw_ptr=tw,
         T=pairs, top_k=top_k, n_blocks=n_blocks, alpha=float(alpha), limit=float(limit),
         BLOCK_M=bm, CK=cfg.chunks, ACT=spec.code, BF16=x.dtype == torch.bfloat16,
-        DOT_F32=_interpreting(), num_warps=cfg.warps, num_stages=cfg.stages,
+        DOT_F32=_interpreting(), num_stages=cfg.stages,
         SETTLE=rs_wgmma_hazard(x.device) and not _interpreting(),  # the weight is wgmma's A
         SPC=w13[1].shape[3],  # 32 NVFP4, 16 MXFP4 scale pairs per tile and chunk
     )  # fmt: skip
@@ -650,7 +666,7 @@ def mma_layout_moe(
         stride_xm=hidden, stride_we=w.stride(0), stride_se=s.stride(0),
         stride_be=w13_bias.stride(0) if w13_bias is not None else 0, stride_om=a.stride(0),
         CHUNKS=hidden // CHUNK_K, BLOCK_N=bn13, GATE_UP=True, HAS_BIAS=w13_bias is not None,
-        **common,
+        num_warps=_tile_warps(cfg, bn13), **common,
     )  # fmt: skip
     bn2 = cfg.block_n if hidden % cfg.block_n == 0 else 64
     w, s, g = w2[0], w2[1].view(torch.int16), w2[2]
@@ -660,7 +676,7 @@ def mma_layout_moe(
         stride_xm=a.stride(0), stride_we=w.stride(0), stride_se=s.stride(0),
         stride_be=w2_bias.stride(0) if w2_bias is not None else 0, stride_om=y.stride(0),
         CHUNKS=inter // CHUNK_K, BLOCK_N=bn2, GATE_UP=False, HAS_BIAS=w2_bias is not None,
-        **common,
+        num_warps=_tile_warps(cfg, bn2), **common,
     )  # fmt: skip
     _reduce(y, ids, out, e)
     return out

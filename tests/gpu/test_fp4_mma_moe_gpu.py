@@ -118,7 +118,9 @@ def test_gpt_oss_sizes_clamped_swiglu_with_biases(nan_empty, fmt):
     b13 = torch.randn(32, 5760, generator=gen, device=DEV)
     b2 = torch.randn(32, 2880, generator=gen, device=DEV)
     params = [1.702, 7.0]
-    for m in (1, 3, 16, 90, 700):  # 3 and 16: 8-pair blocks, K split 4 ways (few programs)
+    # 3 and 16: 8-pair blocks, K split 4 ways (few programs); 1100: 128-pair blocks on 64-row
+    # tiles with 4 warps (128 does not divide 2880)
+    for m in (1, 3, 16, 90, 700, 1100):
         ids, w = routing(m, 32, 4, gen)
         x = torch.randn(m, 2880, generator=gen, device=DEV).to(torch.bfloat16)
         ref = moe64(fmt, x, ids, w, w13, w2, b13, b2, "swiglu_oai", params)

@@ -358,6 +358,22 @@ def test_small_experts_run_one_block_per_pair_up_to_half_a_token_per_expert():
         assert isinstance(cfg, MmaMoeConfig) and not cfg.direct, (m, k, e, i, h)
 
 
+def test_wide_tiles_only_where_128_rows_divide_both_gemms():
+    """Above 96 tokens per expert, 128-pair blocks on 128-row tiles with 8 warps; where 128
+    does not divide I or H (gpt-oss: 2880) 64-row tiles with 4 warps, and a forced 128-row tile
+    that falls back to 64 rows on such a GEMM runs it with 4 warps."""
+    from quantdispatch.kernels.fp4_mma_moe import _tile_warps
+
+    qwen3 = moe_layout_config(2048, 8, 128, 768, 2048, CPU)
+    assert (qwen3.block_m, qwen3.block_n, qwen3.warps) == (128, 128, 8)
+    for m, e in ((1024, 32), (4096, 128)):  # gpt-oss-20b, 120b: 128 tokens per expert
+        oss = moe_layout_config(m, 4, e, 2880, 2880, CPU)
+        assert (oss.block_m, oss.block_n, oss.warps, oss.stages) == (128, 64, 4, 3)
+    wide = MoeGemmTile(128, block_n=128, warps=8, stages=3)
+    assert _tile_warps(wide, 128) == 8 and _tile_warps(wide, 64) == 4
+    assert _tile_warps(MoeGemmTile(64), 64) == 4
+
+
 def test_tiles_fit_the_gpus_shared_memory():
     """The 128-pair tile (~150 KB of pipeline by the upper bound) runs where 227 KB are
     available (H100 / H200); a 99 KB GPU (RTX 30/40/50, L40S) gets the 64-pair tile, which

@@ -191,7 +191,7 @@ def test_verify_refuses_a_simulated_device(capsys, monkeypatch):
 def test_moe_answers_for_one_moe_layer(capsys):
     """--moe E,TOPK,H,I: the kernel for every M range of that layer, from the plan QuantMoE
     runs (gpt-oss-20b on a simulated H200: single pairs, 8-pair blocks with K split 4 ways on
-    its few programs, grouped GEMM tiles, then dequantize + grouped_mm from 512 tokens per
+    its few programs, grouped GEMM tiles, then dequantize + grouped_mm from 1024 tokens per
     expert)."""
     pytest.importorskip("triton")
     argv = ("doctor", "--device", "h200", "--format", "mxfp4", "--op", "moe", "--act-dtype", "bf16")
@@ -201,7 +201,7 @@ def test_moe_answers_for_one_moe_layer(capsys):
     assert "M = 1 (0.125 tokens per expert): single (token, slot) pairs" in out
     assert "M 3..32 (0.375..4 tokens per expert): mma.sync kernels, blocks of 8 pairs" in out
     assert "K split 4 / 4 ways, 1 / 1 chunks in flight" in out
-    assert "M >= 4096 (512+ tokens per expert): experts dequantized per GEMM" in out
+    assert "M >= 8192 (1024+ tokens per expert): experts dequantized per GEMM" in out
 
 
 def test_moe_ranges_are_the_plan(capsys):
