@@ -165,15 +165,20 @@ def test_mixtral_like_slice_matches_float64(m, dtype):
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_many_tokens_per_expert_dequantize_and_grouped_mm(fmt):
-    """8 experts, top 2, M = 2600 (650 tokens per expert): on SM 9.0+ the heuristic
-    dequantizes each GEMM's experts and runs torch._grouped_mm; checked against float64."""
+    """8 experts, top 2, M = 4200 (1050 tokens per expert): on SM 9.0+ both heuristics (the
+    checkpoint layout's from 512 per expert, the repacked layer's from 1024) dequantize each
+    GEMM's experts and run torch._grouped_mm; checked against float64."""
     from quantdispatch.kernels import fused_moe as fm
+    from quantdispatch.kernels.fp4_mma_moe import moe_layout_config
 
-    cfg = fm.moe_config(2600, 2, 8, 1792, 1024, fmt, DEV)
+    m = 4200
+    cfg = fm.moe_config(m, 2, 8, 1792, 1024, fmt, DEV)
     if torch.cuda.get_device_capability() >= (9, 0):
         assert isinstance(cfg, fm.DequantMoeConfig), cfg
+        repacked = moe_layout_config(m, 2, 8, 1792, 1024, DEV)
+        assert isinstance(repacked, fm.DequantMoeConfig), repacked
     layer, w13, w2, gen = layer_and_weights(fmt, 8, 2, 1024, 1792, seed=21, renormalize=True)
-    x, logits = inputs(2600, 1024, 8, gen, torch.bfloat16)
+    x, logits = inputs(m, 1024, 8, gen, torch.bfloat16)
     ids, w = layer.route(logits)
     assert rel(layer(x, logits), moe64(fmt, x, ids, w, w13, w2)) < BOUND[torch.bfloat16]
 
