@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
@@ -107,6 +108,9 @@ def _weight_shape(text: str) -> tuple[int, int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # torch warns when it is imported without numpy (a fresh `pip install quantdispatch` has
+    # none); nothing here uses numpy, so that warning should not be the doctor's first line
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
     parser = _build_parser()
     args = parser.parse_args(argv)
     try:

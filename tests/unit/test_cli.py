@@ -246,3 +246,17 @@ def test_a_malformed_moe_is_one_line_naming_the_form(capsys, bad):
         main(["doctor", "--moe", bad])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1 and f"--moe {bad!r}" in err
+
+
+def test_no_numpy_warning_from_torch_in_the_cli():
+    """Without numpy (a fresh install has none) torch warns when imported; the CLI, which uses no
+    numpy, does not print that warning (run in a fresh interpreter with numpy blocked)."""
+    code = (
+        "import sys; sys.modules['numpy'] = None\n"
+        "from quantdispatch.cli import main\n"
+        "sys.exit(main(['presets']))\n"
+    )
+    run = subprocess.run([sys.executable, "-W", "default", "-c", code], capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert "NumPy" not in run.stderr
