@@ -342,14 +342,14 @@ def moe_plan(
     ):
         return DequantMoeConfig()
     if tpe <= MMA_MAX_TOKENS_PER_EXPERT:
-        direct = 4 * pairs <= experts
+        single = 4 * pairs <= experts  # the top-k sum inside the down kernel
+        small = tpe <= DIRECT_MAX_TOKENS_PER_EXPERT and inter * hidden <= DIRECT_MAX_EXPERT_ELEMENTS
+        direct = single or small  # one block per pair, no expert sort
         cfg = mma_moe_config(pairs, experts, inter, hidden, direct=direct, repacked=True)
-        if direct:  # single pairs: the top-k sum inside the down kernel (fp4_mma_moe_small)
+        if single:  # fp4_mma_moe_small, its gate/up tuned as the per-pair mma kernels
             return small_moe_config(
                 m, top_k, inter, hidden, cfg.gemm1.wk, cfg.gemm1.unroll, facts.pdl
             )
-        if tpe <= DIRECT_MAX_TOKENS_PER_EXPERT and inter * hidden <= DIRECT_MAX_EXPERT_ELEMENTS:
-            return mma_moe_config(pairs, experts, inter, hidden, direct=True, repacked=True)
         return cfg
     if tpe <= 12:
         tile = MoeGemmTile(16, stages=3)
