@@ -488,9 +488,9 @@ WARP_SWEEP = [((1, 2, 2), (1, 1, 2)), ((1, 4, 2), (1, 2, 2)), ((1, 2, 2), (1, 2,
 def sweep_configs(m: int, top_k: int, e: int, i: int, h: int, only_small: bool = False) -> list:
     """The mma.sync kernels (the heuristic's warps; 8- and 16-pair blocks) up to 16 tokens per
     expert, the 8-pair blocks' warps per GEMM (WARP_SWEEP) where the heuristic runs them,
-    grouped GEMM tiles from 2 on; the single-pair kernels also where the heuristic
-    picks 8-pair blocks at <= 1 token per expert. ``only_small``: the single-pair kernels (and
-    the pick) only."""
+    grouped GEMM tiles from 2 on, dequantize + grouped_mm from 256; the single-pair kernels also
+    where the heuristic picks 8-pair blocks at <= 1 token per expert. ``only_small``: the
+    single-pair kernels (and the pick) only."""
     from quantdispatch.kernels.fp4_mma_ckpt import mma_moe_config
 
     tpe = m * top_k / e
@@ -535,6 +535,8 @@ def sweep_configs(m: int, top_k: int, e: int, i: int, h: int, only_small: bool =
         for bm in blocks[-3:]:
             out += [MoeGemmTile(bm, 64, 2, 4, 4), MoeGemmTile(bm, 64, 2, 4, 3),
                     MoeGemmTile(bm, 128, 2, 8, 3)]  # fmt: skip
+    if tpe >= 256:  # dequantize + grouped_mm as a challenger below the plan's threshold too
+        out.append(fm.DequantMoeConfig())
     return out
 
 

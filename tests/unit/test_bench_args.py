@@ -49,3 +49,15 @@ def test_ksplit_probe_rejects_malformed_splits(text):
 
     with pytest.raises(ValueError, match="WTxWKxUNROLL"):
         parse_split(text)
+
+
+def test_moe_sweep_times_dequantize_from_256_tokens_per_expert():
+    """The crossover between the grouped GEMM and dequantize + grouped_mm lies between 512 and
+    1024 tokens per expert, below the plan's threshold: the sweep must time both there."""
+    from moe import sweep_configs
+
+    from quantdispatch.kernels.fused_moe import DequantMoeConfig
+
+    mixtral = (2, 8, 14336, 4096)  # top_k, E, I, H
+    assert any(isinstance(c, DequantMoeConfig) for c in sweep_configs(2048, *mixtral))  # 512
+    assert not any(isinstance(c, DequantMoeConfig) for c in sweep_configs(512, *mixtral))  # 128
