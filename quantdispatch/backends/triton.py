@@ -198,9 +198,13 @@ class TritonBackend(Backend):
                 from quantdispatch.kernels import fp4_mma_moe
 
                 few = f"<= {fp4_mma_moe.MMA_MAX_TOKENS_PER_EXPERT}"
-                many = f"{fp4_mma_moe.DEQUANT_MIN_TOKENS_PER_EXPERT}+"
+                many = (
+                    f"{fp4_mma_moe.DEQUANT_MIN_TOKENS_PER_EXPERT}+ tokens per expert on "
+                    f"experts of 2^{fp4_mma_moe.DEQUANT_MIN_EXPERT_ELEMENTS.bit_length() - 1}+ "
+                    "elements"
+                )
             except ImportError:  # no triton here: say it without the numbers
-                few, many = "few", "very many"
+                few, many = "few", "very many tokens per expert on large experts"
             spans = " whose scales span <= 18 binades" if request.format == "mxfp4" else ""
             text = (
                 f"gated layers with I and H multiples of 64{spans}: experts repacked once "

@@ -90,12 +90,16 @@ __all__ = [
 #: grouped GEMM (its blocks are at least 16 pairs: with fewer tokens per expert most of each
 #: wgmma would be padding).
 MMA_MAX_TOKENS_PER_EXPERT = 4
-#: From this many tokens per expert (SM 9.0+), dequantize + torch._grouped_mm. H200 (session 16,
-#: moe*-sweep-h200-2026-11-30-s16-*.json; us, the plan's grouped GEMM tile vs dequantize): at
-#: 512 per expert the GEMM wins on every model timed (Qwen3 M=8192 2127 vs 3959, Mixtral
-#: M=2048 3678 vs 4078, gpt-oss-20b M=4096 2431 vs 3325), at 1024 dequantize does (Mixtral
-#: M=4096 6455 vs 7327). (fused_moe's checkpoint-layout kernels keep 512: not re-measured.)
-DEQUANT_MIN_TOKENS_PER_EXPERT = 1024
+#: From this many tokens per expert (SM 9.0+), dequantize + torch._grouped_mm, for experts of at
+#: least DEQUANT_MIN_EXPERT_ELEMENTS (I x H). H200 (session 17, moe-sweep-h200-2026-11-30-s17-
+#: crossover.json; us, the plan's grouped GEMM tile vs dequantize): Mixtral-8x7B (14336 x 4096)
+#: 512 per expert 3687 vs 4114, 640 4502 vs 4636, 768 5408 vs 5309, 896 6229 vs 5864, 1024
+#: 7190 vs 6380; Qwen3-30B-A3B (768 x 2048) the GEMM wins at 512 / 768 / 1024 (2155 vs 3967,
+#: 3081 vs 5293, 4073 vs 6618: torch._grouped_mm over 128 small experts is slow itself), as it
+#: does for gpt-oss-20b (2880 x 2880) at 512 (2431 vs 3325, session 16). (fused_moe's
+#: checkpoint-layout kernels keep 512 for all experts: not re-measured.)
+DEQUANT_MIN_TOKENS_PER_EXPERT = 768
+DEQUANT_MIN_EXPERT_ELEMENTS = 2**25
 #: ... as long as the transient 16-bit copy of one GEMM's experts stays below this (bytes).
 DEQUANT_MAX_BUFFER_BYTES = 4 * 2**30
 #: Small experts (I x H at most DIRECT_MAX_EXPERT_ELEMENTS) run one mma block per (token, slot)
@@ -316,7 +320,8 @@ def moe_plan(
     kernels (single pairs when 4 * pairs <= E, with the top-k sum in the down kernel,
     :func:`.fp4_mma_moe_small.small_moe_config`; small experts up to
     DIRECT_MAX_TOKENS_PER_EXPERT one block per pair; else 8-pair blocks); >=
-    DEQUANT_MIN_TOKENS_PER_EXPERT on SM 9.0+ dequantize + grouped_mm; in between the grouped
+    DEQUANT_MIN_TOKENS_PER_EXPERT on SM 9.0+ dequantize + grouped_mm for experts of
+    DEQUANT_MIN_EXPERT_ELEMENTS+ (Mixtral's; smaller experts keep the GEMM); else the grouped
     GEMM, with blocks of 16 / 32 / 64 pairs (64-row weight tiles, 4 warps) and above 96 tokens
     per expert 128 pairs on 128-row tiles (8 warps; 64-row tiles and 4 warps where 128 does
     not divide I or H, e.g. gpt-oss's 2880). From the H200 sweep
@@ -337,6 +342,7 @@ def moe_plan(
     if (
         allow_dequant
         and tpe >= DEQUANT_MIN_TOKENS_PER_EXPERT
+        and inter * hidden >= DEQUANT_MIN_EXPERT_ELEMENTS
         and buffer <= DEQUANT_MAX_BUFFER_BYTES
         and facts.grouped_mm
     ):

@@ -495,3 +495,18 @@ def test_mxfp4_expert_scales_too_wide_apart_are_refused():
     scales.view(torch.uint8)[1, 0, 0] = 1  # 2^-126 in expert 1, far below its other scales
     with pytest.raises(WeightFormatError, match="binades"):
         repack_experts_mx(w13[0], scales, torch.bfloat16)
+
+
+def test_dequantize_only_large_experts_from_768_tokens_per_expert():
+    """SM 9.0+ (torch._grouped_mm): Mixtral-sized experts (14336 x 4096) dequantize from 768
+    tokens per expert (the H200 crossover lies between 640 and 768); smaller experts (Qwen3,
+    gpt-oss, DeepSeek-V3) keep the grouped GEMM, which beat dequantize at 512..1024 per expert."""
+    h200 = mm.MoeDeviceFacts.for_capability((9, 0))
+    mixtral = (2, 8, 14336, 4096)  # top_k, E, I, H
+    assert isinstance(mm.moe_plan(3072, *mixtral, h200), fm.DequantMoeConfig)  # 768 per expert
+    assert isinstance(mm.moe_plan(3068, *mixtral, h200), MoeGemmTile)  # 767
+    for m, top_k, e, i, h in [(16384, 8, 128, 768, 2048), (65536, 4, 32, 2880, 2880),
+                              (131072, 8, 256, 2048, 7168)]:  # fmt: skip
+        assert isinstance(mm.moe_plan(m, top_k, e, i, h, h200), MoeGemmTile), (e, i, h)
+    a100 = mm.MoeDeviceFacts.for_capability((8, 0))  # no torch._grouped_mm: never
+    assert isinstance(mm.moe_plan(3072, *mixtral, a100), MoeGemmTile)

@@ -191,8 +191,8 @@ def test_verify_refuses_a_simulated_device(capsys, monkeypatch):
 def test_moe_answers_for_one_moe_layer(capsys):
     """--moe E,TOPK,H,I: the kernel for every M range of that layer, from the plan QuantMoE
     runs (gpt-oss-20b on a simulated H200: single pairs, 8-pair blocks with K split 4 ways on
-    its few programs, grouped GEMM tiles, then dequantize + grouped_mm from 1024 tokens per
-    expert)."""
+    its few programs, grouped GEMM tiles to any M: its experts are too small for dequantize +
+    grouped_mm to pay; Mixtral's dequantize from 768 tokens per expert)."""
     pytest.importorskip("triton")
     argv = ("doctor", "--device", "h200", "--format", "mxfp4", "--op", "moe", "--act-dtype", "bf16")
     code, out, err = _run(capsys, *argv, "--moe", "32,4,2880,2880")
@@ -201,7 +201,11 @@ def test_moe_answers_for_one_moe_layer(capsys):
     assert "M = 1 (0.125 tokens per expert): single (token, slot) pairs" in out
     assert "M 3..32 (0.375..4 tokens per expert): mma.sync kernels, blocks of 8 pairs" in out
     assert "K split 4 / 4 ways, 1 / 1 chunks in flight" in out
-    assert "M >= 8192 (1024+ tokens per expert): experts dequantized per GEMM" in out
+    assert "dequantized" not in out.split("MoE layer:")[1]
+    assert "M >= 769 (96.125+ tokens per expert): grouped tl.dot GEMM" in out
+    code, out, err = _run(capsys, *argv[:4], "nvfp4", *argv[5:], "--moe", "8,2,4096,14336")
+    assert code == 0, err
+    assert "M >= 3072 (768+ tokens per expert): experts dequantized per GEMM" in out
 
 
 def test_moe_ranges_are_the_plan(capsys):
@@ -211,7 +215,7 @@ def test_moe_ranges_are_the_plan(capsys):
     from quantdispatch.kernels.fp4_mma_moe import MoeDeviceFacts, describe_moe_config, moe_plan
 
     for device, cap in [("h200", (9, 0)), ("a100", (8, 0)), ("rtx4090", (8, 9))]:
-        layer = _json(capsys, "--device", device, "--op", "moe", "--moe", "128,8,2048,768")[
+        layer = _json(capsys, "--device", device, "--op", "moe", "--moe", "8,2,4096,14336")[
             "moe_layer"
         ]
         facts = MoeDeviceFacts.for_capability(cap)
@@ -221,7 +225,7 @@ def test_moe_ranges_are_the_plan(capsys):
             assert cur["m_min"] == prev["m_max"] + 1
         for r in ranges:
             for m in (r["m_min"], r["m_max"] or r["m_min"]):
-                cfg = moe_plan(m, 8, 128, 768, 2048, facts)
+                cfg = moe_plan(m, 2, 8, 14336, 4096, facts)
                 assert describe_moe_config(cfg) == r["kernel"]
         dequant = any("dequantized" in r["kernel"] for r in ranges)
         assert dequant == (cap >= (9, 0))
