@@ -131,12 +131,10 @@ def heuristic_config(kind: str, n: int, k: int, m: int, capability: tuple[int, i
     """
     old = capability < (8, 0)
     if m <= SMALL_M_MAX:
-        if kind == "fp8":
-            cfg = GemmConfig(16, 64, 256, 4, 4)
-        else:  # K split 4 ways in-program; one 16-row MMA tile per warp and slice
-            cfg = GemmConfig(
-                16, 32 if n >= 16384 else 16, 128, 8 if n >= 16384 else 4, 3, swap_ab=1, split=4
-            )
+        # K split 4 ways in-program; one 16-row MMA tile per warp and slice (FP4 and FP8)
+        cfg = GemmConfig(
+            16, 32 if n >= 16384 else 16, 128, 8 if n >= 16384 else 4, 3, swap_ab=1, split=4
+        )
     elif m <= 64:
         cfg = GemmConfig(max(16, 1 << (m - 1).bit_length()), 64, 256, 4, 3, swap_ab=1)
     elif m <= 256:
@@ -186,7 +184,7 @@ def candidate_configs(m: int, kind: str = "nvfp4") -> list[GemmConfig]:
 
     Warps are kept at or under what the MMA tiles can keep apart (block_n/8 per K slice, or
     block_n/16 with swap_ab), so that no warp repeats another's dequantization. The FP8
-    kernel has no in-program K split: its sweep keeps the tiled family only.
+    kernels share the families (``block_k`` counts elements: one byte each for FP8).
     """
     if m <= SMALL_M_MAX:
         cands = _cfgs(
@@ -236,8 +234,6 @@ def candidate_configs(m: int, kind: str = "nvfp4") -> list[GemmConfig]:
         if m <= 256:  # few output tiles on 4096-wide layers: in-program K split variants
             cands += _cfgs(64, [(32, 128, 8, 3, 1, 4), (64, 128, 8, 3, 1, 2)])
             cands += _cfgs(128, [(32, 128, 8, 2, 1, 2)])
-    if kind == "fp8":
-        cands = [c for c in cands if c.split == 0]
     return cands
 
 

@@ -11,9 +11,10 @@ bf16 path uses the fp32 decode instead. Scales, by ``scale.dim()``:
   scale block (BLOCK_K divides bk), so every tile's fp32 partial product is scaled by its
   per-column block scale before it is accumulated.
 
-One tiled kernel (the FP4 small-M kernel's in-program K split is not ported here yet: at
-M <= 16 on 4096-wide layers this kernel is occupancy-limited, see benchmarks/NOTES.md).
-Same CUDA-graph properties as :mod:`.fp4_linear`.
+Two kernels, picked on the host from the config table by M (:mod:`.configs`): the small-M
+kernel (``config.split > 0``) splits K inside each program, as the FP4 small-M kernel does, so
+a 4096-wide layer keeps enough warps per SM to stream its weights at M <= 16; the tiled
+kernel takes larger M. Same CUDA-graph properties as :mod:`.fp4_linear`.
 """
 
 from __future__ import annotations
@@ -131,6 +132,117 @@ def _fp8_gemm_kernel(
     tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit(do_not_specialize=["M"])
+def _fp8_small_m_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_sk,
+    stride_om,
+    SCALE_KIND: tl.constexpr,
+    BLOCK_SN: tl.constexpr,
+    BLOCK_SK: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    BF16: tl.constexpr,
+    DEQ16: tl.constexpr,
+    SPLIT: tl.constexpr,
+    SWAP_AB: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Small-M path: one [BLOCK_M, BLOCK_N] output tile, K split SPLIT ways inside the program
+    (a batched [SPLIT, ...] MMA, summed once at the end), as the FP4 small-M kernel does: at
+    M <= 16 a tiled program feeds one narrow MMA, so a 4096-wide layer has too few warps per
+    SM to stream its weights. Block scales (SCALE_KIND 2): each slice lies inside one scale
+    block (BLOCK_K divides BLOCK_SK), so each slice's fp32 partial product is scaled by its
+    own block scale before it is accumulated. No workspace, no atomics, deterministic."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.minimum(offs_m, M - 1).to(tl.int64)
+    rn = tl.minimum(offs_n, N - 1).to(tl.int64)
+    sp = tl.arange(0, SPLIT)[:, None, None]
+    k3 = tl.arange(0, BLOCK_K)[None, None, :]
+    # slice s of every step covers K columns [k0 + s*BLOCK_K, k0 + (s+1)*BLOCK_K)
+    x_ptrs = x_ptr + rm[None, :, None] * stride_xm + (sp * BLOCK_K + k3)
+    w_ptrs = w_ptr + rn[None, :, None] * stride_wn + (sp * BLOCK_K + k3)
+    if SWAP_AB:  # the block scales of this tile's rows, one per slice: [SPLIT, BN, 1]
+        s_blk_ptrs = s_ptr + (rn // BLOCK_SN)[None, :, None] * stride_sn
+    else:  # [SPLIT, 1, BN]
+        s_blk_ptrs = s_ptr + (rn // BLOCK_SN)[None, None, :] * stride_sn
+
+    PREC: tl.constexpr = "ieee" if DOT_F32 else None
+    if SWAP_AB:
+        acc = tl.zeros((SPLIT, BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((SPLIT, BLOCK_M, BLOCK_N), dtype=tl.float32)
+    row_ok = (offs_m < M)[None, :, None]  # rows past M masked, not re-read
+    for k0 in range(0, K, SPLIT * BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=row_ok, other=0.0)
+            b = tl.load(w_ptrs)
+        else:
+            rem = K - k0 - sp * BLOCK_K
+            x = tl.load(x_ptrs, mask=row_ok & (k3 < rem), other=0.0)
+            b = tl.load(w_ptrs, mask=k3 < rem, other=0)
+        if DEQ16:  # noqa: SIM108 -- exact e4m3 values straight in 16-bit
+            w = e4m3_to_16bit(b, BF16)
+        else:  # interpreter's bf16: fp32, e4m3 * 2^-8 (the 2^8 goes to the epilogue)
+            w = e4m3_to_f32_scaled(b)
+        if DOT_F32:
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
+        else:
+            w = w.to(x.dtype)
+        if SCALE_KIND == 2:  # a fresh partial product per step, scaled per slice below
+            if SWAP_AB:
+                part = tl.zeros((SPLIT, BLOCK_N, BLOCK_M), dtype=tl.float32)
+            else:
+                part = tl.zeros((SPLIT, BLOCK_M, BLOCK_N), dtype=tl.float32)
+        else:
+            part = acc
+        if SWAP_AB:  # [SPLIT, BN, BM]: the weights are the MMA's A operand
+            part = tl.dot(w, tl.permute(x, (0, 2, 1)), part, input_precision=PREC)
+        else:
+            part = tl.dot(x, tl.permute(w, (0, 2, 1)), part, input_precision=PREC)
+        if SCALE_KIND == 2:
+            kb = (k0 + sp * BLOCK_K) // BLOCK_SK  # [SPLIT, 1, 1]
+            kb_ok = k0 + sp * BLOCK_K < K  # slices past K: their partial products are 0
+            s_blk = tl.load(s_blk_ptrs + kb * stride_sk, mask=kb_ok, other=0.0)
+            acc += part * s_blk
+        else:
+            acc = part
+        x_ptrs += SPLIT * BLOCK_K
+        w_ptrs += SPLIT * BLOCK_K
+
+    out = tl.sum(acc, axis=0)
+    if SWAP_AB:
+        out = tl.trans(out)
+    if SCALE_KIND == 0:
+        out = out * tl.load(s_ptr)
+    elif SCALE_KIND == 1:
+        out = out * tl.load(s_ptr + rn)[None, :]
+    if not DEQ16:
+        out = out * 256.0
+    if HAS_BIAS:
+        out = out + tl.load(bias_ptr + rn).to(tl.float32)[None, :]
+    o_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 def _interpreted() -> bool:
     """True when this kernel was built for Triton's CPU interpreter (see fp4_linear)."""
     return type(_fp8_gemm_kernel).__name__ == "InterpretedFunction"
@@ -216,6 +328,23 @@ def _check_fp8_weights(
     return weight.view(torch.uint8), kind, bs
 
 
+def _scale_block_fit(block_k: int, kind: int, bk: int) -> int:
+    """The K tile (or slice) width: halved until it divides the scale block's K width, so no
+    tile straddles two block scales (block scales only)."""
+    if kind == 2:
+        while bk % block_k != 0:
+            block_k //= 2
+        if block_k < 16:
+            raise InputError(
+                format_error(
+                    f"fp8_weight_only_linear: block_k={bk}",
+                    "it must be a multiple of 16",
+                    "use the reference backend",
+                )
+            )
+    return block_k
+
+
 def fp8_weight_only_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -242,28 +371,41 @@ def fp8_weight_only_linear(
         return out
     if config is None:
         config, _ = get_config("fp8", x.device, n, k, m)
-    if config.split:  # an FP4 small-M entry: no in-program split here, use its full K width
-        config = GemmConfig(
-            config.block_m,
-            max(config.block_n, 32),
-            min(config.block_k * config.split, 512),
-            4,
-            config.num_stages,
-            swap_ab=0,
+    if config.split:  # the small-M kernel: K split in-program
+        block_k = _scale_block_fit(config.block_k, kind, bk)
+        _fp8_small_m_kernel[(triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m))](
+            x,
+            w_u8,
+            scale,
+            bias if bias is not None else x,
+            out,
+            m,
+            n,
+            k,
+            x.stride(0),
+            w_u8.stride(0),
+            scale.stride(0) if kind == 2 else 0,
+            scale.stride(1) if kind == 2 else 0,
+            out.stride(0),
+            SCALE_KIND=kind,
+            BLOCK_SN=bn,
+            BLOCK_SK=bk,
+            HAS_BIAS=bias is not None,
+            EVEN_K=k % (config.split * block_k) == 0,
+            DOT_F32=_interpreted(),
+            BF16=x.dtype == torch.bfloat16,
+            DEQ16=not (_interpreted() and x.dtype == torch.bfloat16),
+            SPLIT=config.split,
+            SWAP_AB=bool(config.swap_ab),
+            BLOCK_M=config.block_m,
+            BLOCK_N=config.block_n,
+            BLOCK_K=block_k,
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
         )
+        return out
     # one byte per weight: K tiles twice as wide in bytes as FP4's; keep stages inside 227 KB
-    block_k = min(config.block_k, 256 if config.block_m <= 32 else 128)
-    if kind == 2:  # a K tile must not straddle two scale blocks
-        while bk % block_k != 0:
-            block_k //= 2
-        if block_k < 16:
-            raise InputError(
-                format_error(
-                    f"fp8_weight_only_linear: block_k={bk}",
-                    "it must be a multiple of 16",
-                    "use the reference backend",
-                )
-            )
+    block_k = _scale_block_fit(min(config.block_k, 256 if config.block_m <= 32 else 128), kind, bk)
     s = scale
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
     _fp8_gemm_kernel[grid](

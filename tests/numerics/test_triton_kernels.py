@@ -301,9 +301,13 @@ def random_e4m3_weight(n, k, gen):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", ["tensor", "channel", "block"])
 @pytest.mark.parametrize(
-    ("m", "cfg"), [(1, SMALL), (37, LARGE), (3, SMALL_SWAP)], ids=["small", "large", "swap"]
+    ("m", "cfg"),
+    [(1, SMALL), (37, LARGE), (3, SMALL_SWAP), (1, SPLIT_SWAP), (5, SPLIT), (37, SPLIT_MID)],
+    ids=["small", "large", "swap", "split-swap", "split", "split-mid"],
 )
 def test_fp8_weight_only_matches_float64(dtype, kind, m, cfg):
+    """Both kernels (tiled; small-M with K split in-program, where K=160 leaves a partial step
+    and, with block scales, slices past K), every scale kind, N and K not tile multiples."""
     gen = torch.Generator().manual_seed(3000 + m)
     n, k = 72, 160
     bits = random_e4m3_weight(n, k, gen)
