@@ -447,6 +447,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument("--kernels", default=",".join(KERNELS + EXTRA_KERNELS))
     ap.add_argument("--ms", help="comma-separated M values instead of the default list")
+    ap.add_argument("--tune-kinds", default="nvfp4,fp8", help="with --tune: which tables to sweep")
     args = ap.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -491,9 +492,9 @@ def main() -> None:
         for name, n, k in shapes:
             p = Problem(n, k, gen)
             tms = [m for m in ms if m in TUNE_MS]
-            winners += tune_shape(
-                p, name, tms, gen, {"nvfp4": tms, "fp8": [m for m in tms if m <= 16]}
-            )
+            kinds = {"nvfp4": tms, "fp8": [m for m in tms if m <= 16]}
+            kinds = {kk: v for kk, v in kinds.items() if kk in args.tune_kinds.split(",")}
+            winners += tune_shape(p, name, tms, gen, kinds)
             del p
             torch.cuda.empty_cache()
         table = configs.table_from_results(dev_name, winners)

@@ -209,6 +209,47 @@ def test_fp8_weight_only_real_shape(k, kind, dtype):
         check(out, x.double() @ w64.T, dtype)
 
 
+@pytest.mark.parametrize("kind", ["tensor", "channel", "block"])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        dict(block_m=16, block_n=16, block_k=128, num_warps=4, num_stages=3, swap_ab=1, split=4),
+        dict(block_m=16, block_n=32, block_k=256, num_warps=8, num_stages=2, swap_ab=1, split=4),
+        dict(block_m=16, block_n=32, block_k=128, num_warps=8, num_stages=3, swap_ab=0, split=2),
+        dict(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=3, swap_ab=1, split=0),
+    ],
+    ids=["split-swap", "split-wide", "split", "tiled-swap"],
+)
+def test_fp8_weight_only_every_small_m_family(k, cfg, kind):
+    """The small-M kernel (K split in-program; 256-wide slices shrink to the 128-wide scale
+    blocks) and the tiled one at Llama's down size, every scale kind, M = 1 / 5 / 16, against
+    float64 (partial K steps: the CPU tests)."""
+    from quantdispatch.kernels.configs import GemmConfig
+
+    n, kk = 4096, 14336
+    g = gen(17)
+    bits = rint(g, 0, 256, (n, kk))
+    bits[(bits & 0x7F) == 0x7F] = 0x3A
+    w64 = e4m3_f64(bits)
+    block = None
+    if kind == "tensor":
+        scale = torch.tensor(0.01, device="cuda")
+        w64 = w64 * 0.01
+    elif kind == "channel":
+        scale = torch.rand(n, generator=g, device="cuda") * 0.02 + 0.001
+        w64 = w64 * scale.double()[:, None]
+    else:
+        block = (128, 128)
+        scale = torch.rand(n // 128, kk // 128, generator=g, device="cuda") * 0.02 + 0.001
+        w64 = w64 * scale.double().repeat_interleave(128, 0).repeat_interleave(128, 1)
+    for m in (1, 5, 16):
+        x = torch.randn(m, kk, generator=g, device="cuda").to(torch.bfloat16)
+        out = k[1].fp8_weight_only_linear(
+            x, bits.view(torch.float8_e4m3fn), scale, block_size=block, config=GemmConfig(**cfg)
+        )
+        check(out, x.double() @ w64.T, torch.bfloat16)
+
+
 # ---- native FP8 ------------------------------------------------------------------------------
 
 
