@@ -5,9 +5,12 @@ cuBLAS's bf16/fp16 GEMM is the fastest tensor-core code torch has. Dequantizing 
 over the packed weight (0.5625 B/weight read, 2 B/weight written to a slab that stays in L2 for
 small slabs), which is small next to the GEMM once M is large.
 
-Memory: the slab is a fixed workspace of ``WORKSPACE_ELEMENTS`` 16-bit values (64 MiB) per device
-and dtype, allocated once at the first large-M call and never grown or freed (a CUDA graph that
-captured it must be able to replay it). The layer itself still holds only packed weights.
+Memory: the slab holds at most ``WORKSPACE_ELEMENTS`` 16-bit values (64 MiB), taken per call from
+torch's caching allocator, like any temporary of a torch op: stream-ordered, so two streams never
+share one, and under CUDA graph capture taken from the graph's private pool, which the graph
+keeps for its replays. (A workspace cached per device, as this module had, is shared by every
+stream and every graph: two large-M calls running concurrently would dequantize into the same
+slab.) The layer itself still holds only packed weights.
 
 Numerics: each weight is decoded exactly in fp32 (e2m1 * block scale * global scale), rounded
 once to the activation dtype, and the GEMM accumulates in fp32: the same as a bf16 / fp16 model
@@ -31,7 +34,6 @@ from quantdispatch.kernels.decode import (
 __all__ = ["WORKSPACE_ELEMENTS", "dequant_fp4_rows", "dequant_fp8_rows", "dequant_gemm"]
 
 WORKSPACE_ELEMENTS = 32 * 2**20
-_WORKSPACES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 
 @triton.jit
@@ -123,15 +125,6 @@ def _dequant_fp8_kernel(
     )
 
 
-def _workspace(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    key = (device, dtype)
-    ws = _WORKSPACES.get(key)
-    if ws is None:
-        ws = torch.empty(WORKSPACE_ELEMENTS, dtype=dtype, device=device)
-        _WORKSPACES[key] = ws
-    return ws
-
-
 def dequant_fp4_rows(
     packed: torch.Tensor,
     block_scale_u8: torch.Tensor,
@@ -216,12 +209,12 @@ def dequant_gemm(
     """y [M, N] = x @ W.T (+ bias), W produced slab by slab by ``dequant_rows(a, b, out)``."""
     m = x.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    ws = _workspace(x.device, x.dtype)
     # Slabs of a multiple of 128 rows: every slab's output columns start 256-byte aligned, which
     # cuBLAS needs for its fast kernels (an unaligned column offset tripled the GEMM time).
     rows = max(1, min(n, WORKSPACE_ELEMENTS // k))
     if 128 <= rows < n:
         rows = rows // 128 * 128
+    ws = torch.empty(rows * k, dtype=x.dtype, device=x.device)  # per call: see the module doc
     bias16 = bias.to(x.dtype) if bias is not None else None
     for a in range(0, n, rows):
         b = min(n, a + rows)

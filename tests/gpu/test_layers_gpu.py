@@ -79,9 +79,21 @@ def test_fp8_native_torch_backend_matches_emulated_reference():
     assert float((layer(x).double() - ref).norm() / ref.norm()) < 2e-2
 
 
-def test_cuda_graph_replay_equals_eager():
+@pytest.mark.parametrize("m", [8, 200, 600], ids=["mma", "gemm", "dequant"])
+def test_cuda_graph_replay_equals_eager(m):
+    """Each path QuantLinear runs on this GPU (the mma kernel, the mid-M GEMM with its
+    permuted activations and K-split workspace, dequantized slabs + cuBLAS): captured, replayed
+    over a poisoned output and after new inputs, bit-equal to eager."""
+    from quantdispatch.backends.triton import mma_path
+
+    cap = torch.cuda.get_device_capability()
+    expected = {8: "mma", 200: "gemm", 600: "dequant"}[m]
+    if cap < (9, 0) and expected == "gemm":
+        pytest.skip("the mid-M GEMM runs on SM 9.x only")
+    if cap >= (9, 0):
+        assert mma_path(m, 4096, 4096, cap) == expected
     layer = QuantLinear(quantize_nvfp4(_w(4096, 4096, seed=4)), device=DEV)
-    x = torch.randn(8, 4096, device=DEV).to(torch.bfloat16)
+    x = torch.randn(m, 4096, device=DEV).to(torch.bfloat16)
     eager = layer(x)
     static_x = x.clone()
     stream = torch.cuda.Stream()
@@ -101,7 +113,9 @@ def test_cuda_graph_replay_equals_eager():
     assert torch.equal(static_out, layer(static_x))
 
 
-@pytest.mark.parametrize("tokens", [5, 40], ids=["mma", "gemm"])  # 120 rows: the mid-M GEMM
+@pytest.mark.parametrize(  # 3 x tokens rows: the mma kernel, the mid-M GEMM, dequantized slabs
+    "tokens", [5, 40, 200], ids=["mma", "gemm", "dequant"]
+)
 def test_torch_compile_fullgraph_equals_eager(tokens):
     torch._dynamo.reset()
     a = QuantLinear(quantize_nvfp4(_w(2048, 1024, seed=5)), device=DEV)

@@ -25,7 +25,6 @@ BOUND = {torch.bfloat16: 1e-2, torch.float16: 2e-3}  # weight and output each ro
 def small_workspace(monkeypatch):
     """A tiny slab, so several slabs (and a ragged last one) are exercised."""
     monkeypatch.setattr(dg, "WORKSPACE_ELEMENTS", 40 * 96)
-    monkeypatch.setattr(dg, "_WORKSPACES", {})
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
