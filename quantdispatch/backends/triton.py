@@ -37,6 +37,9 @@ LARGE_WEIGHT_ELEMENTS = 2**26
 
 #: Meta tag of an NVFP4 weight repacked into the mma16x64 layout (kernels/fp4_mma.py).
 MMA_LAYOUT_TAG = 1
+#: Meta tag of an MXFP4 weight on the checkpoint layout whose block scales were rebased for fp16
+#: (kernels.fp4_linear.rebase_mx_scales_for_fp16); meta = (tag, d), the factor 2^d.
+MX_FP16_REBASE_TAG = 2
 #: Up to this many rows, an mma16x64 weight runs the PTX mma kernel; above, dequantize + cuBLAS.
 #: From the H200 sweeps (benchmarks/results/mma-sweep-h200-*.log): at M = 64 the kernel beats
 #: dequantize + cuBLAS on every Llama shape (e.g. gate_up 100 vs ~170 us); at M = 128 only on
@@ -325,6 +328,19 @@ class TritonBackend(Backend):
                         out_features=n,
                         in_features=k,
                     )
+            if request.act_dtype == torch.float16:
+                from quantdispatch.kernels.fp4_linear import rebase_mx_scales_for_fp16
+
+                codes, d = rebase_mx_scales_for_fp16(weight.packed, weight.block_scale)
+                if d:  # scales outside fp16's exact range: rebased, 2^d in the fp32 epilogue
+                    factor = torch.tensor(2.0**d, dtype=torch.float32, device=device)
+                    return PreparedWeight(
+                        names=("packed", "block_scale_fp16_rebased", "rebase_factor"),
+                        tensors=(weight.packed, codes, factor),
+                        meta=(MX_FP16_REBASE_TAG, d),
+                        out_features=n,
+                        in_features=k,
+                    )
             return PreparedWeight(
                 names=("packed", "block_scale"),
                 tensors=(weight.packed, weight.block_scale),
@@ -358,7 +374,7 @@ class TritonBackend(Backend):
         layout (kernels/fp4_mma_moe.py; same bytes, one copy that every token count reads);
         everything else keeps the canonical stacks."""
         if request.format not in ("nvfp4", "mxfp4"):
-            return super().prepare_moe(w13, w2, names, meta, request, gated=gated)
+            return self._canonical_moe(w13, w2, names, meta, request, gated=gated)
         from quantdispatch.kernels.fp4_mma_moe import (
             moe_layout_supported,
             repack_experts,
@@ -369,7 +385,7 @@ class TritonBackend(Backend):
         capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
         inter, hidden = w2[0].shape[2] * 2, w2[0].shape[1]  # w2 is [E, H, I/2] packed
         if not moe_layout_supported(inter, hidden, gated, capability):
-            return super().prepare_moe(w13, w2, names, meta, request, gated=gated)
+            return self._canonical_moe(w13, w2, names, meta, request, gated=gated)
         tag = (MMA_LAYOUT_TAG, int(request.act_dtype == torch.bfloat16))
         if request.format == "mxfp4":
             from quantdispatch.errors import WeightFormatError
@@ -378,7 +394,7 @@ class TritonBackend(Backend):
                 m13 = repack_experts_mx(w13[0], w13[1], request.act_dtype)
                 m2 = repack_experts_mx(w2[0], w2[1], request.act_dtype)
             except WeightFormatError:  # an expert's scales too wide apart: canonical stacks
-                return super().prepare_moe(w13, w2, names, meta, request, gated=gated)
+                return self._canonical_moe(w13, w2, names, meta, request, gated=gated)
             return PreparedMoe(("mma_words", "mma_scales", "global_scale"), m13, m2, tag)
         r13 = repack_experts(w13[0], w13[1], request.act_dtype)
         r2 = repack_experts(w2[0], w2[1], request.act_dtype)
@@ -388,6 +404,45 @@ class TritonBackend(Backend):
             (*r2, w2[2]),
             (MMA_LAYOUT_TAG, int(request.act_dtype == torch.bfloat16)),
         )
+
+    def _canonical_moe(
+        self,
+        w13: Sequence[torch.Tensor],
+        w2: Sequence[torch.Tensor],
+        names: Sequence[str],
+        meta: Sequence[int],
+        request: Request,
+        *,
+        gated: bool,
+    ) -> PreparedMoe:
+        """The stacked checkpoint tensors for the fused tl.dot MoE kernels. Those round each
+        decoded MXFP4 weight to the activation dtype: in fp16, experts whose block scales leave
+        fp16's exact range are refused here rather than run into inf (linear layers rebase
+        their scales instead: kernels.fp4_linear.rebase_mx_scales_for_fp16)."""
+        if request.format == "mxfp4" and request.act_dtype == torch.float16:
+            from quantdispatch.errors import WeightFormatError
+            from quantdispatch.kernels.fp4_linear import (
+                FP16_MX_EXPONENTS,
+                rebase_mx_scales_for_fp16,
+            )
+
+            for which, stack in (("w13", w13), ("w2", w2)):
+                packed, scales = stack[0], stack[1].view(torch.uint8)
+                for e in range(packed.shape[0]):
+                    if rebase_mx_scales_for_fp16(packed[e], scales[e])[1]:
+                        low, high = FP16_MX_EXPONENTS
+                        raise WeightFormatError(
+                            format_error(
+                                f"MXFP4 expert {e} of {which} has block scales outside "
+                                f"2^{low} .. 2^{high}",
+                                "the fused MoE kernels of the checkpoint layout round each "
+                                "decoded weight to fp16, which holds e2m1 x scale exactly "
+                                "only in that range",
+                                "run the layer in bfloat16 (SM 8.0+), or force the reference "
+                                "backend for mxfp4 (QUANTDISPATCH_BACKEND_MXFP4=reference)",
+                            )
+                        )
+        return super().prepare_moe(w13, w2, names, meta, request, gated=gated)
 
     def linear(
         self,
@@ -436,16 +491,21 @@ class TritonBackend(Backend):
         if fmt in ("nvfp4", "mxfp4"):
             scale_format = "e4m3" if fmt == "nvfp4" else "e8m0"
             packed, block_scale = tensors[0], op_view(tensors[1], torch.uint8)
-            global_scale = tensors[2] if fmt == "nvfp4" else None
+            rebase = fmt == "mxfp4" and len(meta) == 2 and int(meta[0]) == MX_FP16_REBASE_TAG
+            global_scale = tensors[2] if fmt == "nvfp4" or rebase else None
             if large:
                 from quantdispatch.kernels.dequant_gemm import dequant_fp4_rows, dequant_gemm
 
+                # rebased MXFP4: slabs of the rebased weight, 2^d applied by the GEMM in fp32
+                slab_scale = None if rebase else global_scale
+
                 def rows(a: int, b: int, out: torch.Tensor) -> None:
                     dequant_fp4_rows(
-                        packed[a:b], block_scale[a:b], global_scale, out, scale_format=scale_format
+                        packed[a:b], block_scale[a:b], slab_scale, out, scale_format=scale_format
                     )
 
-                return dequant_gemm(x, packed.shape[0], packed.shape[1] * 2, rows, bias)
+                alpha = 2.0 ** int(meta[1]) if rebase else 1.0
+                return dequant_gemm(x, packed.shape[0], packed.shape[1] * 2, rows, bias, alpha)
             from quantdispatch.kernels.fp4_linear import fp4_linear
 
             return fp4_linear(

@@ -49,7 +49,7 @@ from quantdispatch.kernels.decode import (
 )
 from quantdispatch.kernels.wgmma_hazard import rs_wgmma_hazard, settle
 
-__all__ = ["fp4_linear"]
+__all__ = ["FP16_MX_EXPONENTS", "fp4_linear", "rebase_mx_scales_for_fp16"]
 
 _GROUP = {"e4m3": 16, "e8m0": 32}
 _KIND = {"e4m3": "nvfp4", "e8m0": "mxfp4"}
@@ -478,15 +478,55 @@ def _check_fp4_weights(
                     "pass the per-tensor scale (ModelOpt weight_scale_2, or 1/weight_global_scale)",
                 )
             )
-    elif global_scale is not None:
+    elif global_scale is not None and (
+        global_scale.numel() != 1 or global_scale.dtype != torch.float32
+    ):
         raise WeightFormatError(
             format_error(
-                f"{where}: a global_scale was given with scale_format='e8m0'",
-                "MXFP4 has no per-tensor scale",
-                "pass global_scale=None",
+                f"{where}: global_scale is {global_scale.dtype} {tuple(global_scale.shape)} "
+                "with scale_format='e8m0'",
+                "MXFP4 takes no per-tensor scale, or the one-element float32 factor of "
+                "rebase_mx_scales_for_fp16",
+                "pass global_scale=None for checkpoint MXFP4 scales",
             )
         )
     return block_scale.view(torch.uint8)
+
+
+#: fp16 holds every product e2m1 * 2^E exactly for block scales 2^E with E in this range
+#: (6 * 2^13 < 65504; 0.5 * 2^-23 = 2^-24 is fp16's smallest subnormal).
+FP16_MX_EXPONENTS = (-23, 13)
+
+
+def rebase_mx_scales_for_fp16(
+    packed: torch.Tensor, e8m0_u8: torch.Tensor
+) -> tuple[torch.Tensor, int]:
+    """MXFP4 block scales for kernels that round the decoded weight to fp16 (the checkpoint
+    layout's tl.dot kernels, the dequantized slabs): (codes, d) with codes = e - d, so that
+    e2m1 * 2^(e - d - 127) fits fp16, and 2^d applied to the fp32 accumulator instead.
+
+    d = 0 (the codes returned as they are) while every block with a non-zero code has its
+    scale in :data:`FP16_MX_EXPONENTS`, as in real checkpoints. Otherwise the largest scale
+    goes to 2^12; blocks more than 35 binades below it underflow (their products are below
+    2^-35 of the largest ones). E8M0 scales reach 2^127, far outside fp16: without this a
+    weight with scales of 2^14+ gave inf and tiny ones flushed to zero, silently. One pass over
+    the weight at load, on its device; NaN codes (255) are left for the caller's checks."""
+    n, groups = e8m0_u8.shape
+    codes = packed.view(torch.uint8)
+    magnitude = (codes & 0x77).reshape(n, groups, -1)  # both nibbles without their sign bits
+    nonzero = (magnitude != 0).any(dim=-1)
+    e = e8m0_u8.to(torch.int32)
+    finite = nonzero & (e != 255)
+    if not bool(finite.any()):
+        return e8m0_u8, 0
+    e_max = int(torch.where(finite, e, torch.full_like(e, -1)).max())
+    e_min = int(torch.where(finite, e, torch.full_like(e, 255)).min())
+    low, high = FP16_MX_EXPONENTS
+    if e_min - 127 >= low and e_max - 127 <= high:
+        return e8m0_u8, 0
+    d = e_max - 127 - (high - 1)
+    shifted = torch.where(e == 255, e, (e - d).clamp(0, 254))
+    return shifted.to(torch.uint8), d
 
 
 def fp4_linear(
@@ -503,7 +543,8 @@ def fp4_linear(
     """``x @ W.T + bias`` with W = e2m1(packed) * block_scale [* global_scale]; [M, N] in x.dtype.
 
     ``scale_format='e4m3'`` is NVFP4 (group 16, ``global_scale`` a float32 one-element tensor
-    on the device, never read on the host); ``'e8m0'`` is MXFP4 (group 32, no global scale).
+    on the device, never read on the host); ``'e8m0'`` is MXFP4 (group 32, no global scale, or
+    the factor :func:`rebase_mx_scales_for_fp16` returns for its rebased codes).
     ``config`` overrides the table and ``deq16`` the decode variant (tuning and tests only).
     """
     k = packed.shape[1] * 2 if packed.dim() == 2 else -1

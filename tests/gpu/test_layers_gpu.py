@@ -182,3 +182,25 @@ def test_mxfp4_takes_the_mma_layout_unless_its_scales_span_too_wide(m):
         x = torch.randn(m, 4096, device=DEV).to(torch.bfloat16)
         ref = _ref(_w64("mxfp4", q), x)
         assert float((layer(x).double() - ref).norm() / ref.norm()) < 1e-2
+
+
+@pytest.mark.parametrize("m", [5, 40, 600])
+def test_mxfp4_fp16_scales_outside_fp16(m):
+    """MXFP4 scales 2^-27 .. 2^18 (46 binades: too wide for the mma layout, so the checkpoint
+    layout, whose kernels round the decoded weight to fp16): prepare rebases the codes and the
+    fp32 epilogue (or cuBLAS's alpha) applies 2^d. Without it 2^14+ scales gave inf."""
+    from quantdispatch.backends.triton import MX_FP16_REBASE_TAG
+    from quantdispatch.formats.mxfp4 import Mxfp4Weight
+
+    n, k = 4096, 4096
+    g = torch.Generator(device=DEV).manual_seed(31)
+    packed = torch.randint(0, 256, (n, k // 2), generator=g, device=DEV, dtype=torch.uint8)
+    e8 = torch.randint(100, 146, (n, k // 32), generator=g, device=DEV, dtype=torch.uint8)
+    q = Mxfp4Weight(packed=packed, block_scale=e8)
+    layer = QuantLinear(q, act_dtype=torch.float16, device=DEV)
+    assert layer.backend == "triton" and layer._meta[0] == MX_FP16_REBASE_TAG, layer._meta
+    x = (torch.randn(m, k, generator=g, device=DEV) * 2.0**-16).to(torch.float16)
+    out = layer(x)
+    ref = x.double() @ _w64("mxfp4", q).T
+    assert bool(torch.isfinite(out).all())
+    assert float((out.double() - ref).norm() / ref.norm()) < 4e-3

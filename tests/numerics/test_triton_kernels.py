@@ -387,8 +387,10 @@ def test_weight_errors():
         fp4_linear(x, packed, s[:, :1].contiguous(), g, scale_format="e4m3")
     with pytest.raises(WeightFormatError, match="global_scale"):
         fp4_linear(x, packed, s, None, scale_format="e4m3")
-    with pytest.raises(WeightFormatError, match="MXFP4 has no per-tensor scale"):
-        fp4_linear(x, packed, torch.zeros(16, 1, dtype=torch.uint8), g, scale_format="e8m0")
+    with pytest.raises(WeightFormatError, match="MXFP4 takes no per-tensor scale"):
+        fp4_linear(
+            x, packed, torch.zeros(16, 1, dtype=torch.uint8), g.double(), scale_format="e8m0"
+        )
     with pytest.raises(WeightFormatError, match="scale_format"):
         fp4_linear(x, packed, s, g, scale_format="e5m2")  # type: ignore[arg-type]
     with pytest.raises(WeightFormatError, match="block_size"):

@@ -1,0 +1,116 @@
+"""MXFP4 in fp16 on the checkpoint layout: E8M0 scales reach 2^127, fp16 ends at 65504.
+
+The checkpoint-layout kernels and the dequantized slabs round the decoded weight to the
+activation dtype; in fp16 a block scale of 2^14+ made inf and one below 2^-23 flushed to zero,
+silently. prepare rebases such scales (kernels.fp4_linear.rebase_mx_scales_for_fp16) and the
+factor 2^d goes to the fp32 accumulator. Checked here against float64 on the CPU interpreter.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="the checkpoint-layout kernels are Triton kernels")
+
+from quantdispatch.backends import get_backend
+from quantdispatch.backends.triton import MX_FP16_REBASE_TAG
+from quantdispatch.formats.mxfp4 import Mxfp4Weight
+from quantdispatch.kernels import dequant_gemm as dg
+from quantdispatch.kernels.fp4_linear import rebase_mx_scales_for_fp16
+from quantdispatch.request import Request
+
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
+
+
+def weight64(packed: torch.Tensor, e8: torch.Tensor) -> torch.Tensor:
+    p = packed.long()
+    codes = torch.stack((p & 0xF, p >> 4), -1).flatten(-2)
+    v = E2M1[codes & 7] * torch.where(codes >= 8, -1.0, 1.0).double()
+    return v * torch.pow(2.0, e8.double() - 127).repeat_interleave(32, -1)
+
+
+def mx_weight(n: int, k: int, lo: int, hi: int, seed: int) -> Mxfp4Weight:
+    g = torch.Generator().manual_seed(seed)
+    packed = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
+    e8 = torch.randint(lo, hi + 1, (n, k // 32), generator=g, dtype=torch.uint8)
+    return Mxfp4Weight(packed=packed, block_scale=e8)
+
+
+def test_scales_in_fp16_range_are_kept():
+    w = mx_weight(16, 64, 127 - 23, 127 + 13, 1)
+    codes, d = rebase_mx_scales_for_fp16(w.packed, w.block_scale)
+    assert d == 0 and codes is w.block_scale
+
+
+@pytest.mark.parametrize(("lo", "hi", "d"), [(140, 150, 11), (60, 70, -69), (100, 150, 11)])
+def test_out_of_range_scales_are_rebased(lo, hi, d):
+    """Largest scale to 2^12; codes shifted by d, clamped at 0 (blocks 35+ binades below)."""
+    w = mx_weight(16, 64, lo, hi, 2)
+    e8 = w.block_scale.clone()
+    e8[0, 0] = hi  # the largest code present
+    codes, got = rebase_mx_scales_for_fp16(w.packed, e8)
+    assert got == d
+    assert torch.equal(codes.int(), (e8.int() - d).clamp(0, 254))
+
+
+def test_all_zero_blocks_do_not_set_the_rebase():
+    """A block whose codes are all (signed) zero has no product whatever its scale."""
+    w = mx_weight(16, 64, 120, 130, 3)
+    packed, e8 = w.packed.clone(), w.block_scale.clone()
+    packed[0, :16] = 0x88  # block (0, 0): -0 / -0 codes
+    e8[0, 0] = 250
+    assert rebase_mx_scales_for_fp16(packed, e8)[1] == 0
+
+
+@pytest.mark.parametrize("m", [3, 40], ids=["kernel", "dequantized-slabs"])
+@pytest.mark.parametrize(("lo", "hi"), [(141, 145), (96, 103)], ids=["2^14..2^18", "2^-31..2^-24"])
+def test_triton_backend_fp16_matches_float64(monkeypatch, m, lo, hi):
+    """prepare rebases, linear runs the tl.dot kernel (M=3) or dequantized slabs + GEMM (M=40,
+    the large-M path forced here) and lands on the float64 result, with no inf."""
+    from quantdispatch.backends import triton as tb
+
+    if m == 40:
+        monkeypatch.setattr(tb, "use_dequant_gemm", lambda m, n, k: True)
+        monkeypatch.setattr(dg, "WORKSPACE_ELEMENTS", 24 * 128)  # several slabs
+    n, k = 48, 128
+    w = mx_weight(n, k, lo, hi, 4)
+    backend = get_backend("triton")
+    req = Request.make("mxfp4", act_dtype=torch.float16, n=n, k=k)
+    prepared = backend.prepare(w, req)
+    assert prepared.meta[0] == MX_FP16_REBASE_TAG
+    g = torch.Generator().manual_seed(5)
+    # outputs of a few units: |x| ~ 2^-14 against 2^14..2^18 scales, 2^12 against 2^-31..2^-24
+    x = (torch.randn(m, k, generator=g) * (2.0**-14 if lo > 127 else 2.0**12)).to(torch.float16)
+    w64 = weight64(w.packed, w.block_scale)
+    y64 = x.double() @ w64.T
+    bias = (torch.randn(n, generator=g).double() * y64.std()).to(torch.float16)  # same scale
+    out = backend.linear(x, prepared.tensors, bias, "mxfp4", prepared.meta)
+    ref = y64 + bias.double()
+    assert bool(torch.isfinite(out).all())
+    assert float((out.double() - ref).norm() / ref.norm()) < 2e-3
+
+
+def test_fp16_moe_experts_outside_fp16_are_refused_with_the_fix():
+    """The checkpoint layout's fused MoE kernels (SM75, or scales too wide for the mma layout)
+    have no rebase: such fp16 experts get an error naming the range and the fix, not inf."""
+    from quantdispatch.errors import WeightFormatError
+
+    e, h, i = 2, 64, 64
+    g = torch.Generator().manual_seed(6)
+
+    def stack(n, k, lo, hi):
+        packed = torch.randint(0, 256, (e, n, k // 2), generator=g, dtype=torch.uint8)
+        return packed, torch.randint(lo, hi + 1, (e, n, k // 32), generator=g, dtype=torch.uint8)
+
+    backend = get_backend("triton")
+    req = Request.make("mxfp4", op="moe", act_dtype=torch.float16, experts=e)
+    names = ("packed", "block_scale")
+    ok13, ok2 = stack(2 * i, h, 120, 130), stack(h, i, 120, 130)
+    backend.prepare_moe(ok13, ok2, names, (), req, gated=True)
+    bad2 = (ok2[0], ok2[1].clone())
+    bad2[1][1, 0, 0] = 150  # expert 1 of w2: 2^23
+    with pytest.raises(WeightFormatError, match=r"expert 1 of w2 .* 2\^-23 \.\. 2\^13"):
+        backend.prepare_moe(ok13, bad2, names, (), req, gated=True)
+    bf16 = Request.make("mxfp4", op="moe", act_dtype=torch.bfloat16, experts=e)
+    backend.prepare_moe(ok13, bad2, names, (), bf16, gated=True)  # bf16 holds 2^23
