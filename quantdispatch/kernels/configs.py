@@ -97,7 +97,10 @@ def device_info(device: torch.device) -> tuple[str, tuple[int, int]]:
 
 
 def register_table(table: dict) -> None:
-    """Merge a table (the JSON layout above) into the in-process tables, newest wins."""
+    """Merge a table (the JSON layout above) into the in-process tables, newest wins. The
+    tables shipped beside this module are loaded first, so a table registered (or loaded) by
+    hand always wins over them, whether or not a lookup happened before."""
+    _ensure_loaded()
     if table.get("version") != 1:
         raise ValueError(f"config table version {table.get('version')!r} is not 1")
     for gpu, kinds in table.get("gpus", {}).items():

@@ -16,6 +16,7 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere in this process
 
+import json
 import math
 
 import pytest
@@ -425,3 +426,19 @@ def test_config_lookup_is_host_only_and_bucketed(monkeypatch):
     assert configs.get_config("nvfp4", torch.device("cpu"), 64, 128, 2)[0].block_n == 32
     assert configs.get_config("mxfp4", torch.device("cpu"), 64, 128, 300)[0].block_m == 64
     assert configs.get_config("fp8", torch.device("cpu"), 64, 128, 9)[1].startswith("table")
+
+
+def test_registered_table_wins_over_the_shipped_ones(monkeypatch, tmp_path):
+    """A table registered before the first lookup (benchmarks/linear.py --tune) still wins:
+    the shipped tables load first. Before, the lazy load ran after it and overwrote it."""
+    shipped = {"version": 1, "gpus": {"cpu": {"fp8": {"64x128": {"1": GemmConfig(
+        16, 64, 256, 4, 3).to_dict()}}}}}  # fmt: skip
+    (tmp_path / "configs_cpu.json").write_text(json.dumps(shipped))
+    monkeypatch.setattr(configs, "_TABLE_DIR", tmp_path)
+    monkeypatch.setattr(configs, "_TABLES", {})
+    monkeypatch.setattr(configs, "_LOADED", False)
+    tuned = GemmConfig(16, 16, 128, 4, 3, swap_ab=1, split=4)
+    configs.register_table(
+        {"version": 1, "gpus": {"cpu": {"fp8": {"64x128": {"1": tuned.to_dict()}}}}}
+    )
+    assert configs.get_config("fp8", torch.device("cpu"), 64, 128, 1)[0] == tuned
