@@ -192,6 +192,16 @@ class TritonBackend(Backend):
         return self.min_sm_reasons(profile, request, fp16_min=(7, 5), bf16_min=(8, 0))
 
     def variant(self, request: Request, profile: DeviceProfile) -> str | None:
+        if request.format == "fp8" and request.op is Op.LINEAR:
+            from quantdispatch.kernels.configs import SMALL_M_MAX
+
+            return (
+                "W8A16: a tl.dot kernel with K split inside each program or a tiled one, per "
+                f"shape and M from the tuned table or the heuristics (split up to M = "
+                f"{SMALL_M_MAX} below 16384 rows); from M = {DEQUANT_GEMM_MIN_M} "
+                f"({DEQUANT_GEMM_MIN_M_LARGE_WEIGHT} for weights of 2^26+ elements): "
+                "dequantized slabs + cuBLAS"
+            )
         if request.format not in ("nvfp4", "mxfp4"):
             return None
         if request.op is Op.MOE:

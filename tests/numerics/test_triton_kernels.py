@@ -442,3 +442,12 @@ def test_registered_table_wins_over_the_shipped_ones(monkeypatch, tmp_path):
         {"version": 1, "gpus": {"cpu": {"fp8": {"64x128": {"1": tuned.to_dict()}}}}}
     )
     assert configs.get_config("fp8", torch.device("cpu"), 64, 128, 1)[0] == tuned
+
+
+def test_fp8_heuristic_takes_the_split_kernel_below_16384_rows():
+    """Untuned GPUs (SM 8.0 / 8.6, FP8's real target): the H200 sweep's winners by shape."""
+    small = configs.heuristic_config("fp8", 6144, 4096, 1, (8, 0))
+    assert small.split == 4 and small.swap_ab == 1 and small.block_n == 16
+    wide = configs.heuristic_config("fp8", 28672, 4096, 16, (8, 6))
+    assert wide.split == 0 and (wide.block_m, wide.block_n, wide.block_k) == (16, 64, 256)
+    assert configs.heuristic_config("fp8", 4096, 4096, 64, (8, 0)).split == 0
