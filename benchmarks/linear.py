@@ -449,6 +449,9 @@ def main() -> None:
     ap.add_argument("--ms", help="comma-separated M values instead of the default list")
     ap.add_argument("--tune-kinds", default="nvfp4,fp8", help="with --tune: which tables to sweep")
     args = ap.parse_args()
+    unknown = set(args.tune_kinds.split(",")) - {"nvfp4", "fp8"}
+    if unknown:
+        ap.error(f"--tune-kinds {args.tune_kinds!r}: unknown {sorted(unknown)}; use nvfp4,fp8")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     shapes = QUICK_SHAPES if args.quick else SHAPES

@@ -38,7 +38,8 @@ LARGE_WEIGHT_ELEMENTS = 2**26
 #: Meta tag of an NVFP4 weight repacked into the mma16x64 layout (kernels/fp4_mma.py).
 MMA_LAYOUT_TAG = 1
 #: Meta tag of an MXFP4 weight on the checkpoint layout whose block scales were rebased for fp16
-#: (kernels.fp4_linear.rebase_mx_scales_for_fp16); meta = (tag, d), the factor 2^d.
+#: (kernels.fp4_linear.rebase_mx_scales_for_fp16); its factor 2^d is the ``rebase_factor``
+#: buffer, read on the device by the fused kernels' fp32 epilogue (never from the host).
 MX_FP16_REBASE_TAG = 2
 #: Up to this many rows, an mma16x64 weight runs the PTX mma kernel; above, dequantize + cuBLAS.
 #: From the H200 sweeps (benchmarks/results/mma-sweep-h200-*.log): at M = 64 the kernel beats
@@ -197,9 +198,9 @@ class TritonBackend(Backend):
 
             return (
                 "W8A16: a tl.dot kernel with K split inside each program or a tiled one, per "
-                f"shape and M from the tuned table or the heuristics (split up to M = "
+                f"shape and M from the tuned table or the heuristics (these split up to M = "
                 f"{SMALL_M_MAX} below 16384 rows); from M = {DEQUANT_GEMM_MIN_M} "
-                f"({DEQUANT_GEMM_MIN_M_LARGE_WEIGHT} for weights of 2^26+ elements): "
+                f"({DEQUANT_GEMM_MIN_M_LARGE_WEIGHT} for weights over 2^26 elements): "
                 "dequantized slabs + cuBLAS"
             )
         if request.format not in ("nvfp4", "mxfp4"):
@@ -347,7 +348,7 @@ class TritonBackend(Backend):
                     return PreparedWeight(
                         names=("packed", "block_scale_fp16_rebased", "rebase_factor"),
                         tensors=(weight.packed, codes, factor),
-                        meta=(MX_FP16_REBASE_TAG, d),
+                        meta=(MX_FP16_REBASE_TAG,),
                         out_features=n,
                         in_features=k,
                     )
@@ -431,27 +432,32 @@ class TritonBackend(Backend):
         their scales instead: kernels.fp4_linear.rebase_mx_scales_for_fp16)."""
         if request.format == "mxfp4" and request.act_dtype == torch.float16:
             from quantdispatch.errors import WeightFormatError
-            from quantdispatch.kernels.fp4_linear import (
-                FP16_MX_EXPONENTS,
-                rebase_mx_scales_for_fp16,
-            )
+            from quantdispatch.kernels.fp4_linear import FP16_MX_EXPONENTS, mx_scale_exponents
 
+            low, high = FP16_MX_EXPONENTS
             for which, stack in (("w13", w13), ("w2", w2)):
-                packed, scales = stack[0], stack[1].view(torch.uint8)
-                for e in range(packed.shape[0]):
-                    if rebase_mx_scales_for_fp16(packed[e], scales[e])[1]:
-                        low, high = FP16_MX_EXPONENTS
-                        raise WeightFormatError(
-                            format_error(
-                                f"MXFP4 expert {e} of {which} has block scales outside "
-                                f"2^{low} .. 2^{high}",
-                                "the fused MoE kernels of the checkpoint layout round each "
-                                "decoded weight to fp16, which holds e2m1 x scale exactly "
-                                "only in that range",
-                                "run the layer in bfloat16 (SM 8.0+), or force the reference "
-                                "backend for mxfp4 (QUANTDISPATCH_BACKEND_MXFP4=reference)",
-                            )
+                found = mx_scale_exponents(stack[0], stack[1].view(torch.uint8))
+                if found is None:
+                    continue
+                exps, used, _ = found
+                far = 1 << 20
+                lo = torch.where(used, exps, far).flatten(1).amin(dim=1)  # per expert
+                hi = torch.where(used, exps, -far).flatten(1).amax(dim=1)
+                bad = ((lo < low) | (hi > high)).nonzero().flatten().tolist()
+                if bad:
+                    e = bad[0]
+                    raise WeightFormatError(
+                        format_error(
+                            f"MXFP4 expert {e} of {which} has block scales 2^{int(lo[e])} .. "
+                            f"2^{int(hi[e])} ({len(bad)} experts of {which} outside "
+                            f"2^{low} .. 2^{high})",
+                            "the fused MoE kernels of the checkpoint layout round each "
+                            "decoded weight to fp16, which holds e2m1 x scale exactly only "
+                            f"for scales 2^{low} .. 2^{high}",
+                            "run the layer in bfloat16 (SM 8.0+), or force the reference "
+                            "backend for mxfp4 (QUANTDISPATCH_BACKEND_MXFP4=reference)",
                         )
+                    )
         return super().prepare_moe(w13, w2, names, meta, request, gated=gated)
 
     def linear(
@@ -501,21 +507,20 @@ class TritonBackend(Backend):
         if fmt in ("nvfp4", "mxfp4"):
             scale_format = "e4m3" if fmt == "nvfp4" else "e8m0"
             packed, block_scale = tensors[0], op_view(tensors[1], torch.uint8)
-            rebase = fmt == "mxfp4" and len(meta) == 2 and int(meta[0]) == MX_FP16_REBASE_TAG
+            rebase = fmt == "mxfp4" and len(meta) == 1 and int(meta[0]) == MX_FP16_REBASE_TAG
             global_scale = tensors[2] if fmt == "nvfp4" or rebase else None
-            if large:
+            # A rebased MXFP4 weight keeps the fused kernels at every M: their fp32 epilogue
+            # applies 2^d, where dequantized fp16 slabs would need it inside cuBLAS (a host
+            # scalar, and fp16 partial sums of 2^|d| times the output when d < 0).
+            if large and not rebase:
                 from quantdispatch.kernels.dequant_gemm import dequant_fp4_rows, dequant_gemm
-
-                # rebased MXFP4: slabs of the rebased weight, 2^d applied by the GEMM in fp32
-                slab_scale = None if rebase else global_scale
 
                 def rows(a: int, b: int, out: torch.Tensor) -> None:
                     dequant_fp4_rows(
-                        packed[a:b], block_scale[a:b], slab_scale, out, scale_format=scale_format
+                        packed[a:b], block_scale[a:b], global_scale, out, scale_format=scale_format
                     )
 
-                alpha = 2.0 ** int(meta[1]) if rebase else 1.0
-                return dequant_gemm(x, packed.shape[0], packed.shape[1] * 2, rows, bias, alpha)
+                return dequant_gemm(x, packed.shape[0], packed.shape[1] * 2, rows, bias)
             from quantdispatch.kernels.fp4_linear import fp4_linear
 
             return fp4_linear(

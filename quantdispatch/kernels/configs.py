@@ -129,7 +129,8 @@ def heuristic_config(kind: str, n: int, k: int, m: int, capability: tuple[int, i
 
     Small M (H200 winners): the small-M kernel, K split 4 ways in-program, one 16-row MMA
     tile per warp and slice (swap_ab; more warps than that would repeat each other's
-    dequantization). Mid M: 64-wide swapped tiles. Large M: 128..256 x 128 tiles (wgmma).
+    dequantization); FP8 weights of 16384+ rows the tiled kernel instead. Mid M: 64-wide
+    swapped tiles. Large M: 128..256 x 128 tiles (wgmma).
     Pre-Ampere parts (64 KB of shared memory) get at most 2 stages and 128-wide K tiles.
     """
     old = capability < (8, 0)

@@ -205,10 +205,8 @@ def dequant_gemm(
     k: int,
     dequant_rows,
     bias: torch.Tensor | None = None,
-    alpha: float = 1.0,
 ) -> torch.Tensor:
-    """y [M, N] = alpha * x @ W.T (+ bias), W produced slab by slab by ``dequant_rows(a, b,
-    out)``; cuBLAS applies ``alpha`` to its fp32 accumulator (a rebased MXFP4 weight's 2^d)."""
+    """y [M, N] = x @ W.T (+ bias), W produced slab by slab by ``dequant_rows(a, b, out)``."""
     m = x.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     # Slabs of a multiple of 128 rows: every slab's output columns start 256-byte aligned, which
@@ -223,9 +221,7 @@ def dequant_gemm(
         slab = ws[: (b - a) * k].view(b - a, k)
         dequant_rows(a, b, slab)
         if bias16 is not None:
-            torch.addmm(bias16[a:b], x, slab.t(), alpha=alpha, out=out[:, a:b])
-        elif alpha != 1.0:
-            out[:, a:b].addmm_(x, slab.t(), beta=0.0, alpha=alpha)  # beta 0: out is not read
+            torch.addmm(bias16[a:b], x, slab.t(), out=out[:, a:b])
         else:
             torch.mm(x, slab.t(), out=out[:, a:b])
     return out

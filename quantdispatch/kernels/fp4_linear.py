@@ -49,7 +49,13 @@ from quantdispatch.kernels.decode import (
 )
 from quantdispatch.kernels.wgmma_hazard import rs_wgmma_hazard, settle
 
-__all__ = ["FP16_MX_EXPONENTS", "fp4_linear", "rebase_mx_scales_for_fp16"]
+__all__ = [
+    "FP16_MX_EXPONENTS",
+    "fp4_linear",
+    "fp16_mx_outside",
+    "mx_scale_exponents",
+    "rebase_mx_scales_for_fp16",
+]
 
 _GROUP = {"e4m3": 16, "e8m0": 32}
 _KIND = {"e4m3": "nvfp4", "e8m0": "mxfp4"}
@@ -498,34 +504,58 @@ def _check_fp4_weights(
 FP16_MX_EXPONENTS = (-23, 13)
 
 
+def mx_scale_exponents(
+    packed: torch.Tensor, e8m0_u8: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(exponents E of 2^E, one per block, int32; mask of the blocks that hold a non-zero
+    code and a finite scale; the codes as int32) of MXFP4 weights [..., N, K/2] / [..., N,
+    K/32], or None when no block has a non-zero code. All-zero blocks (codes +-0) contribute
+    nothing whatever their scale; NaN codes (255) are left for the caller's checks."""
+    groups = e8m0_u8.shape[-1]
+    magnitude = (packed.view(torch.uint8) & 0x77).reshape(*e8m0_u8.shape[:-1], groups, -1)
+    e = e8m0_u8.to(torch.int32)
+    used = (magnitude != 0).any(dim=-1) & (e != 255)
+    if not bool(used.any()):
+        return None
+    return e - 127, used, e
+
+
+def fp16_mx_outside(packed: torch.Tensor, e8m0_u8: torch.Tensor) -> tuple[int, int] | None:
+    """The (smallest, largest) exponent E of the used block scales 2^E of an MXFP4 weight when
+    some lie outside :data:`FP16_MX_EXPONENTS`, else None."""
+    found = mx_scale_exponents(packed, e8m0_u8)
+    if found is None:
+        return None
+    exps, used, _ = found
+    lo = int(torch.where(used, exps, torch.full_like(exps, 1 << 20)).min())
+    hi = int(torch.where(used, exps, torch.full_like(exps, -(1 << 20))).max())
+    low, high = FP16_MX_EXPONENTS
+    return (lo, hi) if lo < low or hi > high else None
+
+
 def rebase_mx_scales_for_fp16(
     packed: torch.Tensor, e8m0_u8: torch.Tensor
 ) -> tuple[torch.Tensor, int]:
     """MXFP4 block scales for kernels that round the decoded weight to fp16 (the checkpoint
-    layout's tl.dot kernels, the dequantized slabs): (codes, d) with codes = e - d, so that
-    e2m1 * 2^(e - d - 127) fits fp16, and 2^d applied to the fp32 accumulator instead.
+    layout's tl.dot kernels): (codes, d) with codes = e - d, so that e2m1 * 2^(e - d - 127)
+    fits fp16, and 2^d applied to the fp32 accumulator instead.
 
     d = 0 (the codes returned as they are) while every block with a non-zero code has its
     scale in :data:`FP16_MX_EXPONENTS`, as in real checkpoints. Otherwise the largest scale
-    goes to 2^12; blocks more than 35 binades below it underflow (their products are below
-    2^-35 of the largest ones). E8M0 scales reach 2^127, far outside fp16: without this a
-    weight with scales of 2^14+ gave inf and tiny ones flushed to zero, silently. One pass over
-    the weight at load, on its device; NaN codes (255) are left for the caller's checks."""
-    n, groups = e8m0_u8.shape
-    codes = packed.view(torch.uint8)
-    magnitude = (codes & 0x77).reshape(n, groups, -1)  # both nibbles without their sign bits
-    nonzero = (magnitude != 0).any(dim=-1)
-    e = e8m0_u8.to(torch.int32)
-    finite = nonzero & (e != 255)
-    if not bool(finite.any()):
+    goes to 2^13 (6 * 2^13 < 65504); blocks more than 36 binades below it underflow (their
+    products are below 2^-36 of the largest ones); all-zero blocks get code 0. E8M0 scales reach
+    2^127, far outside fp16: without this a weight with scales of 2^14+ gave inf and tiny ones
+    flushed to zero, silently. One pass over the weight at load, on its device; NaN codes (255)
+    are kept for the caller's checks."""
+    span = fp16_mx_outside(packed, e8m0_u8)
+    if span is None:
         return e8m0_u8, 0
-    e_max = int(torch.where(finite, e, torch.full_like(e, -1)).max())
-    e_min = int(torch.where(finite, e, torch.full_like(e, 255)).min())
-    low, high = FP16_MX_EXPONENTS
-    if e_min - 127 >= low and e_max - 127 <= high:
+    _, used, e = mx_scale_exponents(packed, e8m0_u8)  # type: ignore[misc]
+    d = span[1] - FP16_MX_EXPONENTS[1]
+    if d == 0:  # the top already sits at 2^13: the blocks below the window round, as in fp16
         return e8m0_u8, 0
-    d = e_max - 127 - (high - 1)
-    shifted = torch.where(e == 255, e, (e - d).clamp(0, 254))
+    shifted = torch.where(used, (e - d).clamp(0, 254), torch.zeros_like(e))
+    shifted = torch.where(e == 255, e, shifted)
     return shifted.to(torch.uint8), d
 
 

@@ -331,15 +331,18 @@ def _check_fp8_weights(
 def _scale_block_fit(block_k: int, kind: int, bk: int) -> int:
     """The K tile (or slice) width: halved until it divides the scale block's K width, so no
     tile straddles two block scales (block scales only)."""
+    start = block_k
     if kind == 2:
         while bk % block_k != 0:
             block_k //= 2
         if block_k < 16:
             raise InputError(
                 format_error(
-                    f"fp8_weight_only_linear: block_k={bk}",
-                    "it must be a multiple of 16",
-                    "use the reference backend",
+                    f"fp8_weight_only_linear: config block_k={start} against scale blocks "
+                    f"{bk} wide",
+                    "halving the K tile must reach a divisor of the scale block that is at "
+                    "least 16 (the MMA K step)",
+                    "pass a config whose block_k is a power of two >= 16 (tuning only)",
                 )
             )
     return block_k

@@ -187,8 +187,9 @@ def test_mxfp4_takes_the_mma_layout_unless_its_scales_span_too_wide(m):
 @pytest.mark.parametrize("m", [5, 40, 600])
 def test_mxfp4_fp16_scales_outside_fp16(m):
     """MXFP4 scales 2^-27 .. 2^18 (46 binades: too wide for the mma layout, so the checkpoint
-    layout, whose kernels round the decoded weight to fp16): prepare rebases the codes and the
-    fp32 epilogue (or cuBLAS's alpha) applies 2^d. Without it 2^14+ scales gave inf."""
+    layout, whose kernels round the decoded weight to fp16): prepare rebases the codes, the
+    fused kernels' fp32 epilogue applies 2^d, at every M (M=600 would otherwise take the
+    dequantized fp16 slabs). Without it 2^14+ scales gave inf."""
     from quantdispatch.backends.triton import MX_FP16_REBASE_TAG
     from quantdispatch.formats.mxfp4 import Mxfp4Weight
 

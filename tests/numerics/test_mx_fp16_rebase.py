@@ -2,8 +2,9 @@
 
 The checkpoint-layout kernels and the dequantized slabs round the decoded weight to the
 activation dtype; in fp16 a block scale of 2^14+ made inf and one below 2^-23 flushed to zero,
-silently. prepare rebases such scales (kernels.fp4_linear.rebase_mx_scales_for_fp16) and the
-factor 2^d goes to the fp32 accumulator. Checked here against float64 on the CPU interpreter.
+silently. prepare rebases such scales (kernels.fp4_linear.rebase_mx_scales_for_fp16), the
+factor 2^d goes to the fused kernels' fp32 accumulator, and such a weight keeps those kernels
+at every M. Checked here against float64 on the CPU interpreter.
 """
 
 from __future__ import annotations
@@ -37,15 +38,22 @@ def mx_weight(n: int, k: int, lo: int, hi: int, seed: int) -> Mxfp4Weight:
     return Mxfp4Weight(packed=packed, block_scale=e8)
 
 
-def test_scales_in_fp16_range_are_kept():
-    w = mx_weight(16, 64, 127 - 23, 127 + 13, 1)
-    codes, d = rebase_mx_scales_for_fp16(w.packed, w.block_scale)
-    assert d == 0 and codes is w.block_scale
+@pytest.mark.parametrize(("lo", "hi", "d"), [(104, 140, 0), (103, 140, 0), (104, 141, 1)])
+def test_the_fp16_window_edges(lo, hi, d):
+    """2^-23 .. 2^13 is kept as is; one binade past the top shifts by one; one past the bottom
+    with the top at 2^13 has nowhere to go (d = 0, the 2^-24 blocks round in fp16)."""
+    w = mx_weight(16, 64, lo, hi, 1)
+    e8 = w.block_scale.clone()
+    e8[0, 0], e8[0, 1] = lo, hi  # both ends present
+    codes, got = rebase_mx_scales_for_fp16(w.packed, e8)
+    assert got == d
+    if d == 0:
+        assert codes is e8
 
 
-@pytest.mark.parametrize(("lo", "hi", "d"), [(140, 150, 11), (60, 70, -69), (100, 150, 11)])
+@pytest.mark.parametrize(("lo", "hi", "d"), [(140, 150, 10), (60, 70, -70), (100, 150, 10)])
 def test_out_of_range_scales_are_rebased(lo, hi, d):
-    """Largest scale to 2^12; codes shifted by d, clamped at 0 (blocks 35+ binades below)."""
+    """Largest scale to 2^13; codes shifted by d, clamped at 0 (blocks 36+ binades below)."""
     w = mx_weight(16, 64, lo, hi, 2)
     e8 = w.block_scale.clone()
     e8[0, 0] = hi  # the largest code present
@@ -63,16 +71,41 @@ def test_all_zero_blocks_do_not_set_the_rebase():
     assert rebase_mx_scales_for_fp16(packed, e8)[1] == 0
 
 
-@pytest.mark.parametrize("m", [3, 40], ids=["kernel", "dequantized-slabs"])
+def test_all_zero_blocks_of_a_rebased_weight_stay_zero():
+    """Tiny scales shift up (d < 0); an all-zero block coded 127 (what quantizers write) must
+    not shift to 241+, where the fp32 scale saturates to inf and 0 x inf made its row NaN."""
+    n, k = 48, 128
+    w = mx_weight(n, k, 90, 100, 7)
+    packed, e8 = w.packed.clone(), w.block_scale.clone()
+    packed[3, :16] = 0  # row 3, block 0: all codes zero
+    e8[3, 0] = 127
+    codes, d = rebase_mx_scales_for_fp16(packed, e8)
+    assert d < 0 and int(codes[3, 0]) == 0
+    backend = get_backend("triton")
+    req = Request.make("mxfp4", act_dtype=torch.float16, n=n, k=k)
+    prepared = backend.prepare(Mxfp4Weight(packed=packed, block_scale=e8), req)
+    x = (torch.randn(5, k, generator=torch.Generator().manual_seed(8)) * 2.0**12).half()
+    out = backend.linear(x, prepared.tensors, None, "mxfp4", prepared.meta)
+    ref = x.double() @ weight64(packed, e8).T
+    assert bool(torch.isfinite(out).all())
+    assert float((out.double() - ref).norm() / ref.norm()) < 2e-3
+
+
+@pytest.mark.parametrize("m", [3, 40], ids=["small-m", "large-m"])
 @pytest.mark.parametrize(("lo", "hi"), [(141, 145), (96, 103)], ids=["2^14..2^18", "2^-31..2^-24"])
 def test_triton_backend_fp16_matches_float64(monkeypatch, m, lo, hi):
-    """prepare rebases, linear runs the tl.dot kernel (M=3) or dequantized slabs + GEMM (M=40,
-    the large-M path forced here) and lands on the float64 result, with no inf."""
+    """prepare rebases; linear runs the fused kernel, also where M would take dequantized
+    fp16 slabs (forced here at M=40: the rebased weight must not), and lands on the float64
+    result with no inf."""
     from quantdispatch.backends import triton as tb
 
     if m == 40:
         monkeypatch.setattr(tb, "use_dequant_gemm", lambda m, n, k: True)
-        monkeypatch.setattr(dg, "WORKSPACE_ELEMENTS", 24 * 128)  # several slabs
+
+        def no_slabs(*a, **kw):
+            raise AssertionError("a rebased MXFP4 weight took the dequantized fp16 slabs")
+
+        monkeypatch.setattr(dg, "dequant_gemm", no_slabs)
     n, k = 48, 128
     w = mx_weight(n, k, lo, hi, 4)
     backend = get_backend("triton")
@@ -110,7 +143,13 @@ def test_fp16_moe_experts_outside_fp16_are_refused_with_the_fix():
     backend.prepare_moe(ok13, ok2, names, (), req, gated=True)
     bad2 = (ok2[0], ok2[1].clone())
     bad2[1][1, 0, 0] = 150  # expert 1 of w2: 2^23
-    with pytest.raises(WeightFormatError, match=r"expert 1 of w2 .* 2\^-23 \.\. 2\^13"):
+    with pytest.raises(
+        WeightFormatError, match=r"expert 1 of w2 has block scales 2\^-7 \.\. 2\^23"
+    ):
         backend.prepare_moe(ok13, bad2, names, (), req, gated=True)
+    low13 = (ok13[0], ok13[1].clone())
+    low13[1][0, 5, 1] = 97  # expert 0 of w13: 2^-30 at the bottom, the top inside: refused too
+    with pytest.raises(WeightFormatError, match=r"expert 0 of w13 has block scales 2\^-30"):
+        backend.prepare_moe(low13, ok2, names, (), req, gated=True)
     bf16 = Request.make("mxfp4", op="moe", act_dtype=torch.bfloat16, experts=e)
     backend.prepare_moe(ok13, bad2, names, (), bf16, gated=True)  # bf16 holds 2^23

@@ -334,17 +334,29 @@ def test_fp8_weight_only_matches_float64(dtype, kind, m, cfg):
     check(out, ref, dtype)
 
 
-def test_fp8_block_scale_with_wide_config_shrinks_k_tile():
+@pytest.mark.parametrize("cfg", [SMALL, GemmConfig(16, 16, 64, 4, 2, swap_ab=1, split=2)])
+def test_fp8_block_scale_with_wide_config_shrinks_k_tile(cfg):
+    """K tiles (tiled kernel) and K slices (small-M kernel) of 64 shrink to the 32-wide blocks."""
     gen = torch.Generator().manual_seed(5)
     n, k, m = 32, 128, 2
     bits = random_e4m3_weight(n, k, gen)
     scale = torch.rand(1, 4, generator=gen) + 0.5  # 32-wide K blocks, config asks for 64
     x = make_x(m, k, torch.float16, gen)
     out = fp8_weight_only_linear(
-        x, bits.view(torch.float8_e4m3fn), scale, block_size=(32, 32), config=SMALL
+        x, bits.view(torch.float8_e4m3fn), scale, block_size=(32, 32), config=cfg
     )
     w = e4m3_ref(bits) * scale.double().repeat_interleave(32, 1)
     check(out, x.double() @ w.T, torch.float16)
+
+
+def test_fp8_k_tile_that_cannot_fit_the_scale_blocks_names_the_config():
+    bits = random_e4m3_weight(32, 96, torch.Generator().manual_seed(6))
+    x = torch.zeros(1, 96, dtype=torch.float16)
+    cfg = GemmConfig(16, 16, 8, 4, 2, swap_ab=1, split=2)  # a K slice below the MMA K step
+    with pytest.raises(InputError, match="config block_k=8 against scale blocks 48 wide"):
+        fp8_weight_only_linear(
+            x, bits.view(torch.float8_e4m3fn), torch.ones(1, 2), block_size=(32, 48), config=cfg
+        )
 
 
 # ---- shapes, errors, configs ----------------------------------------------------------------

@@ -61,3 +61,14 @@ def test_moe_sweep_times_dequantize_from_256_tokens_per_expert():
     mixtral = (2, 8, 14336, 4096)  # top_k, E, I, H
     assert any(isinstance(c, DequantMoeConfig) for c in sweep_configs(2048, *mixtral))  # 512
     assert not any(isinstance(c, DequantMoeConfig) for c in sweep_configs(512, *mixtral))  # 128
+
+
+def test_linear_rejects_unknown_tune_kinds(monkeypatch, capsys):
+    """An unknown --tune-kinds value used to tune nothing, silently."""
+    pytest.importorskip("triton")
+    import linear  # benchmarks/linear.py
+
+    monkeypatch.setattr(sys, "argv", ["linear.py", "--tune", "--tune-kinds", "nvfp4,fp4"])
+    with pytest.raises(SystemExit) as exc:
+        linear.main()
+    assert exc.value.code == 2 and "unknown ['fp4']" in capsys.readouterr().err
