@@ -44,7 +44,14 @@ from quantdispatch.request import Request, Scheme, dtype_name, parse_act_dtype
 from quantdispatch.resolver import Decision
 from quantdispatch.settings import Settings
 
-__all__ = ["QuantLinear", "format_of", "load_linear", "resolve_quant_config", "target_device"]
+__all__ = [
+    "FixedDtypeBuffers",
+    "QuantLinear",
+    "format_of",
+    "load_linear",
+    "resolve_quant_config",
+    "target_device",
+]
 
 logger = logging.getLogger("quantdispatch")
 
@@ -147,7 +154,27 @@ def activations_2d(
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-class QuantLinear(nn.Module):
+class FixedDtypeBuffers(nn.Module):
+    """A module whose own buffers keep their dtypes through ``model.half()``,
+    ``model.to(torch.bfloat16)`` and the like, and follow device moves only.
+
+    Why: a quantized layer's buffers are its format: packed codes, FP8 block scales (a floating
+    dtype torch would cast), fp32 per-tensor scales that must stay exact, fp32 biases. Casting
+    them with the model turned e4m3 scales into bf16 numbers the kernels misread and made the
+    next call fail far from the cause. The activation dtype the layer was built for is part of
+    its decision; a call in another dtype raises and says so."""
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        before = {name: buf for name, buf in self._buffers.items() if buf is not None}
+        super()._apply(fn, recurse)
+        for name, buf in before.items():
+            now = self._buffers[name]
+            if now is not None and now.dtype != buf.dtype:
+                self._buffers[name] = buf.to(device=now.device)
+        return self
+
+
+class QuantLinear(FixedDtypeBuffers):
     """y = x @ W.T + b with W quantized (NVFP4, MXFP4 or FP8), on the kernel ``select()`` picks.
 
     ``act_dtype`` is the activation dtype the layer is built for (the decision depends on it:

@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from torch import nn
 
 import quantdispatch.ops  # noqa: F401  (registers torch.ops.quantdispatch.*)
 from quantdispatch.api import select
@@ -52,6 +51,7 @@ from quantdispatch.formats import (
     merge_nvfp4_shards,
 )
 from quantdispatch.layers import (
+    FixedDtypeBuffers,
     activations_2d,
     format_of,
     profile_for,
@@ -439,7 +439,7 @@ _NAMINGS = (
 # The layer
 
 
-class QuantMoE(nn.Module):
+class QuantMoE(FixedDtypeBuffers):
     """Routed experts with quantized weights (NVFP4, MXFP4 or FP8) on the kernel ``select()``
     picks; the router itself (a small unquantized linear) stays the engine's.
 

@@ -701,3 +701,20 @@ def test_quant_config_that_excludes_an_expert_is_an_error():
     ok = {"quantization": {"quant_algo": "W4A16_NVFP4"}}
     layer = QuantMoE.from_checkpoint(sd, prefix, ok, num_experts=2, top_k=1, device="cpu")
     assert layer.decision.request.scheme_label == "W4A16"
+
+
+def test_model_dtype_casts_leave_the_experts_alone():
+    """model.to(torch.bfloat16) on a model holding a QuantMoE: the e4m3 block scales, fp32
+    global scales and fp32 expert biases keep their dtypes; the output is bit-identical."""
+    e, h, i = 4, 64, 64
+    ex = make_experts("nvfp4", e, h, i, seed=21)
+    g = torch.Generator().manual_seed(22)
+    w13_bias, w2_bias = torch.randn(e, 2 * i, generator=g), torch.randn(e, h, generator=g)
+    layer = layer_of(ex, top_k=2, w13_bias=w13_bias, w2_bias=w2_bias)
+    x, logits = rand_x(5, h, torch.bfloat16, seed=23), rand_logits(5, e, seed=24)
+    before = layer(x, logits)
+    dtypes = {n: b.dtype for n, b in layer.named_buffers()}
+    assert dtypes["w13_block_scale"] == torch.float8_e4m3fn and dtypes["w2_bias"] == torch.float32
+    torch.nn.Sequential(layer).to(torch.bfloat16)
+    assert {n: b.dtype for n, b in layer.named_buffers()} == dtypes
+    assert torch.equal(layer(x, logits), before)

@@ -267,3 +267,28 @@ def test_reference_forward_peak_memory_stays_within_the_chunk_bound(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     extra = int(out.stdout.strip().splitlines()[-1])
     assert extra < 64 * 2**20, f"forward grew peak RSS by {extra / 2**20:.1f} MiB"
+
+
+@pytest.mark.parametrize("cast", ["half", "bfloat16", "float", "to-dtype-and-device"])
+def test_model_dtype_casts_leave_the_quantized_buffers_alone(cast):
+    """model.half() / .to(torch.bfloat16) cast every floating buffer: the e4m3 block scales
+    became bf16 numbers and the fp32 global scale lost bits, and the next call failed far from
+    the cause (a shape error in the reference backend). The layer's buffers keep their dtypes
+    (and follow device moves); the output is bit-identical."""
+    from quantdispatch.formats import quantize_nvfp4
+
+    w = torch.randn(64, 128, generator=torch.Generator().manual_seed(3)) * 0.02
+    layer = QuantLinear(quantize_nvfp4(w), bias=torch.randn(64), device="cpu")
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    before = layer(x)
+    dtypes = {n: b.dtype for n, b in layer.named_buffers()}
+    model = torch.nn.Sequential(layer)
+    if cast == "to-dtype-and-device":
+        model.to("cpu", torch.bfloat16)
+    else:
+        getattr(model, cast)()
+    assert {n: b.dtype for n, b in layer.named_buffers()} == dtypes
+    assert torch.equal(layer(x), before)
+    if cast == "half":  # the layer was built for bf16: an fp16 call says so
+        with pytest.raises(InputError, match=r"built for torch\.bfloat16"):
+            layer(x.half())
