@@ -235,6 +235,16 @@ class TritonBackend(Backend):
             return text + "; other layers: the checkpoint layout and fused tl.dot kernels"
         if request.op is not Op.LINEAR:
             return None
+        text = self._fp4_linear_text(request, profile)
+        if request.format == "mxfp4" and request.act_dtype == torch.float16:
+            text += (
+                "; fp16 on the checkpoint layout: a weight whose block scales leave "
+                "2^-23..2^13 is rebased at load (2^d in the fused kernels' fp32 epilogue, "
+                "which it then runs at every M)"
+            )
+        return text
+
+    def _fp4_linear_text(self, request: Request, profile: DeviceProfile) -> str:
         if request.n is None or request.k is None:
             return self._linear_ranges(request, profile)
         n, k = request.n, request.k

@@ -321,3 +321,17 @@ def test_triton_says_whether_the_gemm_takes_activations_by_tma(monkeypatch):
         monkeypatch.setattr(triton_backend, "_host_descriptors", lambda has=has: has)
         text = get_backend("triton").variant(request, profile)
         assert ("activation tiles by TMA" in text) == has
+
+
+def test_triton_states_the_mxfp4_fp16_rebase_and_the_fp8_w8a16_kernels():
+    """doctor says what happens to MXFP4 scales fp16 cannot hold (rebased, fused kernels at
+    every M) and which kernels FP8 weight-only runs; neither text for the other dtype/format."""
+    pytest.importorskip("triton")
+    triton_backend = get_backend("triton")
+    t4 = preset_profile("t4")
+    mx16 = triton_backend.variant(Request.make("mxfp4", "linear", "fp16", "weight_only"), t4)
+    assert "block scales leave 2^-23..2^13 is rebased at load" in mx16
+    mx_bf16 = Request.make("mxfp4", "linear", "bf16", "weight_only")
+    assert "rebased" not in triton_backend.variant(mx_bf16, preset_profile("a100"))
+    fp8 = triton_backend.variant(Request.make("fp8", "linear", "bf16", "weight_only"), t4)
+    assert "K split inside each program" in fp8 and "dequantized slabs + cuBLAS" in fp8
