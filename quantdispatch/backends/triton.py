@@ -442,17 +442,14 @@ class TritonBackend(Backend):
         their scales instead: kernels.fp4_linear.rebase_mx_scales_for_fp16)."""
         if request.format == "mxfp4" and request.act_dtype == torch.float16:
             from quantdispatch.errors import WeightFormatError
-            from quantdispatch.kernels.fp4_linear import FP16_MX_EXPONENTS, mx_scale_exponents
+            from quantdispatch.kernels.fp4_linear import FP16_MX_EXPONENTS, mx_scale_range
 
             low, high = FP16_MX_EXPONENTS
             for which, stack in (("w13", w13), ("w2", w2)):
-                found = mx_scale_exponents(stack[0], stack[1].view(torch.uint8))
+                found = mx_scale_range(stack[0], stack[1].view(torch.uint8))
                 if found is None:
                     continue
-                exps, used, _ = found
-                far = 1 << 20
-                lo = torch.where(used, exps, far).flatten(1).amin(dim=1)  # per expert
-                hi = torch.where(used, exps, -far).flatten(1).amax(dim=1)
+                lo, hi = found[0], found[1]  # per expert (an expert using no block: in range)
                 bad = ((lo < low) | (hi > high)).nonzero().flatten().tolist()
                 if bad:
                     e = bad[0]

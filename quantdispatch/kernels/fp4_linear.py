@@ -52,8 +52,7 @@ from quantdispatch.kernels.wgmma_hazard import rs_wgmma_hazard, settle
 __all__ = [
     "FP16_MX_EXPONENTS",
     "fp4_linear",
-    "fp16_mx_outside",
-    "mx_scale_exponents",
+    "mx_scale_range",
     "rebase_mx_scales_for_fp16",
 ]
 
@@ -504,33 +503,23 @@ def _check_fp4_weights(
 FP16_MX_EXPONENTS = (-23, 13)
 
 
-def mx_scale_exponents(
+def mx_scale_range(
     packed: torch.Tensor, e8m0_u8: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """(exponents E of 2^E, one per block, int32; mask of the blocks that hold a non-zero
-    code and a finite scale; the codes as int32) of MXFP4 weights [..., N, K/2] / [..., N,
-    K/32], or None when no block has a non-zero code. All-zero blocks (codes +-0) contribute
-    nothing whatever their scale; NaN codes (255) are left for the caller's checks."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The exponent range of the block scales 2^E that MXFP4 weights [..., N, K/2] / [..., N,
+    K/32] use: (smallest E, largest E) per leading index (0-d for one weight, [E] for an expert
+    stack), the mask of used blocks, the codes as int32; None when no block is used. A block
+    is used when it holds a non-zero code and a finite scale: all-zero blocks (codes +-0)
+    contribute nothing whatever their scale; NaN codes (255) are left for the caller's checks."""
     groups = e8m0_u8.shape[-1]
     magnitude = (packed.view(torch.uint8) & 0x77).reshape(*e8m0_u8.shape[:-1], groups, -1)
     e = e8m0_u8.to(torch.int32)
     used = (magnitude != 0).any(dim=-1) & (e != 255)
     if not bool(used.any()):
         return None
-    return e - 127, used, e
-
-
-def fp16_mx_outside(packed: torch.Tensor, e8m0_u8: torch.Tensor) -> tuple[int, int] | None:
-    """The (smallest, largest) exponent E of the used block scales 2^E of an MXFP4 weight when
-    some lie outside :data:`FP16_MX_EXPONENTS`, else None."""
-    found = mx_scale_exponents(packed, e8m0_u8)
-    if found is None:
-        return None
-    exps, used, _ = found
-    lo = int(torch.where(used, exps, torch.full_like(exps, 1 << 20)).min())
-    hi = int(torch.where(used, exps, torch.full_like(exps, -(1 << 20))).max())
-    low, high = FP16_MX_EXPONENTS
-    return (lo, hi) if lo < low or hi > high else None
+    lo = torch.where(used, e, 1 << 20).amin(dim=(-2, -1)) - 127
+    hi = torch.where(used, e, -(1 << 20)).amax(dim=(-2, -1)) - 127
+    return lo, hi, used, e
 
 
 def rebase_mx_scales_for_fp16(
@@ -547,12 +536,14 @@ def rebase_mx_scales_for_fp16(
     2^127, far outside fp16: without this a weight with scales of 2^14+ gave inf and tiny ones
     flushed to zero, silently. One pass over the weight at load, on its device; NaN codes (255)
     are kept for the caller's checks."""
-    span = fp16_mx_outside(packed, e8m0_u8)
-    if span is None:
+    found = mx_scale_range(packed, e8m0_u8)
+    if found is None:
         return e8m0_u8, 0
-    _, used, e = mx_scale_exponents(packed, e8m0_u8)  # type: ignore[misc]
-    d = span[1] - FP16_MX_EXPONENTS[1]
-    if d == 0:  # the top already sits at 2^13: the blocks below the window round, as in fp16
+    lo, hi, used, e = found
+    low, high = FP16_MX_EXPONENTS
+    d = int(hi) - high
+    # inside the window, or the top already at 2^13 (the blocks below round, as in fp16)
+    if (int(lo) >= low and d <= 0) or d == 0:
         return e8m0_u8, 0
     shifted = torch.where(used, (e - d).clamp(0, 254), torch.zeros_like(e))
     shifted = torch.where(e == 255, e, shifted)

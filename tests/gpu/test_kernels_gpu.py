@@ -182,11 +182,9 @@ def test_nvfp4_subnormal_scales_fp16_bias(k, dtype):
 # ---- FP8 weight-only ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("kind", ["tensor", "channel", "block"])
-def test_fp8_weight_only_real_shape(k, kind, dtype):
-    n, kk = (4096, 14336) if kind == "channel" else (6144, 4096)
-    g = gen(5)
+def fp8_weights(n, kk, kind, g):
+    """Random e4m3 codes (no NaN) [n, kk] with a tensor / channel / 128x128 block scale:
+    (codes, scale, block_size, float64 weight)."""
     bits = rint(g, 0, 256, (n, kk))
     bits[(bits & 0x7F) == 0x7F] = 0x3A
     w64 = e4m3_f64(bits)
@@ -201,6 +199,15 @@ def test_fp8_weight_only_real_shape(k, kind, dtype):
         block = (128, 128)
         scale = torch.rand(n // 128, kk // 128, generator=g, device="cuda") * 0.02 + 0.001
         w64 = w64 * scale.double().repeat_interleave(128, 0).repeat_interleave(128, 1)
+    return bits, scale, block, w64
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind", ["tensor", "channel", "block"])
+def test_fp8_weight_only_real_shape(k, kind, dtype):
+    n, kk = (4096, 14336) if kind == "channel" else (6144, 4096)
+    g = gen(5)
+    bits, scale, block, w64 = fp8_weights(n, kk, kind, g)
     for m in (1, 16, 33, 1000):
         x = torch.randn(m, kk, generator=g, device="cuda").to(dtype)
         out = k[1].fp8_weight_only_linear(
@@ -228,20 +235,7 @@ def test_fp8_weight_only_every_small_m_family(k, cfg, kind):
 
     n, kk = 4096, 14336
     g = gen(17)
-    bits = rint(g, 0, 256, (n, kk))
-    bits[(bits & 0x7F) == 0x7F] = 0x3A
-    w64 = e4m3_f64(bits)
-    block = None
-    if kind == "tensor":
-        scale = torch.tensor(0.01, device="cuda")
-        w64 = w64 * 0.01
-    elif kind == "channel":
-        scale = torch.rand(n, generator=g, device="cuda") * 0.02 + 0.001
-        w64 = w64 * scale.double()[:, None]
-    else:
-        block = (128, 128)
-        scale = torch.rand(n // 128, kk // 128, generator=g, device="cuda") * 0.02 + 0.001
-        w64 = w64 * scale.double().repeat_interleave(128, 0).repeat_interleave(128, 1)
+    bits, scale, block, w64 = fp8_weights(n, kk, kind, g)
     for m in (1, 5, 16):
         x = torch.randn(m, kk, generator=g, device="cuda").to(torch.bfloat16)
         out = k[1].fp8_weight_only_linear(
