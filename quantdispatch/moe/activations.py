@@ -1,4 +1,4 @@
-"""MoE activation and routing maths in plain torch: the contract every MoE backend follows.
+"""MoE activations in plain torch: the contract every MoE backend follows.
 
 Layout: a gated expert's first GEMM (w13) produces [tokens, 2*I] with the gate in the first I
 columns and the up projection in the last I (gpt-oss's interleaved rows are de-interleaved at
