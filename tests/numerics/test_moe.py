@@ -32,7 +32,8 @@ from ref64 import (
 
 from quantdispatch.errors import CheckpointError, ConfigurationError, InputError
 from quantdispatch.formats import Fp8Weight, Mxfp4Weight, Nvfp4Weight
-from quantdispatch.moe import QuantMoE, route
+from quantdispatch.layers import QuantMoE
+from quantdispatch.moe import route
 
 BOUND = {torch.bfloat16: 7e-3, torch.float16: 1e-3}
 DTYPES = [torch.bfloat16, torch.float16]
