@@ -37,6 +37,7 @@ __all__ = [
 ]
 
 _FORMAT_OF = {Nvfp4Weight: "nvfp4", Mxfp4Weight: "mxfp4", Fp8Weight: "fp8"}
+_16_BIT = (torch.bfloat16, torch.float16)
 
 
 def format_of(weight: object) -> str:
@@ -103,12 +104,20 @@ def activations_2d(
     """Check a layer's input (dtype it was built for, last dim, device) and view it as 2-D
     [tokens, width] with unit stride along the width, as the kernels take it."""
     if x.dtype != act_dtype:
-        raise InputError(
-            format_error(
-                f"input is {x.dtype} but this layer was built for {act_dtype}",
-                "the kernel decision depends on the activation dtype",
-                f"cast the input with .to({act_dtype}) or build the layer with act_dtype={x.dtype}",
+        if x.dtype in _16_BIT:
+            rule = "the kernel decision depends on the activation dtype"
+            fix = (
+                f"cast the input with .to({act_dtype}) or build the layer with act_dtype={x.dtype}"
             )
+        else:
+            # No layer takes float32 (or 8-bit) activations: only the cast works.
+            rule = "quantized layers take 16-bit activations, in the dtype the layer was built for"
+            fix = (
+                f"cast the input with .to({act_dtype}) (and the output back to {x.dtype} if the "
+                "model needs it); layers are built for torch.bfloat16 or torch.float16 only"
+            )
+        raise InputError(
+            format_error(f"input is {x.dtype} but this layer was built for {act_dtype}", rule, fix)
         )
     if x.dim() == 0 or x.shape[-1] != width:
         raise InputError(

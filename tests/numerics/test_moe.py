@@ -596,6 +596,16 @@ def test_shape_mismatch():
         layer(rand_x(2, 64, torch.float16, 0), rand_logits(2, 2, 0))
 
 
+def test_fp32_input_error_names_a_cast_that_works():
+    ex = make_experts("nvfp4", 2, 64, 32, seed=41)
+    layer = layer_of(ex, top_k=1)
+    x, logits = rand_x(2, 64, torch.float32, 0), rand_logits(2, 2, 0)
+    with pytest.raises(InputError, match=r"cast the input with \.to\(torch\.bfloat16\)") as err:
+        layer(x, logits)
+    assert "act_dtype=torch.float32" not in str(err.value)
+    assert layer(x.to(layer.act_dtype), logits).shape == (2, 64)
+
+
 def test_top_k_larger_than_experts():
     ex = make_experts("nvfp4", 2, 64, 32, seed=40)
     with pytest.raises(ConfigurationError, match="top_k=3 with 2 experts"):
