@@ -200,7 +200,7 @@ class QuantMoE(QuantLayer):
         DeepSeek) or ``.w1/.w3/.w2`` (Mixtral), any convention ``read_linear`` reads (ModelOpt
         or compressed-tensors NVFP4, MXFP4, FP8), or gpt-oss's fused
         ``{prefix}.experts.gate_up_proj_blocks/_scales/_bias`` (interleaved gate/up rows,
-        de-interleaved here) and ``down_proj_blocks/_scales/_bias``. Only the experts in
+        de-interleaved at load) and ``down_proj_blocks/_scales/_bias``. Only the experts in
         ``expert_ids`` (default: all) are read. ``{prefix}.gate.e_score_correction_bias`` is
         picked up when present. Other keyword arguments go to the constructor.
         """
