@@ -75,7 +75,7 @@ from quantdispatch.kernels.fp4_mma_moe import (
 )
 from quantdispatch.kernels.fp4_mma_moe_small import SmallMoeConfig
 from quantdispatch.kernels.wgmma_hazard import rs_wgmma_hazard
-from quantdispatch.moe_math import apply_activation
+from quantdispatch.moe.activations import apply_activation
 
 MODELS: dict[str, tuple[int, int, int, int]] = {
     "qwen3-30b-a3b": (128, 8, 2048, 768),

@@ -32,7 +32,7 @@ _EXPORTS = {
     "load_policy": "quantdispatch.policy",
     "QuantLinear": "quantdispatch.layers",
     "load_linear": "quantdispatch.layers",
-    "QuantMoE": "quantdispatch.moe",
+    "QuantMoE": "quantdispatch.layers",
 }
 
 __all__ = ["__version__", *_EXPORTS]
@@ -40,8 +40,7 @@ __all__ = ["__version__", *_EXPORTS]
 if TYPE_CHECKING:
     from quantdispatch.api import select
     from quantdispatch.device import PRESETS, DeviceProfile, device_profile, preset_profile, probe
-    from quantdispatch.layers import QuantLinear, load_linear
-    from quantdispatch.moe import QuantMoE
+    from quantdispatch.layers import QuantLinear, QuantMoE, load_linear
     from quantdispatch.policy import Policy, load_policy
     from quantdispatch.request import Request
     from quantdispatch.resolver import Candidate, Decision, resolve

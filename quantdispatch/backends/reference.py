@@ -174,7 +174,7 @@ class ReferenceBackend(Backend):
         layer. This path synchronizes with the device (it lists the experts in use): it is
         the contract, not a fast path.
         """
-        from quantdispatch.moe_math import apply_activation
+        from quantdispatch.moe.activations import apply_activation
 
         num_experts = w13[0].shape[0]
         xf = x.to(torch.float32)

@@ -32,7 +32,7 @@ from quantdispatch.kernels.fp4_mma_moe import (  # noqa: E402
 from quantdispatch.kernels.fp4_mma_moe_small import SmallMoeConfig  # noqa: E402
 from quantdispatch.kernels.fused_moe import DequantMoeConfig  # noqa: E402
 from quantdispatch.kernels.gdc import pdl_capable  # noqa: E402
-from quantdispatch.moe import QuantMoE  # noqa: E402
+from quantdispatch.layers import QuantMoE  # noqa: E402
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from quantdispatch.moe import QuantMoE
+from quantdispatch.layers import QuantMoE
 
 pytestmark = pytest.mark.gpu
 

@@ -34,7 +34,7 @@ from quantdispatch.kernels.fused_moe import (  # noqa: E402
     fused_moe,
     moe_align,
 )
-from quantdispatch.moe import QuantMoE  # noqa: E402
+from quantdispatch.layers import QuantMoE  # noqa: E402
 
 if not fm._interpreting():
     pytest.skip(

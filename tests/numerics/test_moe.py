@@ -32,7 +32,8 @@ from ref64 import (
 
 from quantdispatch.errors import CheckpointError, ConfigurationError, InputError
 from quantdispatch.formats import Fp8Weight, Mxfp4Weight, Nvfp4Weight
-from quantdispatch.moe import QuantMoE, route
+from quantdispatch.layers import QuantMoE
+from quantdispatch.moe import route
 
 BOUND = {torch.bfloat16: 7e-3, torch.float16: 1e-3}
 DTYPES = [torch.bfloat16, torch.float16]
@@ -593,6 +594,16 @@ def test_shape_mismatch():
         layer(rand_x(2, 64, torch.bfloat16, 0), rand_logits(2, 3, 0))
     with pytest.raises(InputError, match=r"built for torch\.bfloat16"):
         layer(rand_x(2, 64, torch.float16, 0), rand_logits(2, 2, 0))
+
+
+def test_fp32_input_error_names_a_cast_that_works():
+    ex = make_experts("nvfp4", 2, 64, 32, seed=41)
+    layer = layer_of(ex, top_k=1)
+    x, logits = rand_x(2, 64, torch.float32, 0), rand_logits(2, 2, 0)
+    with pytest.raises(InputError, match=r"cast the input with \.to\(torch\.bfloat16\)") as err:
+        layer(x, logits)
+    assert "act_dtype=torch.float32" not in str(err.value)
+    assert layer(x.to(layer.act_dtype), logits).shape == (2, 64)
 
 
 def test_top_k_larger_than_experts():

@@ -186,6 +186,23 @@ def test_bad_forward_inputs():
         layer(torch.empty(2, 32, dtype=torch.bfloat16, device="meta"))
 
 
+def test_fp32_input_error_names_a_cast_that_works():
+    """No layer takes float32 activations, so the error for an fp32 input suggests the cast to
+    the layer's dtype (and the cast runs), never a float32 layer (which is refused)."""
+    layer = QuantLinear(_nvfp4(16, 32, seed=1), device="cpu")
+    x = torch.randn(2, 32)
+    with pytest.raises(InputError, match=r"cast the input with \.to\(torch\.bfloat16\)") as err:
+        layer(x)
+    assert "act_dtype=torch.float32" not in str(err.value)
+    assert "16-bit activations" in str(err.value)
+    with pytest.raises(ConfigurationError, match="16-bit activations"):
+        QuantLinear(_nvfp4(16, 32, seed=1), act_dtype=torch.float32, device="cpu")
+    assert layer(x.to(layer.act_dtype)).shape == (2, 16)
+    # the other 16-bit dtype can have a layer of its own: that suggestion stays
+    with pytest.raises(InputError, match=r"build the layer with act_dtype=torch\.float16"):
+        layer(x.half())
+
+
 def test_preset_device_is_refused_with_a_clear_message():
     with pytest.raises(BackendUnavailableError, match="simulated device"):
         QuantLinear(_nvfp4(16, 32, seed=1), device="h100")

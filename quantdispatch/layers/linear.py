@@ -17,103 +17,24 @@ from typing import Any
 import torch
 from torch import nn
 
-from quantdispatch.api import select
-from quantdispatch.backends import get_backend
-from quantdispatch.checkpoints import (
-    LoadedLinear,
-    QuantConfig,
-    QuantWeight,
-    load_quant_config,
-    merge_shards,
-    parse_quant_config,
-    read_linear,
-)
-from quantdispatch.device import DeviceProfile, device_profile
-from quantdispatch.errors import CheckpointError, ConfigurationError, InputError, format_error
-from quantdispatch.formats import (
-    Fp8Weight,
-    Mxfp4Weight,
-    Nvfp4Weight,
-    quantize_fp8,
-    quantize_mxfp4,
-    quantize_nvfp4,
+from quantdispatch.checkpoints import LoadedLinear, QuantWeight, merge_shards, read_linear
+from quantdispatch.errors import CheckpointError, ConfigurationError, format_error
+from quantdispatch.formats import Fp8Weight, quantize_fp8, quantize_mxfp4, quantize_nvfp4
+from quantdispatch.layers.base import (
+    QuantLayer,
+    activations_2d,
+    format_of,
+    resolve_quant_config,
+    target_device,
 )
 from quantdispatch.ops import as_op_tensors  # also registers torch.ops.quantdispatch.*
 from quantdispatch.policy import Policy
 from quantdispatch.request import Request, Scheme, dtype_name, parse_act_dtype
-from quantdispatch.resolver import Decision
 from quantdispatch.settings import Settings
 
-__all__ = [
-    "FixedDtypeBuffers",
-    "QuantLinear",
-    "format_of",
-    "load_linear",
-    "resolve_quant_config",
-    "target_device",
-]
+__all__ = ["QuantLinear", "load_linear"]
 
 logger = logging.getLogger("quantdispatch")
-
-_FORMAT_OF = {Nvfp4Weight: "nvfp4", Mxfp4Weight: "mxfp4", Fp8Weight: "fp8"}
-
-
-def format_of(weight: object) -> str:
-    fmt = _FORMAT_OF.get(type(weight))
-    if fmt is None:
-        raise ConfigurationError(
-            format_error(
-                f"expected a quantized weight, got {type(weight).__name__}",
-                "QuantLinear takes an Nvfp4Weight, Mxfp4Weight or Fp8Weight",
-                "build one with quantdispatch.formats.quantize_*(...) or use "
-                "QuantLinear.from_checkpoint / from_float",
-            )
-        )
-    return fmt
-
-
-def target_device(device: object, weight_device: torch.device) -> torch.device:
-    """Where a layer lives: ``device`` if given; else the weights' device if it is a GPU; else
-    the current CUDA device when there is one; else the CPU."""
-    if device is not None:
-        if (
-            isinstance(device, str)
-            and device.strip().lower() not in ("cpu", "cuda")
-            and not (device.strip().lower().startswith("cuda:"))
-        ):
-            # A preset name: let the resolver explain, then refuse to run on a simulation.
-            return torch.device("meta")
-        return torch.device(device) if not isinstance(device, torch.device) else device
-    if weight_device.type == "cuda":
-        return weight_device
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def profile_for(device: torch.device, requested: object) -> DeviceProfile:
-    if device.type == "meta":
-        return device_profile(requested)
-    if device.type == "cpu":
-        return device_profile("cpu")
-    return device_profile(device.index if device.index is not None else 0)
-
-
-def resolve_quant_config(config: object) -> QuantConfig | None:
-    """A QuantConfig from a QuantConfig, a parsed JSON mapping, a path, or None."""
-    if config is None or isinstance(config, QuantConfig):
-        return config
-    if isinstance(config, (str, Path)):
-        return load_quant_config(config)
-    if isinstance(config, Mapping):
-        return parse_quant_config(config)
-    raise ConfigurationError(
-        format_error(
-            f"quant_config is a {type(config).__name__}",
-            "pass a QuantConfig, the parsed config JSON, a path, or None",
-            "e.g. quant_config=json.load(open('config.json'))",
-        )
-    )
 
 
 def _module_name(prefix: str) -> str:
@@ -121,60 +42,7 @@ def _module_name(prefix: str) -> str:
     return prefix[: -len(".weight")] if prefix.endswith(".weight") else prefix
 
 
-def activations_2d(
-    x: torch.Tensor, act_dtype: torch.dtype, width: int, width_name: str, device: torch.device
-) -> torch.Tensor:
-    """Check a layer's input (dtype it was built for, last dim, device) and view it as 2-D
-    [tokens, width] with unit stride along the width, as the kernels take it."""
-    if x.dtype != act_dtype:
-        raise InputError(
-            format_error(
-                f"input is {x.dtype} but this layer was built for {act_dtype}",
-                "the kernel decision depends on the activation dtype",
-                f"cast the input with .to({act_dtype}) or build the layer with act_dtype={x.dtype}",
-            )
-        )
-    if x.dim() == 0 or x.shape[-1] != width:
-        raise InputError(
-            format_error(
-                f"input has shape {tuple(x.shape)}",
-                f"the last dimension must be {width_name} = {width}",
-                "pass [..., features] activations",
-            )
-        )
-    if x.device != device:
-        raise InputError(
-            format_error(
-                f"input is on {x.device} but the layer is on {device}",
-                "input and weights must be on one device",
-                f"move the input with .to('{device}')",
-            )
-        )
-    x2 = x.reshape(-1, width)
-    return x2 if x2.stride(-1) == 1 else x2.contiguous()
-
-
-class FixedDtypeBuffers(nn.Module):
-    """A module whose own buffers keep their dtypes through ``model.half()``,
-    ``model.to(torch.bfloat16)`` and the like, and follow device moves only.
-
-    Why: a quantized layer's buffers are its format: packed codes, FP8 block scales (a floating
-    dtype torch would cast), fp32 per-tensor scales that must stay exact, fp32 biases. Casting
-    them with the model turned e4m3 scales into bf16 numbers the kernels misread and made the
-    next call fail far from the cause. The activation dtype the layer was built for is part of
-    its decision; a call in another dtype raises and says so."""
-
-    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
-        before = {name: buf for name, buf in self._buffers.items() if buf is not None}
-        super()._apply(fn, recurse)
-        for name, buf in before.items():
-            now = self._buffers[name]
-            if now is not None and now.dtype != buf.dtype:
-                self._buffers[name] = buf.to(device=now.device)
-        return self
-
-
-class QuantLinear(FixedDtypeBuffers):
+class QuantLinear(QuantLayer):
     """y = x @ W.T + b with W quantized (NVFP4, MXFP4 or FP8), on the kernel ``select()`` picks.
 
     ``act_dtype`` is the activation dtype the layer is built for (the decision depends on it:
@@ -203,12 +71,8 @@ class QuantLinear(FixedDtypeBuffers):
             scheme = Scheme.WEIGHT_ACT if has_input else Scheme.WEIGHT_ONLY
             if fmt == "fp8":
                 scheme = Scheme.WEIGHT_ACT
-        target = target_device(
-            device, weight.packed.device if fmt != "fp8" else weight.weight.device
-        )
-        profile = profile_for(target, device)
         scale_kind = weight.scale_kind if isinstance(weight, Fp8Weight) else None
-        decision = select(
+        backend, target = self._decide(
             fmt,
             "linear",
             self.act_dtype,
@@ -216,12 +80,12 @@ class QuantLinear(FixedDtypeBuffers):
             n=n,
             k=k,
             scale_kind=scale_kind,
-            device=profile,
+            device=device,
+            weight_device=weight.packed.device if fmt != "fp8" else weight.weight.device,
             settings=settings,
             policy=policy,
         )
-        backend = get_backend(decision.backend)
-        backend.refuse_simulated(decision.device)
+        decision = self.decision
         if emulate_activations and decision.backend != "reference":
             raise ConfigurationError(
                 format_error(
@@ -237,14 +101,10 @@ class QuantLinear(FixedDtypeBuffers):
             prepared = backend.prepare(weight, decision.request, emulate_activations=True)  # type: ignore[call-arg]
         else:
             prepared = backend.prepare(weight, decision.request)
-        self.decision: Decision = decision
         self.format = fmt
-        self.backend = decision.backend
         self.in_features, self.out_features = k, n
         self._names = tuple(prepared.names)
-        self._meta = list(prepared.meta)
-        for name, tensor in zip(prepared.names, prepared.tensors, strict=True):
-            self.register_buffer(name, tensor)
+        self._hold(prepared.names, prepared.tensors, prepared.meta)
         if bias is not None:
             bias = bias.detach()
             if bias.shape != (n,):
@@ -373,10 +233,6 @@ class QuantLinear(FixedDtypeBuffers):
     @property
     def request(self) -> Request:
         return self.decision.request
-
-    def device_bytes(self) -> int:
-        """Bytes this layer holds (weights, scales, bias): what it costs in device memory."""
-        return sum(b.numel() * b.element_size() for b in self.buffers())
 
     def extra_repr(self) -> str:
         r = self.decision.request

@@ -1,0 +1,400 @@
+"""``QuantMoE``: a quantized mixture-of-experts layer.
+
+Same life cycle as :class:`~quantdispatch.layers.QuantLinear`: the kernel decision is made once
+at construction (``select(fmt, op="moe", ...)``), the layer keeps only the stacked packed
+expert tensors as the backend prepared them (its buffers: a state-dict round trip restores it;
+the triton backend on an SM 8.0+ GPU repacks NVFP4 experts, same bytes), and ``forward`` runs
+``torch.ops.quantdispatch.moe`` (a custom op: torch.compile(fullgraph=True) and CUDA graphs see
+one opaque call).
+
+The stacks' layout and checks are :mod:`quantdispatch.moe.stacking`; routing is
+:mod:`quantdispatch.moe.routing`; reading experts from a checkpoint is
+:mod:`quantdispatch.checkpoints.moe_reader`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import quantdispatch.ops  # noqa: F401  (registers torch.ops.quantdispatch.*)
+from quantdispatch.checkpoints import QuantWeight
+from quantdispatch.checkpoints.moe_reader import (
+    has_gpt_oss_experts,
+    read_expert_linears,
+    read_gpt_oss_experts,
+)
+from quantdispatch.errors import CheckpointError, ConfigurationError, InputError, format_error
+from quantdispatch.layers.base import QuantLayer, activations_2d, format_of, resolve_quant_config
+from quantdispatch.moe.activations import get_activation
+from quantdispatch.moe.routing import (
+    RoutingConfig,
+    Scoring,
+    build_expert_map,
+    check_topk,
+    held_experts,
+    route,
+    to_local_ids,
+)
+from quantdispatch.moe.stacking import (
+    STACK_NAMES,
+    check_bias,
+    expert_lists,
+    given_stacks,
+    layer_dims,
+    scale_kind,
+    stack_bias,
+    stack_experts,
+    validate_stacked,
+)
+from quantdispatch.policy import Policy
+from quantdispatch.request import Scheme, dtype_name, parse_act_dtype
+from quantdispatch.settings import Settings
+
+__all__ = ["QuantMoE"]
+
+logger = logging.getLogger("quantdispatch")
+
+
+class QuantMoE(QuantLayer):
+    """Routed experts with quantized weights (NVFP4, MXFP4 or FP8) on the kernel ``select()``
+    picks; the router itself (a small unquantized linear) stays the engine's.
+
+    Build it from per-expert weights (``gate``, ``up``, ``down``: lists of Nvfp4Weight /
+    Mxfp4Weight / Fp8Weight, one per expert held; non-gated activations take ``up`` and
+    ``down`` only), from stacked canonical tensors (``w13``, ``w2`` and ``format``), or with
+    :meth:`from_checkpoint`.
+
+    ``num_experts`` is the router's width (all experts of the model); ``expert_ids`` the global
+    ids this layer holds, in local order (default: all of them). Routing options as in
+    :func:`route`. ``w13_bias`` [E, 2I] (gate then up) and ``w2_bias`` [E, H] are float32.
+    """
+
+    def __init__(
+        self,
+        gate: Sequence[QuantWeight] | None = None,
+        up: Sequence[QuantWeight] | None = None,
+        down: Sequence[QuantWeight] | None = None,
+        *,
+        w13: Sequence[torch.Tensor] | None = None,
+        w2: Sequence[torch.Tensor] | None = None,
+        format: str | None = None,
+        fp8_block_size: tuple[int, int] | None = None,
+        top_k: int,
+        num_experts: int | None = None,
+        expert_ids: Sequence[int] | torch.Tensor | None = None,
+        activation: str = "silu",
+        activation_params: Sequence[float] | None = None,
+        w13_bias: torch.Tensor | None = None,
+        w2_bias: torch.Tensor | None = None,
+        scoring: Scoring = "softmax",
+        renormalize: bool = False,
+        n_group: int | None = None,
+        topk_group: int | None = None,
+        e_score_correction_bias: torch.Tensor | None = None,
+        routed_scaling_factor: float = 1.0,
+        scheme: Scheme | str | None = None,
+        act_dtype: torch.dtype | str = torch.bfloat16,
+        device: torch.device | str | None = None,
+        policy: Policy | str | Path | None = None,
+        settings: Settings | None = None,
+        validate_ids: bool = True,
+    ) -> None:
+        super().__init__()
+        spec = get_activation(activation)
+        self.activation = spec.name
+        params = tuple(activation_params) if activation_params is not None else ()
+        self._params = [float(p) for p in (params or spec.default_params)]
+        self.act_dtype = parse_act_dtype(act_dtype)
+        self.validate_ids = validate_ids
+
+        stacked13, stacked2, fmt, block, scheme_guess = _canonical(
+            gate, up, down, w13, w2, format, fp8_block_size, spec.gated
+        )
+        self.format = fmt
+        validate_stacked(fmt, stacked13, "w13", block)
+        validate_stacked(fmt, stacked2, "w2", block)
+        e, n13, hidden, inter = layer_dims(fmt, stacked13, stacked2, spec.gated, spec.name)
+        self.num_local_experts, self.hidden_size, self.intermediate_size = e, hidden, inter
+        self.num_experts = int(num_experts) if num_experts is not None else e
+        held = held_experts(expert_ids, e, self.num_experts)
+        self.routing = RoutingConfig(
+            int(top_k),
+            scoring,
+            bool(renormalize),
+            n_group,
+            topk_group,
+            float(routed_scaling_factor),
+        )
+        self.routing.check(self.num_experts)
+        self.top_k = self.routing.top_k
+
+        if scheme is None:
+            scheme = scheme_guess
+        backend, target = self._decide(
+            fmt,
+            "moe",
+            self.act_dtype,
+            scheme,
+            n=inter,
+            k=hidden,
+            experts=e,
+            scale_kind=scale_kind(fmt, stacked13),
+            device=device,
+            weight_device=stacked13[0].device,
+            settings=settings,
+            policy=policy,
+        )
+        # the backend's own stacks (the triton backend repacks NVFP4 experts; same bytes)
+        prepared = backend.prepare_moe(
+            [t.detach().to(target).contiguous() for t in stacked13],
+            [t.detach().to(target).contiguous() for t in stacked2],
+            STACK_NAMES[fmt],
+            [0, *block],
+            self.decision.request,
+            gated=spec.gated,
+        )
+        self._names13 = tuple(f"w13_{n}" for n in prepared.names)
+        self._names2 = tuple(f"w2_{n}" for n in prepared.names)
+        self._hold(self._names13 + self._names2, [*prepared.w13, *prepared.w2], prepared.meta)
+        self.register_buffer("w13_bias", check_bias(w13_bias, (e, n13), "w13_bias", target))
+        self.register_buffer("w2_bias", check_bias(w2_bias, (e, hidden), "w2_bias", target))
+        if e_score_correction_bias is not None:
+            if tuple(e_score_correction_bias.shape) != (self.num_experts,):
+                raise CheckpointError(
+                    format_error(
+                        f"e_score_correction_bias has shape {tuple(e_score_correction_bias.shape)}",
+                        f"it has one value per expert of the model: ({self.num_experts},)",
+                        "pass the router's e_score_correction_bias",
+                    )
+                )
+            e_score_correction_bias = e_score_correction_bias.detach().to(target, torch.float32)
+        self.register_buffer("e_score_correction_bias", e_score_correction_bias)
+        self.expert_ids: tuple[int, ...] = tuple(held)
+        self.register_buffer("expert_map", build_expert_map(held, self.num_experts, target))
+
+    # -- construction helpers -------------------------------------------------------------------
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        state_dict: Mapping[str, torch.Tensor],
+        prefix: str,
+        quant_config: object = None,
+        *,
+        num_experts: int,
+        top_k: int,
+        activation: str = "silu",
+        expert_ids: Sequence[int] | None = None,
+        act_dtype: torch.dtype | str = torch.bfloat16,
+        device: torch.device | str | None = None,
+        **kwargs: Any,
+    ) -> QuantMoE:
+        """Load the experts under ``prefix`` (e.g. ``model.layers.3.mlp``).
+
+        Per-expert tensors ``{prefix}.experts.{e}.gate_proj/up_proj/down_proj`` (Qwen,
+        DeepSeek) or ``.w1/.w3/.w2`` (Mixtral), any convention ``read_linear`` reads (ModelOpt
+        or compressed-tensors NVFP4, MXFP4, FP8), or gpt-oss's fused
+        ``{prefix}.experts.gate_up_proj_blocks/_scales/_bias`` (interleaved gate/up rows,
+        de-interleaved at load) and ``down_proj_blocks/_scales/_bias``. Only the experts in
+        ``expert_ids`` (default: all) are read. ``{prefix}.gate.e_score_correction_bias`` is
+        picked up when present. Other keyword arguments go to the constructor.
+        """
+        config = resolve_quant_config(quant_config)
+        prefix = prefix.rstrip(".")
+        held = list(range(num_experts)) if expert_ids is None else [int(i) for i in expert_ids]
+        spec = get_activation(activation)
+        base = f"{prefix}.experts"
+        corr_key = f"{prefix}.gate.e_score_correction_bias"
+        if "e_score_correction_bias" not in kwargs and corr_key in state_dict:
+            kwargs["e_score_correction_bias"] = state_dict[corr_key]
+        common = dict(
+            top_k=top_k,
+            num_experts=num_experts,
+            expert_ids=held,
+            activation=activation,
+            act_dtype=act_dtype,
+            device=device,
+        )
+        if has_gpt_oss_experts(state_dict, base):
+            w13, w2, b13, b2 = read_gpt_oss_experts(state_dict, base, held, num_experts, config)
+            kwargs.setdefault("scheme", Scheme.WEIGHT_ONLY)
+            return cls(w13=w13, w2=w2, format="mxfp4", w13_bias=b13, w2_bias=b2, **common, **kwargs)
+        loaded, scheme = read_expert_linears(
+            state_dict, base, held, num_experts, config, spec.gated
+        )
+        kwargs.setdefault("scheme", scheme)
+        first = "gate" if spec.gated else "up"
+        n_first = loaded[first][0].weight.shape[0]
+        b13 = stack_bias(
+            [[ld.bias for ld in loaded[r]] for r in (("gate", "up") if spec.gated else ("up",))],
+            n_first,
+        )
+        b2 = stack_bias([[ld.bias for ld in loaded["down"]]], loaded["down"][0].weight.shape[0])
+        kwargs.setdefault("w13_bias", b13)
+        kwargs.setdefault("w2_bias", b2)
+        return cls(
+            [ld.weight for ld in loaded["gate"]] if spec.gated else None,
+            [ld.weight for ld in loaded["up"]],
+            [ld.weight for ld in loaded["down"]],
+            **common,
+            **kwargs,
+        )
+
+    # -- running ----------------------------------------------------------------------------------
+
+    def _w13(self) -> list[torch.Tensor]:
+        return [getattr(self, n) for n in self._names13]
+
+    def _w2(self) -> list[torch.Tensor]:
+        return [getattr(self, n) for n in self._names2]
+
+    def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's routing of ``router_logits`` [M, num_experts]: global ids, weights."""
+        r = self.routing
+        if router_logits.dim() != 2 or router_logits.shape[-1] != self.num_experts:
+            raise InputError(
+                format_error(
+                    f"router_logits has shape {tuple(router_logits.shape)}",
+                    f"router logits are [tokens, num_experts={self.num_experts}]",
+                    "pass the router's output for all experts of the model",
+                )
+            )
+        return route(
+            router_logits,
+            r.top_k,
+            scoring=r.scoring,
+            renormalize=r.renormalize,
+            n_group=r.n_group,
+            topk_group=r.topk_group,
+            e_score_correction_bias=self.e_score_correction_bias,
+            routed_scaling_factor=r.routed_scaling_factor,
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        router_logits: torch.Tensor | None = None,
+        *,
+        topk_ids: torch.Tensor | None = None,
+        topk_weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x [..., H] -> [..., H]. Pass ``router_logits`` [tokens, num_experts] (routed here,
+        the scaling factor applied once) or precomputed GLOBAL ``topk_ids`` and final
+        ``topk_weights`` [tokens, k] (used as given: nothing is rescaled)."""
+        ref = getattr(self, self._names13[0])
+        x2 = activations_2d(x, self.act_dtype, self.hidden_size, "hidden_size", ref.device)
+        lead = x.shape[:-1]
+        m = x2.shape[0]
+        if (router_logits is None) == (topk_ids is None):
+            raise InputError(
+                format_error(
+                    "forward got "
+                    + (
+                        "both router_logits and topk_ids"
+                        if topk_ids is not None
+                        else "neither router_logits nor topk_ids"
+                    ),
+                    "pass router logits (routed by this layer) or precomputed topk_ids and "
+                    "topk_weights",
+                    "pass exactly one of them",
+                )
+            )
+        if router_logits is not None:
+            logits = router_logits.reshape(-1, router_logits.shape[-1])
+            if logits.shape[0] != m:
+                raise InputError(
+                    format_error(
+                        f"router_logits has {logits.shape[0]} rows but x has {m} tokens",
+                        "one row of router logits per token",
+                        "pass the router's output for this x",
+                    )
+                )
+            ids, weights = self.route(logits)
+        else:
+            ids, weights = check_topk(
+                topk_ids,  # type: ignore[arg-type]
+                topk_weights,
+                m,
+                self.num_experts,
+                self.w13_device,
+                self.validate_ids,
+            )
+        local = to_local_ids(ids, self.expert_map)
+        y = torch.ops.quantdispatch.moe(
+            x2,
+            local,
+            weights,
+            self._w13(),
+            self._w2(),
+            self.w13_bias,
+            self.w2_bias,
+            self.backend,
+            self.format,
+            self.activation,
+            self._params,
+            self._meta,
+        )
+        return y.reshape(*lead, self.hidden_size)
+
+    @property
+    def w13_device(self) -> torch.device:
+        return getattr(self, self._names13[0]).device
+
+    # -- reporting --------------------------------------------------------------------------------
+
+    def extra_repr(self) -> str:
+        r = self.decision.request
+        held = (
+            f"{self.num_local_experts}/{self.num_experts}"
+            if self.expert_map is not None
+            else str(self.num_experts)
+        )
+        return (
+            f"experts={held}, top_k={self.top_k}, hidden={self.hidden_size}, "
+            f"intermediate={self.intermediate_size}, format={self.format}, "
+            f"scheme={r.scheme_label}, act_dtype={dtype_name(self.act_dtype)}, "
+            f"activation={self.activation}, backend={self.backend}, "
+            f"bias={self.w13_bias is not None or self.w2_bias is not None}, "
+            f"scoring={self.routing.scoring}"
+        )
+
+
+def _canonical(
+    gate: Sequence[QuantWeight] | None,
+    up: Sequence[QuantWeight] | None,
+    down: Sequence[QuantWeight] | None,
+    w13: Sequence[torch.Tensor] | None,
+    w2: Sequence[torch.Tensor] | None,
+    fmt: str | None,
+    fp8_block_size: tuple[int, int] | None,
+    gated: bool,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], str, tuple, Scheme]:
+    """Stacked tensors, format, fp8 block and the scheme the weights imply, from either form."""
+    if w13 is not None or w2 is not None:
+        if gate is not None or up is not None or down is not None or w13 is None or w2 is None:
+            raise ConfigurationError(
+                format_error(
+                    "QuantMoE got both per-expert weights and stacked tensors (or only one stack)",
+                    "pass either gate/up/down lists or both w13 and w2 stacks (with format)",
+                    "pick one form",
+                )
+            )
+        return given_stacks(w13, w2, fmt, fp8_block_size)
+    lists = expert_lists(gate, up, down, gated)
+    fmts = {format_of(w) for v in lists.values() for w in v}
+    if len(fmts) != 1:
+        raise CheckpointError(
+            format_error(
+                f"experts mix formats {sorted(fmts)}",
+                "one format per MoE layer",
+                "re-export the checkpoint",
+            )
+        )
+    name = fmts.pop()
+    s13, s2, block, scheme = stack_experts(name, lists, gated)
+    return s13, s2, name, block, scheme
