@@ -79,7 +79,9 @@ def test_profiles_are_hashable_and_frozen():
 
 def test_no_nvml_module_gives_a_valid_cpu_profile(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml -> ImportError
-    monkeypatch.setattr(probe_mod, "_torch_cuda_info", lambda: (False, 0, [], "no CUDA in this torch"))
+    monkeypatch.setattr(
+        probe_mod, "_torch_cuda_info", lambda: (False, 0, [], "no CUDA in this torch")
+    )
     (p,) = probe()
     assert p.kind == "cpu" and p.capability is None
     assert any("pynvml" in n for n in p.notes)
@@ -116,7 +118,9 @@ def _fake_nvml(init_error: Exception | None = None, cc=(9, 0)):
 )
 def test_nvml_init_failures_are_notes_not_crashes(monkeypatch, error):
     monkeypatch.setitem(sys.modules, "pynvml", _fake_nvml(init_error=error))
-    monkeypatch.setattr(probe_mod, "_torch_cuda_info", lambda: (False, 0, [], "no CUDA in this torch"))
+    monkeypatch.setattr(
+        probe_mod, "_torch_cuda_info", lambda: (False, 0, [], "no CUDA in this torch")
+    )
     (p,) = probe()
     assert p.kind == "cpu"
     assert any("NVML unavailable" in n and str(error) in n for n in p.notes)
