@@ -198,3 +198,18 @@ def test_import_is_cheap_and_quiet():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]" and out.stderr == ""
+
+
+def test_device_package_imports_only_itself_and_errors():
+    import ast
+    from pathlib import Path
+
+    import quantdispatch.device
+
+    for path in Path(quantdispatch.device.__file__).parent.glob("*.py"):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):  # module level and inside functions
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("quantdispatch"):
+                assert node.module.startswith(("quantdispatch.device", "quantdispatch.errors")), (
+                    f"{path.name} imports {node.module}"
+                )

@@ -241,3 +241,26 @@ def test_settings_module_needs_a_registry():
         settings_module.load_settings({"QUANTDISPATCH_DISABLE": "marlin"}, registry=registry)
     with pytest.raises(ValueError, match="need the valid names"):
         settings_module.Settings()
+
+
+def _imported_modules(path):
+    import ast
+
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    names = set()
+    for node in ast.walk(tree):  # module level and inside functions
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+    return names
+
+
+def test_settings_imports_no_registry():
+    from pathlib import Path
+
+    import quantdispatch.settings
+
+    imported = _imported_modules(Path(quantdispatch.settings.__file__))
+    banned = ("quantdispatch.backends", "quantdispatch.formats", "quantdispatch.device")
+    assert not [m for m in imported if m.startswith(banned)]
