@@ -368,7 +368,7 @@ class Settings(BaseSettings):
         return {
             "forced": {
                 scope: {"backend": b, "by": self.forced_by.get(scope)}
-                for scope, b in self.backend.items()
+                for scope, b in sorted(self.backend.items())
             },
             "disabled": sorted(self.disable),
             "policy": str(self.policy) if self.policy else None,

@@ -221,8 +221,9 @@ def test_overrides_merge_over_the_environment_forces_and_say_so():
 
 def test_describe_shows_per_op_forces():
     s = load_settings(
-        {"QUANTDISPATCH_BACKEND_NVFP4": "cutlass", "QUANTDISPATCH_BACKEND_NVFP4_MOE": "triton"}
+        {"QUANTDISPATCH_BACKEND_NVFP4_MOE": "triton", "QUANTDISPATCH_BACKEND_NVFP4": "cutlass"}
     )
+    assert list(s.describe()["forced"]) == ["nvfp4", "nvfp4:moe"]  # sorted, whatever env order
     assert s.describe()["forced"] == {
         "nvfp4": {"backend": "cutlass", "by": "QUANTDISPATCH_BACKEND_NVFP4=cutlass"},
         "nvfp4:moe": {"backend": "triton", "by": "QUANTDISPATCH_BACKEND_NVFP4_MOE=triton"},
