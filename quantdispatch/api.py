@@ -1,22 +1,56 @@
-"""``select()``: the one call an engine makes to learn which backend runs a layer, and why."""
+"""``select()``: the one call an engine makes to learn which backend runs a layer, and why.
+
+Also the settings entry points bound to the package's names: :func:`load_settings` and
+:func:`current_settings` check the environment against the registered formats, ops, backends
+and device presets (``quantdispatch.settings`` imports none of those registries itself).
+"""
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from quantdispatch.device import device_profile
+from quantdispatch.backends import backend_names
+from quantdispatch.device import PRESETS, device_profile
+from quantdispatch.formats import FORMATS
 from quantdispatch.policy import Policy, load_policy
 from quantdispatch.request import Op, Request, Scheme
 from quantdispatch.resolver import Decision, resolve
-from quantdispatch.settings import Settings, current_settings
+from quantdispatch.settings import Registry, Settings
+from quantdispatch.settings import current_settings as _current_settings
+from quantdispatch.settings import load_settings as _load_settings
 
-__all__ = ["select"]
+__all__ = ["current_settings", "load_settings", "select", "settings_registry"]
 
 logger = logging.getLogger("quantdispatch")
 _warned: set[tuple] = set()
+
+
+@functools.cache
+def settings_registry() -> Registry:
+    """The names settings are checked against: every format, op, backend and device preset."""
+    return Registry(
+        formats=tuple(FORMATS),
+        ops=tuple(op.value for op in Op),
+        backends=tuple(backend_names()),
+        presets=tuple(PRESETS),
+    )
+
+
+def load_settings(environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+    """Settings from ``environ`` (default: the process environment) plus keyword overrides,
+    e.g. ``load_settings({}, backend={"nvfp4": "reference"})`` (see quantdispatch.settings)."""
+    return _load_settings(environ, registry=settings_registry(), **overrides)
+
+
+def current_settings() -> Settings:
+    """Settings of the process environment (cached until a relevant variable changes)."""
+    return _current_settings(settings_registry())
 
 
 def select(

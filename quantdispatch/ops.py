@@ -11,26 +11,11 @@ from __future__ import annotations
 import torch
 
 from quantdispatch.backends import get_backend
+from quantdispatch.backends.base import as_op_tensors, op_view  # importable from here too
 
 __all__ = ["as_op_tensors", "linear", "moe", "op_view"]
 
 NAMESPACE = "quantdispatch"
-
-_FP8 = (torch.float8_e4m3fn, torch.float8_e8m0fnu)
-
-
-def as_op_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """float8 tensors cross the op boundary as uint8 views of the same bytes.
-
-    torch cannot run generic ops (opcheck's schema test, some dispatch paths) on float8 on every
-    device; the kernels read bits anyway. Backends view them back with :func:`op_view`.
-    """
-    return [t.view(torch.uint8) if t.dtype in _FP8 else t for t in tensors]
-
-
-def op_view(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The tensor as ``dtype`` again (a no-op view when it already is)."""
-    return t if t.dtype == dtype else t.view(dtype)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::linear", mutates_args=())

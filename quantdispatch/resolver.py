@@ -17,7 +17,7 @@ from quantdispatch.device import DeviceProfile
 from quantdispatch.errors import BackendUnavailableError, format_error
 from quantdispatch.policy import Policy
 from quantdispatch.request import Request
-from quantdispatch.settings import ENV_PREFIX, Settings
+from quantdispatch.settings import ENV_PREFIX, Force, Settings, force_variable
 
 __all__ = ["Candidate", "Decision", "resolve"]
 
@@ -98,7 +98,7 @@ def _resolve(
     request: Request, profile: DeviceProfile, settings: Settings, policy: Policy
 ) -> Decision:
     entry = policy.entry(request.format, request.op)
-    forced = settings.forced(request.format)
+    forced = settings.forced(request.format, request.op)
     if forced is not None:
         return _resolve_forced(request, profile, settings, entry.candidates, entry.source, forced)
 
@@ -149,9 +149,9 @@ def _resolve_forced(
     settings: Settings,
     candidates: tuple[str, ...],
     source: str,
-    forced: tuple[str, str],
+    forced: Force,
 ) -> Decision:
-    name, by = forced
+    name, by = forced.backend, forced.by
     backend = get_backend(name)
     why_not = backend.explain_unsupported(request, profile)
     if why_not is not None:
@@ -162,12 +162,24 @@ def _resolve_forced(
             and get_backend(c).explain_unsupported(request, profile) is None
         ]
         hint = f"backends that can run it here: {', '.join(able)}" if able else "none can"
+        rule = "a forced backend never falls back silently"
+        fix = f"unset it to let the policy choose ({hint})"
+        computes = backend.supports.get(request.format, frozenset())
+        if forced.op is None and computes and request.op not in computes:
+            # The per-format form caught an op of the format that its backend does not compute.
+            fmt, op = request.format, request.op.value
+            rule += f"; {by} applies to every op of {fmt}, so it also caught {op}"
+            narrow = ", ".join(f"{force_variable(fmt, o)}={name}" for o in sorted(computes))
+            fix = (
+                f"set {force_variable(fmt, op)}=<backend> (a per-op force wins for its op; "
+                f"settings key '{fmt}:{op}'; {hint}), or force per op only: {narrow}"
+            )
         raise BackendUnavailableError(
             format_error(
                 f"{by} forces backend {name!r}, which cannot run {request.describe()} on "
                 f"{profile.label()}: {why_not}",
-                "a forced backend never falls back silently",
-                f"unset it to let the policy choose ({hint})",
+                rule,
+                fix,
             )
         )
     trace = [Candidate(name, True, f"forced by {by}: {backend.accepted_note(request, profile)}")]

@@ -1,21 +1,26 @@
 """Typed settings from ``QUANTDISPATCH_*`` environment variables.
 
-=================================  =============================================================
-variable                           meaning
-=================================  =============================================================
-``QUANTDISPATCH_BACKEND_<FORMAT>`` force a backend for one format, e.g.
-                                   ``QUANTDISPATCH_BACKEND_NVFP4=triton``. A forced backend that
-                                   cannot run raises with its own reason; it never falls back.
-``QUANTDISPATCH_DISABLE``          comma-separated backends never to choose, e.g. ``marlin,torch``
-``QUANTDISPATCH_POLICY``           path of a policy TOML file laid over the packaged default
-``QUANTDISPATCH_DEVICE``           a preset to simulate (explain only: kernels refuse to run)
-``QUANTDISPATCH_PDL``              ``0`` / ``false``: no programmatic dependent launches (default
-                                   on where the GPU has them, SM 9.0+; see kernels/gdc.py)
-``SGLANG_FORCE_NVFP4_MARLIN=1``    SGLang's switch, read as ``QUANTDISPATCH_BACKEND_NVFP4=marlin``
-=================================  =============================================================
+======================================  ========================================================
+variable                                meaning
+======================================  ========================================================
+``QUANTDISPATCH_BACKEND_<FORMAT>``      force a backend for every op of a format
+                                        (``..._NVFP4=triton``); a force never falls back
+``QUANTDISPATCH_BACKEND_<FORMAT>_<OP>`` force one op (``..._NVFP4_MOE=triton``); wins for its op
+``QUANTDISPATCH_DISABLE``               comma-separated backends never to choose (``marlin,torch``)
+``QUANTDISPATCH_POLICY``                a policy TOML file laid over the packaged default
+``QUANTDISPATCH_DEVICE``                a preset to simulate (explain only: kernels refuse to run)
+``QUANTDISPATCH_PDL``                   ``0`` / ``false``: no programmatic dependent launches
+                                        (default on where the GPU has them, SM 9.0+)
+``SGLANG_FORCE_NVFP4_MARLIN=1``         SGLang's switch, read as ``..._BACKEND_NVFP4=marlin``
+``load_settings(backend=...)``          ``{"nvfp4": "triton"}`` every op, ``{"nvfp4:moe": ...}``
+                                        one op; merged over the variables
+======================================  ========================================================
 
-Unknown ``QUANTDISPATCH_*`` variables, unknown names and malformed values are errors that list
-the valid values: a typo must not silently change nothing.
+Two variables forcing one scope differently (``..._NVFP4`` and SGLang's switch) are an error; an
+override replaces the variables' force of its scope. Unknown ``QUANTDISPATCH_*`` variables,
+unknown names and malformed values are errors that list the valid values: a typo must not
+silently change nothing. The valid names come in as a :class:`Registry` (``quantdispatch.api``
+builds the package's): this module imports no registry.
 """
 
 from __future__ import annotations
@@ -23,8 +28,9 @@ from __future__ import annotations
 import contextvars
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NamedTuple
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
@@ -32,7 +38,16 @@ from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource
 
 from quantdispatch.errors import ConfigurationError, format_error
 
-__all__ = ["ENV_PREFIX", "Settings", "current_settings", "load_settings", "parse_pdl"]
+__all__ = [
+    "ENV_PREFIX",
+    "Force",
+    "Registry",
+    "Settings",
+    "current_settings",
+    "force_variable",
+    "load_settings",
+    "parse_pdl",
+]
 
 ENV_PREFIX = "QUANTDISPATCH_"
 BACKEND_PREFIX = ENV_PREFIX + "BACKEND_"
@@ -61,21 +76,59 @@ def parse_pdl(value: Any) -> bool:
     )
 
 
+@dataclass(frozen=True)
+class Registry:
+    """The names settings are checked against, in the order error messages list them."""
+
+    formats: tuple[str, ...]
+    ops: tuple[str, ...]
+    backends: tuple[str, ...]
+    presets: tuple[str, ...]
+
+
+class Force(NamedTuple):
+    """A forced backend for one (format, op): which, where it came from, and its scope."""
+
+    backend: str
+    by: str
+    op: str | None
+    """The op the force names, or None: the per-format form, which covers every op."""
+
+
+def force_variable(fmt: str, op: str | None = None) -> str:
+    """The variable that forces ``fmt`` (every op) or ``fmt``/``op``, e.g. ..._NVFP4_MOE."""
+    return BACKEND_PREFIX + fmt.upper() + (f"_{op.upper()}" if op else "")
+
+
+def _force_key(variable_suffix: str, registry: Registry) -> str:
+    """``NVFP4`` -> ``nvfp4``; ``NVFP4_MOE`` -> ``nvfp4:moe`` (the override key form)."""
+    rest = variable_suffix.lower()
+    if rest in registry.formats:
+        return rest
+    fmt, sep, op = rest.rpartition("_")
+    if sep and (fmt in registry.formats or op in registry.ops):
+        return f"{fmt}:{op}"
+    return rest
+
+
+def _scope(key: object) -> str:
+    """An override key as stored: ``"NVFP4:MOE "`` -> ``"nvfp4:moe"``."""
+    return str(key).strip().lower()
+
+
 _environ: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.ContextVar(
     "quantdispatch_environ", default=None
 )
+_registry: contextvars.ContextVar[Registry | None] = contextvars.ContextVar(
+    "quantdispatch_registry", default=None
+)
 
 
-def _valid_backends() -> list[str]:
-    from quantdispatch.backends import backend_names
-
-    return backend_names()
-
-
-def _valid_formats() -> list[str]:
-    from quantdispatch.formats import FORMATS
-
-    return list(FORMATS)
+def _names() -> Registry:
+    registry = _registry.get()
+    if registry is None:
+        raise ValueError("Settings need the valid names: use load_settings(..., registry=...)")
+    return registry
 
 
 class _EnvSource(PydanticBaseSettingsSource):
@@ -88,18 +141,19 @@ class _EnvSource(PydanticBaseSettingsSource):
         env = _environ.get()
         if env is None:
             env = os.environ
+        registry = _names()
         values: dict[str, Any] = {}
         forced: dict[str, str] = {}
         forced_by: dict[str, str] = {}
         unknown: list[str] = []
         for key, raw in env.items():
             if key.startswith(BACKEND_PREFIX):
-                fmt = key[len(BACKEND_PREFIX) :].lower()
+                scope = _force_key(key[len(BACKEND_PREFIX) :], registry)
                 value = raw.strip().lower()
                 if value in ("", "auto"):
                     continue
-                forced[fmt] = value
-                forced_by[fmt] = f"{key}={raw}"
+                forced[scope] = value
+                forced_by[scope] = f"{key}={raw}"
             elif key.startswith(ENV_PREFIX):
                 name = key[len(ENV_PREFIX) :]
                 if name in _PLAIN_FIELDS:
@@ -107,7 +161,11 @@ class _EnvSource(PydanticBaseSettingsSource):
                 else:
                     unknown.append(key)
         if unknown:
-            valid = [BACKEND_PREFIX + "<FORMAT>", *(ENV_PREFIX + k for k in _PLAIN_FIELDS)]
+            valid = [
+                BACKEND_PREFIX + "<FORMAT>",
+                BACKEND_PREFIX + "<FORMAT>_<OP>",
+                *(ENV_PREFIX + k for k in _PLAIN_FIELDS),
+            ]
             raise ConfigurationError(
                 format_error(
                     f"unknown environment variable(s) {', '.join(sorted(unknown))}",
@@ -150,7 +208,7 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(frozen=True, extra="forbid")
 
     backend: dict[str, str] = Field(default_factory=dict)
-    """Forced backend per format (format -> backend name)."""
+    """Forced backends: ``"<format>"`` (every op) or ``"<format>:<op>"`` -> backend name."""
     forced_by: dict[str, str] = Field(default_factory=dict)
     """Where each force came from, e.g. ``{"nvfp4": "QUANTDISPATCH_BACKEND_NVFP4=marlin"}``."""
     disable: Annotated[frozenset[str], NoDecode] = frozenset()
@@ -175,27 +233,40 @@ class Settings(BaseSettings):
     def _check_backend(cls, value: Any) -> dict[str, str]:
         if not isinstance(value, Mapping):
             raise ValueError(f"backend must be a mapping format -> backend, got {value!r}")
-        formats, backends = _valid_formats(), _valid_backends()
+        registry = _names()
+        formats, ops, backends = registry.formats, registry.ops, registry.backends
         out = {}
-        for fmt, name in value.items():
-            f, b = str(fmt).lower(), str(name).strip().lower()
+        for scope, name in value.items():
+            f, _, op = _scope(scope).partition(":")
+            b = str(name).strip().lower()
+            variable = force_variable(f, op)
             if f not in formats:
                 raise ValueError(
                     format_error(
-                        f"{BACKEND_PREFIX}{f.upper()} names unknown format {f!r}",
+                        f"{variable} names unknown format {f!r}",
                         f"valid formats: {', '.join(formats)}",
-                        f"use {BACKEND_PREFIX}<FORMAT> with one of those",
+                        f"use {BACKEND_PREFIX}<FORMAT> or {BACKEND_PREFIX}<FORMAT>_<OP> with one "
+                        "of those",
+                    )
+                )
+            if op and op not in ops:
+                raise ValueError(
+                    format_error(
+                        f"{variable} names unknown op {op!r} of format {f}",
+                        f"valid ops: {', '.join(ops)}",
+                        f"use {BACKEND_PREFIX}{f.upper()}_<OP> with one of those, or "
+                        f"{force_variable(f)} for every op of {f}",
                     )
                 )
             if b not in backends:
                 raise ValueError(
                     format_error(
-                        f"{BACKEND_PREFIX}{f.upper()}={name!r} names an unknown backend",
+                        f"{variable}={name!r} names an unknown backend",
                         f"valid backends: {', '.join(backends)}",
                         "pick one of those, or unset the variable for automatic choice",
                     )
                 )
-            out[f] = b
+            out[f"{f}:{op}" if op else f] = b
         return out
 
     @field_validator("disable", mode="before")
@@ -207,7 +278,7 @@ class Settings(BaseSettings):
             items = [str(s).strip().lower() for s in value]
         else:
             raise ValueError(f"disable must be a comma-separated string or a set, got {value!r}")
-        backends = _valid_backends()
+        backends = _names().backends
         bad = [s for s in items if s not in backends]
         if bad:
             raise ValueError(
@@ -229,14 +300,13 @@ class Settings(BaseSettings):
     def _check_device(cls, value: Any) -> str | None:
         if value is None or str(value).strip() == "":
             return None
-        from quantdispatch.device import PRESETS
-
+        presets = _names().presets
         key = str(value).strip().lower()
-        if key not in PRESETS:
+        if key not in presets:
             raise ValueError(
                 format_error(
                     f"{ENV_PREFIX}DEVICE={value!r} is not a preset",
-                    f"valid presets: {', '.join(PRESETS)}",
+                    f"valid presets: {', '.join(presets)}",
                     "pick one of those to simulate that GPU, or unset it to probe this machine",
                 )
             )
@@ -260,9 +330,9 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _forced_not_disabled(self) -> Settings:
-        for fmt, name in self.backend.items():
+        for scope, name in self.backend.items():
             if name in self.disable:
-                by = self.forced_by.get(fmt, f"backend[{fmt!r}]")
+                by = self.forced_by.get(scope, f"backend[{scope!r}]")
                 raise ValueError(
                     format_error(
                         f"{by} forces {name!r}, which {ENV_PREFIX}DISABLE also disables",
@@ -272,12 +342,15 @@ class Settings(BaseSettings):
                 )
         return self
 
-    def forced(self, fmt: str) -> tuple[str, str] | None:
-        """(backend, where the force came from) for a format, or None."""
-        name = self.backend.get(fmt)
-        if name is None:
-            return None
-        return name, self.forced_by.get(fmt, f"settings.backend[{fmt!r}]={name}")
+    def forced(self, fmt: str, op: str) -> Force | None:
+        """The force that applies to ``fmt``/``op``: its per-op one, else its per-format one."""
+        op = str(op)  # an Op is a StrEnum: its str is its value
+        for scope, scope_op in ((f"{fmt}:{op}", op), (fmt, None)):
+            name = self.backend.get(scope)
+            if name is not None:
+                by = self.forced_by.get(scope, f"settings.backend[{scope!r}]={name}")
+                return Force(name, by, scope_op)
+        return None
 
     def cache_key(self) -> tuple:
         return (
@@ -291,10 +364,11 @@ class Settings(BaseSettings):
         return hash(self.cache_key())
 
     def describe(self) -> dict[str, Any]:
-        """JSON-ready view for doctor."""
+        """JSON-ready view for doctor; ``forced`` is keyed like the overrides (``nvfp4:moe``)."""
         return {
             "forced": {
-                f: {"backend": b, "by": self.forced_by.get(f)} for f, b in self.backend.items()
+                scope: {"backend": b, "by": self.forced_by.get(scope)}
+                for scope, b in sorted(self.backend.items())
             },
             "disabled": sorted(self.disable),
             "policy": str(self.policy) if self.policy else None,
@@ -311,29 +385,42 @@ def _clean(exc: ValidationError) -> str:
     return " | ".join(msgs)
 
 
-def load_settings(environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
-    """Settings from ``environ`` (default: the process environment) plus keyword overrides."""
-    token = _environ.set(environ)
+def load_settings(
+    environ: Mapping[str, str] | None = None, *, registry: Registry, **overrides: Any
+) -> Settings:
+    """Settings from ``environ`` (default: the process environment) plus keyword overrides,
+    checked against ``registry``'s names."""
+    backend = overrides.get("backend")
+    if isinstance(backend, Mapping) and "forced_by" not in overrides:
+        # Overrides merge over the environment's forces: say which force came from where.
+        overrides["forced_by"] = {
+            _scope(k): f"settings.backend[{_scope(k)!r}]={str(v).strip().lower()}"
+            for k, v in backend.items()
+        }
+    env_token = _environ.set(environ)
+    registry_token = _registry.set(registry)
     try:
         return Settings(**overrides)
     except ValidationError as exc:
         raise ConfigurationError(_clean(exc)) from None
     finally:
-        _environ.reset(token)
+        _registry.reset(registry_token)
+        _environ.reset(env_token)
 
 
-_cache: dict[tuple[tuple[str, str], ...], Settings] = {}
+_cache: dict[tuple[Registry, tuple[tuple[str, str], ...]], Settings] = {}
 
 
-def current_settings() -> Settings:
+def current_settings(registry: Registry) -> Settings:
     """Settings of the current environment, re-read whenever the relevant variables change."""
-    key = tuple(
+    env = tuple(
         sorted(
             (k, v)
             for k, v in os.environ.items()
             if k.startswith(ENV_PREFIX) or k == SGLANG_MARLIN_ENV
         )
     )
+    key = (registry, env)
     if key not in _cache:
-        _cache[key] = load_settings()
+        _cache[key] = load_settings(registry=registry)
     return _cache[key]

@@ -12,16 +12,33 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
+import torch
+
 from quantdispatch.capability import fmt_sm
 from quantdispatch.errors import BackendUnavailableError, format_error
 from quantdispatch.request import Op, Request, Scheme
 
 if TYPE_CHECKING:
-    import torch
-
     from quantdispatch.device import DeviceProfile
 
-__all__ = ["Backend", "PreparedMoe", "PreparedWeight"]
+__all__ = ["Backend", "PreparedMoe", "PreparedWeight", "as_op_tensors", "op_view"]
+
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e8m0fnu)
+
+
+def as_op_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """float8 tensors cross the op boundary as uint8 views of the same bytes.
+
+    torch cannot run generic ops (opcheck's schema test, some dispatch paths) on float8 on every
+    device; the kernels read bits anyway. Backends view them back with :func:`op_view`.
+    """
+    return [t.view(torch.uint8) if t.dtype in _FP8 else t for t in tensors]
+
+
+def op_view(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The tensor as ``dtype`` again (a no-op view when it already is)."""
+    return t if t.dtype == dtype else t.view(dtype)
 
 
 @dataclass(frozen=True)

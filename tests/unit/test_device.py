@@ -9,7 +9,6 @@ import types
 import pydantic
 import pytest
 
-from quantdispatch import device as dev
 from quantdispatch.device import (
     PRESETS,
     Source,
@@ -19,6 +18,10 @@ from quantdispatch.device import (
     probe_providers,
 )
 from quantdispatch.errors import ConfigurationError
+
+# The modules (quantdispatch.device.probe is the function of that name).
+probe_mod = importlib.import_module("quantdispatch.device.probe")
+host_mod = importlib.import_module("quantdispatch.device.host")
 
 
 @pytest.fixture(autouse=True)
@@ -76,7 +79,9 @@ def test_profiles_are_hashable_and_frozen():
 
 def test_no_nvml_module_gives_a_valid_cpu_profile(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml -> ImportError
-    monkeypatch.setattr(dev, "_torch_cuda_info", lambda: (False, 0, [], "no CUDA in this torch"))
+    monkeypatch.setattr(
+        probe_mod, "_torch_cuda_info", lambda: (False, 0, [], "no CUDA in this torch")
+    )
     (p,) = probe()
     assert p.kind == "cpu" and p.capability is None
     assert any("pynvml" in n for n in p.notes)
@@ -113,7 +118,9 @@ def _fake_nvml(init_error: Exception | None = None, cc=(9, 0)):
 )
 def test_nvml_init_failures_are_notes_not_crashes(monkeypatch, error):
     monkeypatch.setitem(sys.modules, "pynvml", _fake_nvml(init_error=error))
-    monkeypatch.setattr(dev, "_torch_cuda_info", lambda: (False, 0, [], "no CUDA in this torch"))
+    monkeypatch.setattr(
+        probe_mod, "_torch_cuda_info", lambda: (False, 0, [], "no CUDA in this torch")
+    )
     (p,) = probe()
     assert p.kind == "cpu"
     assert any("NVML unavailable" in n and str(error) in n for n in p.notes)
@@ -123,7 +130,7 @@ def test_nvml_gpu_with_a_cpu_torch_build(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", _fake_nvml())
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setattr(
-        dev, "_torch_cuda_info", lambda: (False, 0, [], "this torch build has no CUDA")
+        probe_mod, "_torch_cuda_info", lambda: (False, 0, [], "this torch build has no CUDA")
     )
     (p,) = probe()
     assert p.kind == "cuda" and p.name == "NVIDIA H200" and p.capability == (9, 0)
@@ -146,7 +153,7 @@ def test_cuda_visible_devices_maps_nvml_indices(monkeypatch):
     m.nvmlDeviceGetName = lambda h: names[h]
     monkeypatch.setitem(sys.modules, "pynvml", m)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
-    monkeypatch.setattr(dev, "_torch_cuda_info", lambda: (False, 0, [], "cpu torch"))
+    monkeypatch.setattr(probe_mod, "_torch_cuda_info", lambda: (False, 0, [], "cpu torch"))
     profiles = probe()
     assert [p.name for p in profiles] == ["GPU one"]
 
@@ -159,7 +166,7 @@ def test_provider_oserror_counts_as_not_importable(monkeypatch):
             raise OSError("libcudart.so.12: cannot open shared object file")
         return real(name, *a, **k)
 
-    monkeypatch.setattr(dev.importlib, "import_module", fake_import)
+    monkeypatch.setattr(host_mod.importlib, "import_module", fake_import)
     info = {p.name: p for p in probe_providers()}["sgl-kernel"]
     assert not info.available
     assert info.reason.startswith("OSError: libcudart.so.12")
@@ -173,9 +180,12 @@ def test_device_profile_accepts_the_documented_forms():
         device_profile("tpu")
 
 
-def test_device_profile_uses_quantdispatch_device(monkeypatch):
+def test_device_profile_leaves_quantdispatch_device_to_its_callers(monkeypatch):
     monkeypatch.setenv("QUANTDISPATCH_DEVICE", "l40s")
-    assert device_profile(None).preset == "l40s"
+    assert device_profile(None).preset is None  # the probed device: a setting, not a probe
+    from quantdispatch import select
+
+    assert select("nvfp4").device.preset == "l40s"  # select() passes settings.device
 
 
 def test_import_is_cheap_and_quiet():
@@ -188,3 +198,18 @@ def test_import_is_cheap_and_quiet():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]" and out.stderr == ""
+
+
+def test_device_package_imports_only_itself_and_errors():
+    import ast
+    from pathlib import Path
+
+    import quantdispatch.device
+
+    for path in Path(quantdispatch.device.__file__).parent.glob("*.py"):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):  # module level and inside functions
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("quantdispatch"):
+                assert node.module.startswith(("quantdispatch.device", "quantdispatch.errors")), (
+                    f"{path.name} imports {node.module}"
+                )

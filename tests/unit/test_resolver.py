@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from quantdispatch import select
+from quantdispatch.api import load_settings
 from quantdispatch.backends import BACKENDS, get_backend
 from quantdispatch.device import PRESETS, preset_profile
 from quantdispatch.errors import BackendUnavailableError, ConfigurationError
 from quantdispatch.policy import default_policy, parse_policy
 from quantdispatch.request import Op, Request, Scheme
 from quantdispatch.resolver import resolve
-from quantdispatch.settings import load_settings
 
 FORMATS = ["nvfp4", "mxfp4", "fp8"]
 NO_ENV = load_settings({})
@@ -167,6 +167,58 @@ def test_sglang_marlin_switch_forces_marlin():
         BackendUnavailableError, match="SGLANG_FORCE_NVFP4_MARLIN=1 forces backend 'marlin'"
     ):
         select("nvfp4", device="h100", settings=s)
+
+
+def test_per_format_force_that_caught_an_op_its_backend_lacks_names_the_per_op_fix():
+    s = load_settings({"QUANTDISPATCH_BACKEND_NVFP4": "cutlass"})
+    with pytest.raises(BackendUnavailableError) as e:
+        select("nvfp4", "moe", device="b200", settings=s)
+    msg = str(e.value)
+    assert "QUANTDISPATCH_BACKEND_NVFP4=cutlass forces backend 'cutlass'" in msg
+    assert "cutlass does not compute nvfp4 moe" in msg
+    assert "applies to every op of nvfp4, so it also caught moe" in msg
+    assert "set QUANTDISPATCH_BACKEND_NVFP4_MOE=<backend>" in msg
+    assert "backends that can run it here: triton, reference" in msg
+    assert "QUANTDISPATCH_BACKEND_NVFP4_LINEAR=cutlass" in msg
+
+
+def test_sglang_switch_that_caught_moe_names_the_per_op_fix():
+    s = load_settings({"SGLANG_FORCE_NVFP4_MARLIN": "1"})
+    with pytest.raises(BackendUnavailableError) as e:
+        select("nvfp4", "moe", device="h100", settings=s)
+    msg = str(e.value)
+    assert "SGLANG_FORCE_NVFP4_MARLIN=1 applies to every op of nvfp4, so it also caught moe" in msg
+    assert "QUANTDISPATCH_BACKEND_NVFP4_MOE=<backend>" in msg
+
+
+def test_per_format_force_that_cannot_run_an_op_it_computes_keeps_the_plain_message():
+    s = load_settings({"QUANTDISPATCH_BACKEND_NVFP4": "cutlass"})
+    with pytest.raises(BackendUnavailableError) as e:
+        select("nvfp4", device="h100", settings=s)
+    assert "every op" not in str(e.value) and "unset it to let the policy choose" in str(e.value)
+
+
+def test_per_op_force_that_cannot_run_says_so_without_the_per_op_hint():
+    s = load_settings({"QUANTDISPATCH_BACKEND_NVFP4_MOE": "cutlass"})
+    with pytest.raises(BackendUnavailableError) as e:
+        select("nvfp4", "moe", device="b200", settings=s)
+    msg = str(e.value)
+    assert "QUANTDISPATCH_BACKEND_NVFP4_MOE=cutlass forces backend 'cutlass'" in msg
+    assert "every op" not in msg
+
+
+def test_per_op_forces_pick_per_op_and_win_over_the_per_format_one():
+    s = load_settings(
+        {"QUANTDISPATCH_BACKEND_NVFP4": "reference", "QUANTDISPATCH_BACKEND_NVFP4_MOE": "triton"}
+    )
+    moe = select("nvfp4", "moe", device="h100", settings=s)
+    assert moe.backend == "triton" and moe.forced_by == "QUANTDISPATCH_BACKEND_NVFP4_MOE=triton"
+    linear = select("nvfp4", "linear", device="h100", settings=s)
+    assert linear.backend == "reference"
+    assert linear.forced_by == "QUANTDISPATCH_BACKEND_NVFP4=reference"
+    s = load_settings({"QUANTDISPATCH_BACKEND_NVFP4_LINEAR": "reference"})
+    assert select("nvfp4", "linear", device="h100", settings=s).backend == "reference"
+    assert select("nvfp4", "moe", device="h100", settings=s).forced_by is None
 
 
 def test_disabled_backend_is_skipped_with_reason():
