@@ -23,8 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import linear as L  # benchmarks/linear.py: Problem, timing, reference
 
-from quantdispatch.kernels import fp4_mma, fp4_mma_gemm
-from quantdispatch.kernels.wgmma_hazard import rs_wgmma_hazard
+from quantdispatch.kernels.common.wgmma_guard import rs_wgmma_hazard
+from quantdispatch.kernels.mma_layout import gemm as fp4_mma_gemm
+from quantdispatch.kernels.mma_layout import layout as fp4_mma
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 DEFAULT_TILES = (

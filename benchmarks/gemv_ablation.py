@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import linear as L  # benchmarks/linear.py: Problem, timing, reference
 from mma_sweep import SHAPES, parse_config
 
-from quantdispatch.kernels import fp4_mma
+from quantdispatch.kernels.mma_layout import layout as fp4_mma
 
 _X_ROW = "x_row = (x_ptr + rows * stride_xm + (16 * t)[None, :])[None, :, :]"
 _LOAD_X = "x0, x1, x2, x3, x4, x5, x6, x7 = _load_x(x_row + ((c0 + cx) * 64)[:, None, :], ok, EVEN)"
@@ -61,7 +61,7 @@ VARIANTS: dict[str, list[tuple[str, str]]] = {
 _HEADER = """
 import triton
 import triton.language as tl
-from quantdispatch.kernels.fp4_mma import (
+from quantdispatch.kernels.mma_layout.layout import (
     _decode_chunk, _load_w, _load_x, _mma_step_tiles, _store_out, _tile_sum,
 )
 

@@ -21,7 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import linear as L  # benchmarks/linear.py: Problem, timing, reference
 
-from quantdispatch.kernels import fp4_mma, fp4_mma_ckpt
+from quantdispatch.kernels.checkpoint_layout import moe_mma as fp4_mma_ckpt
+from quantdispatch.kernels.mma_layout import layout as fp4_mma
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 

@@ -63,9 +63,10 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from quantdispatch.backends.reference import ReferenceBackend
-from quantdispatch.kernels import fused_moe as fm
-from quantdispatch.kernels.fp4_mma_ckpt import MmaGemmConfig, MmaMoeConfig
-from quantdispatch.kernels.fp4_mma_moe import (
+from quantdispatch.kernels.checkpoint_layout import moe as fm
+from quantdispatch.kernels.checkpoint_layout.moe_mma import MmaGemmConfig, MmaMoeConfig
+from quantdispatch.kernels.common.wgmma_guard import rs_wgmma_hazard
+from quantdispatch.kernels.mma_layout.moe_gemm import (
     MMA_MAX_TOKENS_PER_EXPERT,
     MoeGemmTile,
     mma_layout_moe,
@@ -73,8 +74,7 @@ from quantdispatch.kernels.fp4_mma_moe import (
     repack_experts,
     repack_experts_mx,
 )
-from quantdispatch.kernels.fp4_mma_moe_small import SmallMoeConfig
-from quantdispatch.kernels.wgmma_hazard import rs_wgmma_hazard
+from quantdispatch.kernels.mma_layout.moe_pairs import SmallMoeConfig
 from quantdispatch.moe_math import apply_activation
 
 MODELS: dict[str, tuple[int, int, int, int]] = {
@@ -491,7 +491,7 @@ def sweep_configs(m: int, top_k: int, e: int, i: int, h: int, only_small: bool =
     grouped GEMM tiles from 2 on, dequantize + grouped_mm from 256; the single-pair kernels also
     where the heuristic picks 8-pair blocks at <= 1 token per expert. ``only_small``: the
     single-pair kernels (and the pick) only."""
-    from quantdispatch.kernels.fp4_mma_ckpt import mma_moe_config
+    from quantdispatch.kernels.checkpoint_layout.moe_mma import mma_moe_config
 
     tpe = m * top_k / e
     out: list = []
@@ -512,7 +512,7 @@ def sweep_configs(m: int, top_k: int, e: int, i: int, h: int, only_small: bool =
         if only_small:
             return out
     if tpe <= 1 and not out:  # 8-pair blocks picked: the single-pair kernels as challengers
-        from quantdispatch.kernels.fp4_mma_moe_small import small_moe_config
+        from quantdispatch.kernels.mma_layout.moe_pairs import small_moe_config
 
         tuned = mma_moe_config(m * top_k, e, i, h, direct=True, repacked=True).gemm1
         pick = small_moe_config(m, top_k, i, h, tuned.wk, tuned.unroll, pdl=True)

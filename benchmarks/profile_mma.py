@@ -19,7 +19,11 @@ import math
 
 import torch
 
-from quantdispatch.kernels import fp4_mma, fp4_mma_ckpt, fp4_mma_gemm, fp4_mma_moe, fused_moe
+from quantdispatch.kernels.checkpoint_layout import moe as fused_moe
+from quantdispatch.kernels.checkpoint_layout import moe_mma as fp4_mma_ckpt
+from quantdispatch.kernels.mma_layout import gemm as fp4_mma_gemm
+from quantdispatch.kernels.mma_layout import layout as fp4_mma
+from quantdispatch.kernels.mma_layout import moe_gemm as fp4_mma_moe
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 

@@ -22,7 +22,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from quantdispatch.kernels import fp4_mma
+from quantdispatch.kernels.mma_layout import layout as fp4_mma
 
 SIGNATURE = {
     "x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*i16", "gs_ptr": "*fp32", "bias_ptr": "*fp32",

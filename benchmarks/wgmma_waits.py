@@ -21,8 +21,11 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from quantdispatch.kernels import fp4_linear, fp4_mma_gemm, fp4_mma_moe, fp8_linear
-from quantdispatch.kernels.wgmma_hazard import UPSTREAM_FIX, triton_version
+from quantdispatch.kernels.checkpoint_layout import fp8 as fp8_linear
+from quantdispatch.kernels.checkpoint_layout import linear as fp4_linear
+from quantdispatch.kernels.common.wgmma_guard import UPSTREAM_FIX, triton_version
+from quantdispatch.kernels.mma_layout import gemm as fp4_mma_gemm
+from quantdispatch.kernels.mma_layout import moe_gemm as fp4_mma_moe
 
 LOOP = re.compile(r"Inner Loop Header.*?\n(.*?)@%p\d+ bra\s+\$L__BB\d+_\d+;", re.S)
 RS = re.compile(r"wgmma\.mma_async[^;]*?\{[^}]*\},\s*\{")  # A given as a register list
@@ -125,7 +128,7 @@ def loop_facts(kernel) -> list[dict]:
 
 def small_gemm(tma: bool, settle: bool, stages: int = 3, spc: int = 32):
     """The mid-M GEMM compiled for sm_90 at a small size (64x64 tiles, K = 512): what
-    tests/unit/test_wgmma_hazard.py inspects (spc 16: the MXFP4 layout's shared scale pairs)."""
+    tests/unit/test_wgmma_guard.py inspects (spc 16: the MXFP4 layout's shared scale pairs)."""
     ptrs = {"x_ptr": "*bf16", "gs_ptr": "*fp32", "bias_ptr": "*fp32", "out_ptr": "*bf16",
             "w_ptr": "*i32", "s_ptr": "*i16"}  # fmt: skip
     if tma:

@@ -70,7 +70,7 @@ MMA_TILE_ROWS, MMA_CHUNK_COLS = 16, 64
 def gemm_eligible(n: int, k: int, capability: tuple[int, int] | None) -> bool:
     """Whether mid M runs the tl.dot GEMM (SM 9.x, where it was measured; others keep the mma
     kernel and dequantize + cuBLAS)."""
-    from quantdispatch.kernels.fp4_mma_gemm import mma_gemm_supported
+    from quantdispatch.kernels.mma_layout.gemm import mma_gemm_supported
 
     return capability is not None and capability[0] == 9 and mma_gemm_supported(n, k)
 
@@ -78,7 +78,7 @@ def gemm_eligible(n: int, k: int, capability: tuple[int, int] | None) -> bool:
 def _host_descriptors() -> bool:
     """Whether the mid-M GEMM can take its activation tiles by TMA (Triton 3.3+ installed)."""
     try:
-        from quantdispatch.kernels.fp4_mma_gemm import has_host_descriptors
+        from quantdispatch.kernels.mma_layout.gemm import has_host_descriptors
     except ImportError:  # no triton
         return False
     return has_host_descriptors()
@@ -88,7 +88,7 @@ def _rs_wgmma_note() -> str:
     """doctor's note while the installed Triton is not known to pipeline register-operand
     wgmma safely (kernels/wgmma_hazard.py)."""
     try:
-        from quantdispatch.kernels import wgmma_hazard as wh
+        from quantdispatch.kernels.common import wgmma_guard as wh
     except ImportError:  # no triton
         return ""
     safe_from = wh.VERIFIED_SAFE_FROM
@@ -152,7 +152,7 @@ def mma_layout_eligible(
     mma.sync), N a multiple of 16 and K of 64 (MXFP4 also needs its scales to span at most
     18 binades, checked when it repacks: kernels.fp4_mma.repack_mx). Other weights keep the
     checkpoint layout and the tl.dot kernels."""
-    from quantdispatch.kernels.fp4_mma import mma_supported_shape
+    from quantdispatch.kernels.mma_layout.layout import mma_supported_shape
 
     return (
         fmt in ("nvfp4", "mxfp4")
@@ -194,7 +194,7 @@ class TritonBackend(Backend):
 
     def variant(self, request: Request, profile: DeviceProfile) -> str | None:
         if request.format == "fp8" and request.op is Op.LINEAR:
-            from quantdispatch.kernels.configs import SMALL_M_MAX
+            from quantdispatch.kernels.common.configs import SMALL_M_MAX
 
             return (
                 "W8A16: a tl.dot kernel with K split inside each program or a tiled one, per "
@@ -209,7 +209,7 @@ class TritonBackend(Backend):
             if profile.capability is None or profile.capability < (8, 0):
                 return "fused tl.dot kernels on the checkpoint layout"
             try:
-                from quantdispatch.kernels import fp4_mma_moe
+                from quantdispatch.kernels.mma_layout import moe_gemm as fp4_mma_moe
 
                 few = f"<= {fp4_mma_moe.MMA_MAX_TOKENS_PER_EXPERT}"
                 many = (
@@ -295,7 +295,7 @@ class TritonBackend(Backend):
             device = weight.packed.device
             capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
             if mma_layout_eligible("nvfp4", n, k, request.act_dtype, capability):
-                from quantdispatch.kernels.fp4_mma import repack
+                from quantdispatch.kernels.mma_layout.layout import repack
 
                 words, scales = repack(
                     weight.packed, weight.block_scale.view(torch.uint8), request.act_dtype
@@ -333,7 +333,7 @@ class TritonBackend(Backend):
             capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
             if mma_layout_eligible("mxfp4", n, k, request.act_dtype, capability):
                 from quantdispatch.errors import WeightFormatError
-                from quantdispatch.kernels.fp4_mma import repack_mx
+                from quantdispatch.kernels.mma_layout.layout import repack_mx
 
                 try:
                     words, scales, global_scale = repack_mx(
@@ -350,7 +350,7 @@ class TritonBackend(Backend):
                         in_features=k,
                     )
             if request.act_dtype == torch.float16:
-                from quantdispatch.kernels.fp4_linear import rebase_mx_scales_for_fp16
+                from quantdispatch.kernels.checkpoint_layout.linear import rebase_mx_scales_for_fp16
 
                 codes, d = rebase_mx_scales_for_fp16(weight.packed, weight.block_scale)
                 if d:  # scales outside fp16's exact range: rebased, 2^d in the fp32 epilogue
@@ -396,7 +396,7 @@ class TritonBackend(Backend):
         everything else keeps the canonical stacks."""
         if request.format not in ("nvfp4", "mxfp4"):
             return self._canonical_moe(w13, w2, names, meta, request, gated=gated)
-        from quantdispatch.kernels.fp4_mma_moe import (
+        from quantdispatch.kernels.mma_layout.moe_gemm import (
             moe_layout_supported,
             repack_experts,
             repack_experts_mx,
@@ -442,7 +442,10 @@ class TritonBackend(Backend):
         their scales instead: kernels.fp4_linear.rebase_mx_scales_for_fp16)."""
         if request.format == "mxfp4" and request.act_dtype == torch.float16:
             from quantdispatch.errors import WeightFormatError
-            from quantdispatch.kernels.fp4_linear import FP16_MX_EXPONENTS, mx_scale_range
+            from quantdispatch.kernels.checkpoint_layout.linear import (
+                FP16_MX_EXPONENTS,
+                mx_scale_range,
+            )
 
             low, high = FP16_MX_EXPONENTS
             for which, stack in (("w13", w13), ("w2", w2)):
@@ -482,7 +485,7 @@ class TritonBackend(Backend):
         from quantdispatch.ops import op_view
 
         if fmt in ("nvfp4", "mxfp4") and len(meta) == 2 and int(meta[0]) == MMA_LAYOUT_TAG:
-            from quantdispatch.kernels import fp4_mma
+            from quantdispatch.kernels.mma_layout import layout as fp4_mma
 
             words, scales, global_scale = tensors[0], tensors[1], tensors[2]
             packed_for = torch.bfloat16 if int(meta[1]) else torch.float16
@@ -494,17 +497,17 @@ class TritonBackend(Backend):
                         f"pass {packed_for} activations (QuantLinear checks this itself)",
                     )
                 )
-            from quantdispatch.kernels.configs import device_info
+            from quantdispatch.kernels.common.configs import device_info
 
             n = words.shape[0] * fp4_mma.TILE_N
             path = mma_path(x.shape[0], n, x.shape[1], device_info(x.device)[1])
             if path == "mma":
                 return fp4_mma.mma_linear(x, words, scales, global_scale, bias)
             if path == "gemm":
-                from quantdispatch.kernels.fp4_mma_gemm import mma_gemm
+                from quantdispatch.kernels.mma_layout.gemm import mma_gemm
 
                 return mma_gemm(x, words, scales, global_scale, bias)
-            from quantdispatch.kernels.dequant_gemm import dequant_gemm
+            from quantdispatch.kernels.checkpoint_layout.dequant import dequant_gemm
 
             def mma_rows(a: int, b: int, out: torch.Tensor) -> None:
                 fp4_mma.mma_dequant_rows(words, scales, global_scale, a, b, out)
@@ -520,7 +523,10 @@ class TritonBackend(Backend):
             # applies 2^d, where dequantized fp16 slabs would need it inside cuBLAS (a host
             # scalar, and fp16 partial sums of 2^|d| times the output when d < 0).
             if large and not rebase:
-                from quantdispatch.kernels.dequant_gemm import dequant_fp4_rows, dequant_gemm
+                from quantdispatch.kernels.checkpoint_layout.dequant import (
+                    dequant_fp4_rows,
+                    dequant_gemm,
+                )
 
                 def rows(a: int, b: int, out: torch.Tensor) -> None:
                     dequant_fp4_rows(
@@ -528,7 +534,7 @@ class TritonBackend(Backend):
                     )
 
                 return dequant_gemm(x, packed.shape[0], packed.shape[1] * 2, rows, bias)
-            from quantdispatch.kernels.fp4_linear import fp4_linear
+            from quantdispatch.kernels.checkpoint_layout.linear import fp4_linear
 
             return fp4_linear(
                 x, packed, block_scale, global_scale, scale_format=scale_format, bias=bias
@@ -537,13 +543,16 @@ class TritonBackend(Backend):
             weight, scale = op_view(tensors[0], torch.uint8), tensors[1]
             block = (int(meta[0]), int(meta[1])) if len(meta) == 2 else None
             if large:
-                from quantdispatch.kernels.dequant_gemm import dequant_fp8_rows, dequant_gemm
+                from quantdispatch.kernels.checkpoint_layout.dequant import (
+                    dequant_fp8_rows,
+                    dequant_gemm,
+                )
 
                 def rows8(a: int, b: int, out: torch.Tensor) -> None:
                     dequant_fp8_rows(weight[a:b], scale, a, out, block_size=block)
 
                 return dequant_gemm(x, weight.shape[0], weight.shape[1], rows8, bias)
-            from quantdispatch.kernels.fp8_linear import fp8_weight_only_linear
+            from quantdispatch.kernels.checkpoint_layout.fp8 import fp8_weight_only_linear
 
             return fp8_weight_only_linear(x, weight, scale, block_size=block, bias=bias)
         return super().linear(x, tensors, bias, fmt, meta)
@@ -565,7 +574,7 @@ class TritonBackend(Backend):
         """Fused MoE on the stacked canonical expert tensors (see quantdispatch.moe), or on the
         repacked ones prepare_moe made (meta tag MMA_LAYOUT_TAG)."""
         if fmt in ("nvfp4", "mxfp4") and len(meta) == 2 and int(meta[0]) == MMA_LAYOUT_TAG:
-            from quantdispatch.kernels.fp4_mma_moe import mma_layout_moe
+            from quantdispatch.kernels.mma_layout.moe_gemm import mma_layout_moe
 
             return mma_layout_moe(
                 x,
@@ -579,7 +588,7 @@ class TritonBackend(Backend):
                 params=params,
                 packed_for=torch.bfloat16 if int(meta[1]) else torch.float16,
             )
-        from quantdispatch.kernels.fused_moe import fused_moe
+        from quantdispatch.kernels.checkpoint_layout.moe import fused_moe
 
         return fused_moe(
             x,

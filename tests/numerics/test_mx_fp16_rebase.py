@@ -17,8 +17,8 @@ pytest.importorskip("triton", reason="the checkpoint-layout kernels are Triton k
 from quantdispatch.backends import get_backend
 from quantdispatch.backends.triton import MX_FP16_REBASE_TAG
 from quantdispatch.formats.mxfp4 import Mxfp4Weight
-from quantdispatch.kernels import dequant_gemm as dg
-from quantdispatch.kernels.fp4_linear import rebase_mx_scales_for_fp16
+from quantdispatch.kernels.checkpoint_layout import dequant as dg
+from quantdispatch.kernels.checkpoint_layout.linear import rebase_mx_scales_for_fp16
 from quantdispatch.request import Request
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)

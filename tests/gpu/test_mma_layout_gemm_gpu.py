@@ -1,7 +1,7 @@
-"""GPU tests of the tl.dot GEMM on the mma16x64 layout (quantdispatch.kernels.fp4_mma_gemm):
+"""GPU tests of the tl.dot GEMM on the mma16x64 layout (quantdispatch.kernels.mma_layout.gemm):
 the mid-M NVFP4 path on SM 9.x, against float64 from the format definitions.
 
-Bounds are test_kernels_gpu.py's, through its ``check`` (bf16 1e-2, fp16 2e-3). Every float
+Bounds are test_linear_kernels_gpu.py's, through its ``check`` (bf16 1e-2, fp16 2e-3). Every float
 buffer the kernel allocates (the output and the K-range workspace) starts as NaN.
 """
 
@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from tests.gpu.test_kernels_gpu import check, fp4_w64, gen, nvfp4_weights, poison_torch_empty
+from tests.gpu.test_linear_kernels_gpu import check, fp4_w64, gen, nvfp4_weights, poison_torch_empty
 
 pytestmark = pytest.mark.gpu
 
@@ -30,7 +30,7 @@ def mg():
         pytest.skip("TRITON_INTERPRET=1 in this process: run tests/gpu in its own process")
     if torch.cuda.get_device_capability() < (8, 0):
         pytest.skip("the mma16x64 layout needs SM 8.0+")
-    from quantdispatch.kernels import fp4_mma_gemm
+    from quantdispatch.kernels.mma_layout import gemm as fp4_mma_gemm
 
     return fp4_mma_gemm
 
@@ -42,7 +42,7 @@ def poisoned(monkeypatch, request):
 
 
 def _weights(n, kk, dtype, seed):
-    from quantdispatch.kernels import fp4_mma
+    from quantdispatch.kernels.mma_layout import layout as fp4_mma
 
     g = gen(seed)
     packed, sbits, gs = nvfp4_weights(n, kk, g)
@@ -180,7 +180,7 @@ def test_tiles_that_raced_on_triton_36_match_float64(mg, shape, m):
     (relative error 1-2.5e-2, not every call: the next step's decode overwrote wgmma A registers
     still in flight, kernels/wgmma_hazard.py). mma_gemm runs them with safe stages: every
     repetition matches float64 and equals the first bit for bit."""
-    from quantdispatch.kernels.fp4_mma_gemm import GemmTile, tma_capable
+    from quantdispatch.kernels.mma_layout.gemm import GemmTile, tma_capable
 
     if not tma_capable(torch.device("cuda")):
         pytest.skip("TMA tiles need SM 9.0+ and Triton 3.3+")
@@ -202,7 +202,7 @@ def test_tiles_that_raced_on_triton_36_match_float64(mg, shape, m):
 def test_mxfp4_on_the_layout_heuristic_tiles(mg, shape, dtype):
     """MXFP4 repacked (kernels.fp4_mma.repack_mx: lane pairs share a scale pair): the heuristic
     tiles (TMA on SM 9.0+), K splits included, against float64."""
-    from quantdispatch.kernels import fp4_mma
+    from quantdispatch.kernels.mma_layout import layout as fp4_mma
 
     n, kk = shape
     g = torch.Generator(device="cuda").manual_seed(n + 3 * kk)

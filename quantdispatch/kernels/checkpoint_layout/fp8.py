@@ -24,16 +24,16 @@ import triton
 import triton.language as tl
 
 from quantdispatch.errors import InputError, WeightFormatError, format_error
-from quantdispatch.kernels import fp4_linear as _fp4
-from quantdispatch.kernels.configs import GemmConfig, get_config
-from quantdispatch.kernels.decode import e4m3_to_16bit, e4m3_to_f32_scaled
-from quantdispatch.kernels.fp4_linear import (
+from quantdispatch.kernels.checkpoint_layout import linear as _fp4
+from quantdispatch.kernels.checkpoint_layout.linear import (
     check_activation,
     check_bias,
     check_same_device,
     mma_tile,
 )
-from quantdispatch.kernels.wgmma_hazard import rs_wgmma_hazard
+from quantdispatch.kernels.common.configs import GemmConfig, get_config
+from quantdispatch.kernels.common.decode import e4m3_to_16bit, e4m3_to_f32_scaled
+from quantdispatch.kernels.common.wgmma_guard import rs_wgmma_hazard
 
 __all__ = ["fp8_weight_only_linear"]
 

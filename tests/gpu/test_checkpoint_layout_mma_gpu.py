@@ -1,12 +1,13 @@
-"""The checkpoint-layout mma.sync NVFP4 kernels (quantdispatch.kernels.fp4_mma_ckpt) on a real
-GPU, against float64. Linear: real shapes, M = 1 .. 100, both 16-bit types, bias, zero /
+"""The checkpoint-layout mma.sync NVFP4 kernels (quantdispatch.kernels.checkpoint_layout.moe_mma)
+on a real GPU, against float64. Linear: real shapes, M = 1 .. 100, both 16-bit types, bias, zero /
 subnormal / 448 block scales, every config shape with uneven K splits, strided activations,
 CUDA graphs. MoE: every path (direct pairs, 8- and 16-pair sorted blocks), uneven K splits,
 gpt-oss's clamped SwiGLU with biases, expert-parallel ids, poisoned buffers, CUDA graphs.
 
-    python3 -m pytest tests/gpu/test_fp4_mma_ckpt_gpu.py -q
+    python3 -m pytest tests/gpu/test_checkpoint_layout_mma_gpu.py -q
 
-Bounds: linear as test_kernels_gpu.py's ``check``; MoE as test_moe_gpu.py (three roundings)."""
+Bounds: linear as test_linear_kernels_gpu.py's ``check``; MoE as test_moe_gpu.py (three
+roundings)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,13 @@ import pytest
 import torch
 
 from quantdispatch.errors import InputError
-from quantdispatch.kernels import fused_moe as fm
-from quantdispatch.kernels.fp4_mma_ckpt import MmaGemmConfig, MmaMoeConfig, mma_ckpt_linear
-from tests.gpu.test_kernels_gpu import check, fp4_w64, gen, nvfp4_weights
+from quantdispatch.kernels.checkpoint_layout import moe as fm
+from quantdispatch.kernels.checkpoint_layout.moe_mma import (
+    MmaGemmConfig,
+    MmaMoeConfig,
+    mma_ckpt_linear,
+)
+from tests.gpu.test_linear_kernels_gpu import check, fp4_w64, gen, nvfp4_weights
 from tests.gpu.test_moe_gpu import BOUND, DEV, moe64, rel, stacks
 
 pytestmark = pytest.mark.gpu

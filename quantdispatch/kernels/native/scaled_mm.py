@@ -25,7 +25,7 @@ from quantdispatch.errors import (
     WeightFormatError,
     format_error,
 )
-from quantdispatch.kernels.configs import device_info
+from quantdispatch.kernels.common.configs import device_info
 
 __all__ = ["fp8_scaled_mm_linear", "prepare_fp8_scaled_mm"]
 
@@ -183,7 +183,7 @@ def fp8_scaled_mm_linear(
 
     if input_scale is None:
         if x.is_cuda and x.stride(1) == 1:
-            from quantdispatch.kernels.fp8_quant import quantize_per_token_fp8
+            from quantdispatch.kernels.native.fp8_quant import quantize_per_token_fp8
 
             xq, scale_a = quantize_per_token_fp8(x)  # one launch instead of ~6 torch ops
         else:

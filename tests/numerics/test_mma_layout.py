@@ -1,4 +1,4 @@
-"""The mma16x64 layout contract (quantdispatch.kernels.fp4_mma), on the CPU.
+"""The mma16x64 layout contract (quantdispatch.kernels.mma_layout.layout), on the CPU.
 
 The GPU kernels are PTX and cannot run under the Triton interpreter; what can be proven here
 is that (a) repack/unpack is a bijection on the checkpoint tensors, (b) the kernel's own bit
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from quantdispatch.errors import WeightFormatError
-from quantdispatch.kernels import fp4_mma
+from quantdispatch.kernels.mma_layout import layout as fp4_mma
 from tests.numerics.ref64 import e2m1_from_bits, e4m3_from_bits, unpack_low_first
 
 DTYPES = [torch.bfloat16, torch.float16]

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from quantdispatch.kernels.decode import (
+from quantdispatch.kernels.common.decode import (
     e2m1_pair_to_f32,
     e4m3_to_f32_scaled,
     e4m3_to_f32_scaled_finite,

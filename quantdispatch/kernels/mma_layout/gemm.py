@@ -32,7 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
-from quantdispatch.kernels.fp4_mma import (
+from quantdispatch.kernels.common.pdl import gdc_launch_dependents, gdc_wait, pdl_capable
+from quantdispatch.kernels.common.wgmma_guard import rs_wgmma_hazard, settle
+from quantdispatch.kernels.mma_layout.layout import (
     _REG_ROW,
     CHUNK_K,
     DECODE_TABLES,
@@ -40,8 +42,6 @@ from quantdispatch.kernels.fp4_mma import (
     _decode_ptx,
     _scale_pairs,
 )
-from quantdispatch.kernels.gdc import gdc_launch_dependents, gdc_wait, pdl_capable
-from quantdispatch.kernels.wgmma_hazard import rs_wgmma_hazard, settle
 
 __all__ = [
     "GemmTile",

@@ -1,4 +1,4 @@
-"""The tl.dot GEMM on the mma16x64 layout (quantdispatch.kernels.fp4_mma_gemm) on the CPU.
+"""The tl.dot GEMM on the mma16x64 layout (quantdispatch.kernels.mma_layout.gemm) on the CPU.
 
 The interpreter runs no PTX: there the kernel decodes the same words with the same bit
 operations in Triton integer ops (products in fp32), so these tests prove the Triton-level
@@ -6,7 +6,7 @@ plumbing (word and scale addressing, the joins and the permute that put every de
 at its row and MMA column, the K order of the activations, K ranges and their sum, masks for
 M and for a K that is not a multiple of the step, bias and global scale) against float64 from
 the format definitions. The PTX decode itself is the GEMV kernel's, proven bit-exact in
-test_fp4_mma_layout.py; the kernel at real sizes on the GPU: tests/gpu/test_fp4_mma_gemm_gpu.py.
+test_mma_layout.py; the kernel at real sizes on the GPU: tests/gpu/test_mma_layout_gemm_gpu.py.
 
 Bounds (||out - ref|| / ||ref||): exact weights, fp32 sums, one rounding to the output dtype;
 the interpreter truncates to bf16 (measured 3-4e-3), fp16 rounds (2e-4).
@@ -22,8 +22,8 @@ triton = pytest.importorskip("triton", reason="triton is not installed (optional
 from ref64 import nvfp4_weight64  # noqa: E402
 
 from quantdispatch.backends import triton as triton_backend  # noqa: E402
-from quantdispatch.kernels import fp4_mma  # noqa: E402
-from quantdispatch.kernels import fp4_mma_gemm as mg  # noqa: E402
+from quantdispatch.kernels.mma_layout import gemm as mg  # noqa: E402
+from quantdispatch.kernels.mma_layout import layout as fp4_mma  # noqa: E402
 
 BOUND = {torch.bfloat16: 1e-2, torch.float16: 1e-3}
 

@@ -44,7 +44,8 @@ import torch
 import triton
 import triton.language as tl
 
-from quantdispatch.kernels.fp4_mma import (
+from quantdispatch.kernels.checkpoint_layout.moe import _activation
+from quantdispatch.kernels.mma_layout.layout import (
     DecodeTable,
     _base_config,
     _decode_chunk,
@@ -52,7 +53,6 @@ from quantdispatch.kernels.fp4_mma import (
     _load_x,
     _mma_step,
 )
-from quantdispatch.kernels.fused_moe import _activation
 
 __all__ = [
     "CHECKPOINT_TABLES",

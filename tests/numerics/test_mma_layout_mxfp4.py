@@ -1,4 +1,5 @@
-"""MXFP4 weights on the mma16x64 layout (quantdispatch.kernels.fp4_mma.repack_mx) on the CPU.
+"""MXFP4 weights on the mma16x64 layout (quantdispatch.kernels.mma_layout.layout.repack_mx) on the
+CPU.
 
 The layout keeps the checkpoint's bytes (0.5 + 1/32 per weight: one scale pair per group of 32
 read by two lanes) and re-encodes the E8M0 scales as the NVFP4 layout's u codes relative to the
@@ -7,7 +8,7 @@ float64 from the format definition: the decode the kernels perform (emulated bit
 gives every weight exactly, for bf16 and fp16, at the edges of the 18-binade span; all-zero
 blocks do not count towards the span; what cannot be held exactly is refused with a clear
 error; and the tl.dot GEMM (interpreter) reads the shared scale pairs right. The GEMV and
-dequantize kernels run PTX: tests/gpu/test_fp4_mma_gpu.py.
+dequantize kernels run PTX: tests/gpu/test_mma_layout_gemv_gpu.py.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ pytest.importorskip("triton", reason="triton is not installed (optional extra)")
 from ref64 import mxfp4_weight64
 
 from quantdispatch.errors import WeightFormatError
-from quantdispatch.kernels import fp4_mma
-from quantdispatch.kernels import fp4_mma_gemm as mg
+from quantdispatch.kernels.mma_layout import gemm as mg
+from quantdispatch.kernels.mma_layout import layout as fp4_mma
 
 DTYPES = [torch.bfloat16, torch.float16]
 

@@ -51,7 +51,7 @@ import triton
 import triton.language as tl
 
 from quantdispatch.errors import InputError, WeightFormatError, format_error
-from quantdispatch.kernels.decode import (
+from quantdispatch.kernels.common.decode import (
     e2m1_pair_to_16bit,
     e2m1_pair_to_f32,
     e4m3_to_f32,
@@ -61,7 +61,7 @@ from quantdispatch.kernels.decode import (
 from quantdispatch.moe_math import get_activation
 
 if TYPE_CHECKING:
-    from quantdispatch.kernels.fp4_mma_ckpt import MmaMoeConfig
+    from quantdispatch.kernels.checkpoint_layout.moe_mma import MmaMoeConfig
 
 __all__ = [
     "DequantMoeConfig",
@@ -584,13 +584,13 @@ def _grouped_mm_capable(device: torch.device) -> bool:
 
 
 def _rows_aligned(*weights: torch.Tensor) -> bool:
-    from quantdispatch.kernels.fp4_mma_ckpt import rows_aligned
+    from quantdispatch.kernels.checkpoint_layout.moe_mma import rows_aligned
 
     return all(rows_aligned(t) for t in weights)
 
 
 def _mma_capable(fmt: str, gated: bool, inter: int, hidden: int, device: torch.device) -> bool:
-    from quantdispatch.kernels.fp4_mma_ckpt import mma_moe_supported
+    from quantdispatch.kernels.checkpoint_layout.moe_mma import mma_moe_supported
 
     if fmt != "nvfp4" or device.type != "cuda" or _interpreting():
         return False
@@ -638,7 +638,7 @@ def moe_config(
         and tpe <= MMA_MAX_TOKENS_PER_EXPERT
         and _mma_capable(fmt, gated, inter, hidden, device)
     ):
-        from quantdispatch.kernels.fp4_mma_ckpt import mma_moe_config
+        from quantdispatch.kernels.checkpoint_layout.moe_mma import mma_moe_config
 
         return mma_moe_config(pairs, experts, inter, hidden, direct=4 * pairs <= experts)
     if tpe <= 12:
@@ -979,7 +979,7 @@ def _dequant_experts(
     fmt: str, codes: torch.Tensor, scales: torch.Tensor, gs: torch.Tensor | None, dtype: torch.dtype
 ) -> torch.Tensor:
     """All experts of one stacked FP4 weight as 16-bit [E, N, K] (each value rounded once)."""
-    from quantdispatch.kernels.dequant_gemm import dequant_fp4_rows
+    from quantdispatch.kernels.checkpoint_layout.dequant import dequant_fp4_rows
 
     e, n, k = codes.shape[0], codes.shape[1], codes.shape[2] * 2
     out = empty((e, n, k), dtype, codes.device)
@@ -1068,7 +1068,7 @@ def _run_mma(
     """Steps 1-4 with the mma.sync gate/up and down kernels of :mod:`.fp4_mma_ckpt`.
     ``inter`` (I) is passed, not read off w13: the checkpoint and the repacked layouts shape
     their code tensors differently."""
-    from quantdispatch.kernels.fp4_mma_ckpt import mma_moe_gemms
+    from quantdispatch.kernels.checkpoint_layout.moe_mma import mma_moe_gemms
 
     m, hidden = x.shape
     top_k = ids.shape[1]

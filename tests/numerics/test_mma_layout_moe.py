@@ -5,8 +5,8 @@ The grouped GEMM (the mid regime) runs here: its decode has an interpreter twin 
 activation, the intermediate written in the MMA K order, the routing weights and the slot sum
 are checked against the float64 oracle of test_moe.py. The mma.sync and dequantize regimes are
 PTX / grouped_mm and run in tests/gpu/test_moe_gpu.py. Buffers the call allocates are poisoned
-(NaN / 0) by test_fused_moe_kernel.py's autouse fixture. Bounds as there (three roundings to the
-activation dtype; the interpreter truncates to bf16).
+(NaN / 0) by test_checkpoint_layout_moe.py's autouse fixture. Bounds as there (three roundings to
+the activation dtype; the interpreter truncates to bf16).
 """
 
 from __future__ import annotations
@@ -17,15 +17,15 @@ import torch
 triton = pytest.importorskip("triton", reason="triton is not installed (optional extra)")
 
 from ref64 import rel_err  # noqa: E402
-from test_fused_moe_kernel import poisoned, routing, stacked  # noqa: E402, F401 (autouse fixture)
+from test_checkpoint_layout_moe import poisoned, routing, stacked  # noqa: E402, F401 (autouse fixture)
 from test_moe import make_experts, moe64, rand_x  # noqa: E402
 
-import quantdispatch.kernels.fp4_mma_moe as mm  # noqa: E402
-import quantdispatch.kernels.fused_moe as fm  # noqa: E402
+import quantdispatch.kernels.checkpoint_layout.moe as fm  # noqa: E402
+import quantdispatch.kernels.mma_layout.moe_gemm as mm  # noqa: E402
 from quantdispatch.backends import get_backend  # noqa: E402
 from quantdispatch.errors import InputError, WeightFormatError  # noqa: E402
-from quantdispatch.kernels.fp4_mma_ckpt import MmaMoeConfig, mma_moe_config  # noqa: E402
-from quantdispatch.kernels.fp4_mma_moe import (  # noqa: E402
+from quantdispatch.kernels.checkpoint_layout.moe_mma import MmaMoeConfig, mma_moe_config  # noqa: E402
+from quantdispatch.kernels.mma_layout.moe_gemm import (  # noqa: E402
     MoeGemmTile,
     mma_layout_moe,
     moe_layout_config,
@@ -34,7 +34,7 @@ from quantdispatch.kernels.fp4_mma_moe import (  # noqa: E402
     repack_experts_mx,
     unpack_experts,
 )
-from quantdispatch.kernels.fp4_mma_moe_small import (  # noqa: E402
+from quantdispatch.kernels.mma_layout.moe_pairs import (  # noqa: E402
     SmallMoeConfig,
     small_moe_config,
 )
@@ -181,7 +181,7 @@ def test_mma_path_sizes_its_buffers_by_the_layers_sizes(monkeypatch, direct):
     """The mma.sync kernels are PTX (GPU only), so what the host side hands them is checked here:
     the intermediate is [pairs or padded pairs, I] and the per-pair output [pairs, H] for both
     layouts. (A session read I off w13's shape, which the repacked words do not carry.)"""
-    import quantdispatch.kernels.fp4_mma_ckpt as ck
+    import quantdispatch.kernels.checkpoint_layout.moe_mma as ck
 
     seen = {}
 
@@ -212,7 +212,7 @@ def test_small_moe_launches_one_program_per_unit(monkeypatch):
     """The top-k-sum kernels are PTX (GPU only): what the host side launches is checked here.
     Gate/up: one program per (pair, 16-row I tile); down: one per (token, 16-row H tile), each
     with its own warps; the scratch intermediate is [pairs, I]."""
-    import quantdispatch.kernels.fp4_mma_moe_small as small
+    import quantdispatch.kernels.mma_layout.moe_pairs as small
 
     launches = []
 
@@ -316,7 +316,7 @@ def test_few_program_blocks_split_k_four_ways():
     """Repacked 8-pair blocks whose GEMM has few programs (the experts uniform routing touches x
     row tiles <= FEW_PROGRAMS) and 40+ chunks of K take a 4-way split, one chunk in flight:
     gpt-oss-20b (32 experts) at every 8-pair M; gpt-oss-120b only while its blocks are few."""
-    from quantdispatch.kernels.fp4_mma_ckpt import FEW_PROGRAMS, expected_experts
+    from quantdispatch.kernels.checkpoint_layout.moe_mma import FEW_PROGRAMS, expected_experts
 
     assert expected_experts(1, 32) == pytest.approx(1.0)
     assert expected_experts(32, 32) == pytest.approx(32 * (1 - (31 / 32) ** 32))
@@ -340,7 +340,7 @@ def test_small_experts_run_one_block_per_pair_up_to_half_a_token_per_expert():
     """Between single pairs (4 x pairs <= E) and 8-pair blocks, experts of at most
     DIRECT_MAX_EXPERT_ELEMENTS (I x H) run one mma block per pair (no expert sort) up to
     0.5 tokens per expert; bigger experts keep the blocks."""
-    from quantdispatch.kernels.fp4_mma_moe import DIRECT_MAX_EXPERT_ELEMENTS
+    from quantdispatch.kernels.mma_layout.moe_gemm import DIRECT_MAX_EXPERT_ELEMENTS
 
     for m in (5, 6, 8):  # Qwen3-30B-A3B: 768 x 2048, 0.31..0.5 per expert
         cfg = moe_layout_config(m, 8, 128, 768, 2048, CPU)
@@ -362,7 +362,7 @@ def test_wide_tiles_only_where_128_rows_divide_both_gemms():
     """Above 96 tokens per expert, 128-pair blocks on 128-row tiles with 8 warps; where 128
     does not divide I or H (gpt-oss: 2880) 64-row tiles with 4 warps, and a forced 128-row tile
     that falls back to 64 rows on such a GEMM runs it with 4 warps."""
-    from quantdispatch.kernels.fp4_mma_moe import _tile_warps
+    from quantdispatch.kernels.mma_layout.moe_gemm import _tile_warps
 
     qwen3 = moe_layout_config(2048, 8, 128, 768, 2048, CPU)
     assert (qwen3.block_m, qwen3.block_n, qwen3.warps) == (128, 128, 8)

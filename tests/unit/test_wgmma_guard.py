@@ -1,10 +1,10 @@
-"""The register-operand wgmma guard (quantdispatch.kernels.wgmma_hazard): where it holds, and
+"""The register-operand wgmma guard (quantdispatch.kernels.common.wgmma_guard): where it holds, and
 that every launch whose MMA takes a decoded A operand settles its accumulator where it holds,
 keeping its tuned stages (the loads stay pipelined).
 
 The numbers behind it (wrong results of pipelined tiles on the H200 with Triton 3.6, the PTX
 waits per Triton version) are in benchmarks/NOTES.md, session 8; the GPU regression test is
-tests/gpu/test_fp4_mma_gemm_gpu.py::test_tiles_that_raced_on_triton_36_match_float64.
+tests/gpu/test_mma_layout_gemm_gpu.py::test_tiles_that_raced_on_triton_36_match_float64.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed (optional extra)")
 
-from quantdispatch.kernels import wgmma_hazard as wh
+from quantdispatch.kernels.common import wgmma_guard as wh
 
 CUDA = torch.device("cuda", 0)
 
@@ -84,7 +84,8 @@ class _FakeKernel:
 
 @pytest.mark.parametrize("hazard", [True, False])
 def test_the_mid_m_gemm_settles_where_the_hazard_holds(monkeypatch, hazard) -> None:
-    from quantdispatch.kernels import fp4_mma, fp4_mma_gemm
+    from quantdispatch.kernels.mma_layout import gemm as fp4_mma_gemm
+    from quantdispatch.kernels.mma_layout import layout as fp4_mma
 
     fake = _FakeKernel()
     monkeypatch.setattr(fp4_mma_gemm, "_mma_gemm_kernel", fake)
@@ -103,8 +104,8 @@ def test_the_mid_m_gemm_settles_where_the_hazard_holds(monkeypatch, hazard) -> N
 
 @pytest.mark.parametrize("swap_ab", [1, 0])
 def test_the_checkpoint_tiled_kernel_settles_only_when_swapped(monkeypatch, swap_ab) -> None:
-    from quantdispatch.kernels import fp4_linear
-    from quantdispatch.kernels.configs import GemmConfig
+    from quantdispatch.kernels.checkpoint_layout import linear as fp4_linear
+    from quantdispatch.kernels.common.configs import GemmConfig
 
     fake = _FakeKernel()
     monkeypatch.setattr(fp4_linear, "_fp4_gemm_kernel", fake)
@@ -121,8 +122,8 @@ def test_the_checkpoint_tiled_kernel_settles_only_when_swapped(monkeypatch, swap
 
 @pytest.mark.parametrize("swap_ab", [1, 0])
 def test_the_fp8_tiled_kernel_settles_only_when_swapped(monkeypatch, swap_ab) -> None:
-    from quantdispatch.kernels import fp8_linear
-    from quantdispatch.kernels.configs import GemmConfig
+    from quantdispatch.kernels.checkpoint_layout import fp8 as fp8_linear
+    from quantdispatch.kernels.common.configs import GemmConfig
 
     fake = _FakeKernel()
     monkeypatch.setattr(fp8_linear, "_fp8_gemm_kernel", fake)

@@ -43,19 +43,8 @@ import triton
 import triton.language as tl
 
 from quantdispatch.errors import InputError, WeightFormatError, format_error
-from quantdispatch.kernels import fused_moe
-from quantdispatch.kernels.fp4_mma import (
-    CHUNK_K,
-    TILE_N,
-    mma_dequant_rows,
-    repack,
-    repack_mx,
-    unpack,
-)
-from quantdispatch.kernels.fp4_mma_ckpt import MmaMoeConfig, mma_moe_config
-from quantdispatch.kernels.fp4_mma_gemm import _weight_tile, kappa_order
-from quantdispatch.kernels.fp4_mma_moe_small import SmallMoeConfig, small_moe, small_moe_config
-from quantdispatch.kernels.fused_moe import (
+from quantdispatch.kernels.checkpoint_layout import moe as fused_moe
+from quantdispatch.kernels.checkpoint_layout.moe import (
     DequantMoeConfig,
     _activation,
     _check_call,
@@ -66,8 +55,19 @@ from quantdispatch.kernels.fused_moe import (
     _run_mma,
     moe_align,
 )
-from quantdispatch.kernels.gdc import pdl_capable
-from quantdispatch.kernels.wgmma_hazard import rs_wgmma_hazard, settle
+from quantdispatch.kernels.checkpoint_layout.moe_mma import MmaMoeConfig, mma_moe_config
+from quantdispatch.kernels.common.pdl import pdl_capable
+from quantdispatch.kernels.common.wgmma_guard import rs_wgmma_hazard, settle
+from quantdispatch.kernels.mma_layout.gemm import _weight_tile, kappa_order
+from quantdispatch.kernels.mma_layout.layout import (
+    CHUNK_K,
+    TILE_N,
+    mma_dequant_rows,
+    repack,
+    repack_mx,
+    unpack,
+)
+from quantdispatch.kernels.mma_layout.moe_pairs import SmallMoeConfig, small_moe, small_moe_config
 from quantdispatch.moe_math import get_activation
 
 __all__ = [
@@ -279,7 +279,7 @@ class MoeDeviceFacts:
 
     @classmethod
     def for_capability(cls, capability: tuple[int, int]) -> MoeDeviceFacts:
-        from quantdispatch.kernels.gdc import HAS_GDC, pdl_enabled
+        from quantdispatch.kernels.common.pdl import HAS_GDC, pdl_enabled
 
         hopper = capability >= (9, 0)
         return cls(

@@ -9,7 +9,7 @@ import torch
 pytest.importorskip("triton")
 
 from quantdispatch.errors import ConfigurationError
-from quantdispatch.kernels import gdc
+from quantdispatch.kernels.common import pdl as gdc
 from quantdispatch.settings import current_settings, load_settings
 
 

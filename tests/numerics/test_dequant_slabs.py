@@ -16,7 +16,7 @@ from ref64 import (
 
 triton = pytest.importorskip("triton", reason="the dequant kernels are Triton kernels")
 
-from quantdispatch.kernels import dequant_gemm as dg  # noqa: E402
+from quantdispatch.kernels.checkpoint_layout import dequant as dg  # noqa: E402
 
 BOUND = {torch.bfloat16: 1e-2, torch.float16: 2e-3}  # weight and output each rounded once
 

@@ -39,15 +39,15 @@ import triton
 import triton.language as tl
 
 from quantdispatch.errors import InputError, WeightFormatError, format_error
-from quantdispatch.kernels.configs import GemmConfig, device_info, get_config
-from quantdispatch.kernels.decode import (
+from quantdispatch.kernels.common.configs import GemmConfig, device_info, get_config
+from quantdispatch.kernels.common.decode import (
     e2m1_pair_to_16bit,
     e2m1_pair_to_f32,
     e4m3_to_f32_scaled,
     e4m3_to_f32_scaled_finite,
     e8m0_to_f32_scaled,
 )
-from quantdispatch.kernels.wgmma_hazard import rs_wgmma_hazard, settle
+from quantdispatch.kernels.common.wgmma_guard import rs_wgmma_hazard, settle
 
 __all__ = [
     "FP16_MX_EXPONENTS",

@@ -1,7 +1,7 @@
 """GPU tests of the Triton kernels and the native FP8 path at real layer sizes.
 
 Reference: float64 on the GPU from the format definitions (written here, not quantdispatch
-code). Outputs are NaN-poisoned. Bounds as in tests/numerics/test_triton_kernels.py: bf16
+code). Outputs are NaN-poisoned. Bounds as in tests/numerics/test_checkpoint_layout_linear.py: bf16
 1e-2, fp16 2e-3 (the decode is exact; only the output cast rounds). Native FP8 quantizes the
 activations, so it is compared with the same quantization emulated in float64.
 """
@@ -33,7 +33,9 @@ def k():
             "run tests/gpu in its own pytest process"
         )
     pytest.importorskip("triton")
-    from quantdispatch.kernels import fp4_linear, fp8_linear, scaled_mm
+    from quantdispatch.kernels.checkpoint_layout import fp8 as fp8_linear
+    from quantdispatch.kernels.checkpoint_layout import linear as fp4_linear
+    from quantdispatch.kernels.native import scaled_mm as scaled_mm
 
     return fp4_linear, fp8_linear, scaled_mm
 
@@ -138,7 +140,7 @@ def test_nvfp4_bf16_real_shapes(k, shape):
 )
 def test_nvfp4_every_kernel_family(k, cfg):
     """Each kernel family at a real size, independent of what the tuned table picks."""
-    from quantdispatch.kernels.configs import GemmConfig
+    from quantdispatch.kernels.common.configs import GemmConfig
 
     n, kk = 4096, 4096
     g = gen(21)
@@ -231,7 +233,7 @@ def test_fp8_weight_only_every_small_m_family(k, cfg, kind):
     """The small-M kernel (K split in-program; 256-wide slices shrink to the 128-wide scale
     blocks) and the tiled one at Llama's down size, every scale kind, M = 1 / 5 / 16, against
     float64 (partial K steps: the CPU tests)."""
-    from quantdispatch.kernels.configs import GemmConfig
+    from quantdispatch.kernels.common.configs import GemmConfig
 
     n, kk = 4096, 14336
     g = gen(17)

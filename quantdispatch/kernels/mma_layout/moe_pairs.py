@@ -39,11 +39,11 @@ import torch
 import triton
 import triton.language as tl
 
-from quantdispatch.kernels import fused_moe
-from quantdispatch.kernels.fp4_mma import CHUNK_K, TILE_N, _load_w, _load_x
-from quantdispatch.kernels.fp4_mma_ckpt import _chunk_mma, _k_reduce
-from quantdispatch.kernels.fused_moe import _activation
-from quantdispatch.kernels.gdc import gdc_launch_dependents, gdc_wait
+from quantdispatch.kernels.checkpoint_layout import moe as fused_moe
+from quantdispatch.kernels.checkpoint_layout.moe import _activation
+from quantdispatch.kernels.checkpoint_layout.moe_mma import _chunk_mma, _k_reduce
+from quantdispatch.kernels.common.pdl import gdc_launch_dependents, gdc_wait
+from quantdispatch.kernels.mma_layout.layout import CHUNK_K, TILE_N, _load_w, _load_x
 
 __all__ = [
     "DOWN_MIN_WARPS",

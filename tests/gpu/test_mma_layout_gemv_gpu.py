@@ -1,7 +1,7 @@
-"""GPU tests of the mma16x64 NVFP4 kernels (quantdispatch.kernels.fp4_mma): GEMV / small-M
+"""GPU tests of the mma16x64 NVFP4 kernels (quantdispatch.kernels.mma_layout.layout): GEMV / small-M
 GEMM and the layout's dequantize pass, against float64 from the format definitions.
 
-Bounds are test_kernels_gpu.py's, through its ``check`` (bf16 1e-2, fp16 2e-3: the decode is
+Bounds are test_linear_kernels_gpu.py's, through its ``check`` (bf16 1e-2, fp16 2e-3: the decode is
 exact, only the output cast rounds). Outputs are NaN-poisoned so an unwritten element fails.
 """
 
@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from tests.gpu.test_kernels_gpu import check, fp4_w64, gen, nvfp4_weights, poison_torch_empty
+from tests.gpu.test_linear_kernels_gpu import check, fp4_w64, gen, nvfp4_weights, poison_torch_empty
 
 pytestmark = pytest.mark.gpu
 
@@ -30,7 +30,7 @@ def mma():
         pytest.skip("TRITON_INTERPRET=1 in this process: run tests/gpu in its own process")
     if torch.cuda.get_device_capability() < (8, 0):
         pytest.skip("the mma16x64 kernels need SM 8.0+ (mma.sync m16n8k16 bf16)")
-    from quantdispatch.kernels import fp4_mma
+    from quantdispatch.kernels.mma_layout import layout as fp4_mma
 
     return fp4_mma
 

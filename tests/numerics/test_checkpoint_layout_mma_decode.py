@@ -1,5 +1,6 @@
-"""The checkpoint-layout decode of the mma MoE kernels (quantdispatch.kernels.fp4_mma_ckpt), on
-the CPU: the kernel's bit operations replayed in torch give e2m1 * scale * 2^-8 exactly (every
+"""The checkpoint-layout decode of the mma MoE kernels
+(quantdispatch.kernels.checkpoint_layout.moe_mma), on the CPU: the kernel's bit operations
+replayed in torch give e2m1 * scale * 2^-8 exactly (every
 E2M1 code x every finite E4M3 scale, zero included, both 16-bit types), the decode tables tile
 a 32-bit word, and the activation permutation (prmt selectors) puts in each B register the
 columns the A registers of the same MMA step hold. The kernels run in tests/gpu."""
@@ -9,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quantdispatch.kernels import fp4_mma_ckpt as mm
-from quantdispatch.kernels import fused_moe as fm
+from quantdispatch.kernels.checkpoint_layout import moe as fm
+from quantdispatch.kernels.checkpoint_layout import moe_mma as mm
 from tests.numerics.ref64 import e2m1_from_bits, e4m3_from_bits, unpack_low_first
 
 DTYPES = [torch.bfloat16, torch.float16]

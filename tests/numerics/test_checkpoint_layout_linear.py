@@ -27,11 +27,12 @@ triton = pytest.importorskip("triton", reason="triton is not installed (optional
 import triton.language as tl  # noqa: E402
 
 from quantdispatch.errors import InputError, WeightFormatError  # noqa: E402
-from quantdispatch.kernels import configs, decode  # noqa: E402
-from quantdispatch.kernels import fp4_linear as fp4_mod  # noqa: E402
-from quantdispatch.kernels.configs import GemmConfig  # noqa: E402
-from quantdispatch.kernels.fp4_linear import fp4_linear  # noqa: E402
-from quantdispatch.kernels.fp8_linear import fp8_weight_only_linear  # noqa: E402
+from quantdispatch.kernels.checkpoint_layout import linear as fp4_mod  # noqa: E402
+from quantdispatch.kernels.checkpoint_layout.fp8 import fp8_weight_only_linear  # noqa: E402
+from quantdispatch.kernels.checkpoint_layout.linear import fp4_linear  # noqa: E402
+from quantdispatch.kernels.common import configs as configs  # noqa: E402
+from quantdispatch.kernels.common import decode as decode  # noqa: E402
+from quantdispatch.kernels.common.configs import GemmConfig  # noqa: E402
 
 if type(fp4_mod._fp4_gemm_kernel).__name__ != "InterpretedFunction":
     pytest.skip(

@@ -25,7 +25,7 @@ import torch
 import triton
 
 from quantdispatch.errors import ConfigurationError
-from quantdispatch.kernels.configs import device_info
+from quantdispatch.kernels.common.configs import device_info
 from quantdispatch.settings import ENV_PREFIX, parse_pdl
 
 try:  # Triton 3.3+

@@ -1,4 +1,5 @@
-"""The Triton fused MoE (quantdispatch.kernels.fused_moe) on the CPU interpreter, small shapes.
+"""The Triton fused MoE (quantdispatch.kernels.checkpoint_layout.moe) on the CPU interpreter, small
+shapes.
 
 Expected values come from the float64 oracle of test_moe.py (ref64 bit decoders, activations
 written out, a per-token loop over the top-k experts). Every buffer the kernel allocates is
@@ -26,9 +27,9 @@ triton = pytest.importorskip("triton", reason="triton is not installed (optional
 from ref64 import rel_err  # noqa: E402
 from test_moe import make_experts, moe64, rand_x  # noqa: E402
 
-import quantdispatch.kernels.fused_moe as fm  # noqa: E402
+import quantdispatch.kernels.checkpoint_layout.moe as fm  # noqa: E402
 from quantdispatch.errors import InputError, WeightFormatError  # noqa: E402
-from quantdispatch.kernels.fused_moe import (  # noqa: E402
+from quantdispatch.kernels.checkpoint_layout.moe import (  # noqa: E402
     MoeConfig,
     MoeGemmConfig,
     fused_moe,
@@ -302,7 +303,7 @@ def test_dequant_grouped_mm_path_mxfp4_biases_swiglu_and_relu2():
 
 
 def test_forced_mma_config_off_an_sm80_gpu_says_why():
-    from quantdispatch.kernels.fp4_mma_ckpt import MmaGemmConfig, MmaMoeConfig
+    from quantdispatch.kernels.checkpoint_layout.moe_mma import MmaGemmConfig, MmaMoeConfig
 
     ex = make_experts("nvfp4", 2, 64, 64, seed=51)
     ids, w = routing(3, 2, 1, seed=52)

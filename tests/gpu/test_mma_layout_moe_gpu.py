@@ -1,6 +1,6 @@
 """NVFP4 MoE on repacked (mma16x64) experts on a real GPU: every regime against float64.
 
-    python3 -m pytest tests/gpu/test_fp4_mma_moe_gpu.py -q
+    python3 -m pytest tests/gpu/test_mma_layout_moe_gpu.py -q
 
 Regimes of kernels/fp4_mma_moe.py, each forced by its config: the mma.sync kernels (single
 pairs, 8- and 16-pair blocks), the grouped tl.dot GEMM (16 / 32 / 64-pair blocks, 64- and
@@ -20,18 +20,18 @@ pytestmark = pytest.mark.gpu
 
 triton = pytest.importorskip("triton")
 
-import quantdispatch.kernels.fused_moe as fm  # noqa: E402
-from quantdispatch.kernels.fp4_mma_ckpt import MmaMoeConfig, mma_moe_config  # noqa: E402
-from quantdispatch.kernels.fp4_mma_moe import (  # noqa: E402
+import quantdispatch.kernels.checkpoint_layout.moe as fm  # noqa: E402
+from quantdispatch.kernels.checkpoint_layout.moe import DequantMoeConfig  # noqa: E402
+from quantdispatch.kernels.checkpoint_layout.moe_mma import MmaMoeConfig, mma_moe_config  # noqa: E402
+from quantdispatch.kernels.common.pdl import pdl_capable  # noqa: E402
+from quantdispatch.kernels.mma_layout.moe_gemm import (  # noqa: E402
     MoeGemmTile,
     mma_layout_moe,
     moe_layout_config,
     repack_experts,
     repack_experts_mx,
 )
-from quantdispatch.kernels.fp4_mma_moe_small import SmallMoeConfig  # noqa: E402
-from quantdispatch.kernels.fused_moe import DequantMoeConfig  # noqa: E402
-from quantdispatch.kernels.gdc import pdl_capable  # noqa: E402
+from quantdispatch.kernels.mma_layout.moe_pairs import SmallMoeConfig  # noqa: E402
 from quantdispatch.moe import QuantMoE  # noqa: E402
 
 
