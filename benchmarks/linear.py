@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from quantdispatch.kernels.checkpoint_layout.fp8 import fp8_weight_only_linear
 from quantdispatch.kernels.checkpoint_layout.linear import fp4_linear
-from quantdispatch.kernels.common import configs as configs
+from quantdispatch.kernels.common import configs
 from quantdispatch.kernels.common.configs import GemmConfig
 from quantdispatch.kernels.common.wgmma_guard import rs_wgmma_hazard
 from quantdispatch.kernels.native.scaled_mm import fp8_scaled_mm_linear, prepare_fp8_scaled_mm
@@ -221,7 +221,8 @@ class Problem:
 
 
 def _deq_nvfp4(x, w, gscale):
-    from quantdispatch.kernels.checkpoint_layout.dequant import dequant_fp4_rows, dequant_gemm
+    from quantdispatch.kernels.checkpoint_layout.dequant import dequant_fp4_rows
+    from quantdispatch.kernels.common.slabs import dequant_gemm
 
     packed, scale = w[0], w[1].view(torch.uint8)
 
@@ -471,7 +472,7 @@ def main() -> None:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "triton": triton.__version__,
-        # register-operand wgmma launches settle each K step (kernels/wgmma_hazard.py)
+        # register-operand wgmma launches settle each K step (kernels/common/wgmma_guard.py)
         "rs_wgmma_settled": torch.cuda.is_available() and rs_wgmma_hazard(torch.device("cuda")),
         "date": date,
         "shapes": shapes,

@@ -190,7 +190,7 @@ def _moe_layer(shape: tuple[int, int, int, int], profile: Any) -> dict:
             "the checkpoint layout and run the fused tl.dot kernels"
         )
     try:
-        from quantdispatch.kernels.mma_layout.moe_gemm import MoeDeviceFacts, moe_kernel_ranges
+        from quantdispatch.kernels.mma_layout.moe_plan import MoeDeviceFacts, moe_kernel_ranges
     except ImportError as exc:  # no triton: no kernels to name
         return unrepacked(f"the kernels cannot be named here: {exc}")
     if profile.kind == "cuda" and not profile.simulated and profile.torch_cuda:

@@ -70,7 +70,7 @@ MMA_TILE_ROWS, MMA_CHUNK_COLS = 16, 64
 def gemm_eligible(n: int, k: int, capability: tuple[int, int] | None) -> bool:
     """Whether mid M runs the tl.dot GEMM (SM 9.x, where it was measured; others keep the mma
     kernel and dequantize + cuBLAS)."""
-    from quantdispatch.kernels.mma_layout.gemm import mma_gemm_supported
+    from quantdispatch.kernels.mma_layout.gemm_tiles import mma_gemm_supported
 
     return capability is not None and capability[0] == 9 and mma_gemm_supported(n, k)
 
@@ -78,7 +78,7 @@ def gemm_eligible(n: int, k: int, capability: tuple[int, int] | None) -> bool:
 def _host_descriptors() -> bool:
     """Whether the mid-M GEMM can take its activation tiles by TMA (Triton 3.3+ installed)."""
     try:
-        from quantdispatch.kernels.mma_layout.gemm import has_host_descriptors
+        from quantdispatch.kernels.mma_layout.gemm_tiles import has_host_descriptors
     except ImportError:  # no triton
         return False
     return has_host_descriptors()
@@ -209,12 +209,12 @@ class TritonBackend(Backend):
             if profile.capability is None or profile.capability < (8, 0):
                 return "fused tl.dot kernels on the checkpoint layout"
             try:
-                from quantdispatch.kernels.mma_layout import moe_gemm as fp4_mma_moe
+                from quantdispatch.kernels.mma_layout import moe_plan
 
-                few = f"<= {fp4_mma_moe.MMA_MAX_TOKENS_PER_EXPERT}"
+                few = f"<= {moe_plan.MMA_MAX_TOKENS_PER_EXPERT}"
                 many = (
-                    f"{fp4_mma_moe.DEQUANT_MIN_TOKENS_PER_EXPERT}+ tokens per expert on "
-                    f"experts of 2^{fp4_mma_moe.DEQUANT_MIN_EXPERT_ELEMENTS.bit_length() - 1}+ "
+                    f"{moe_plan.DEQUANT_MIN_TOKENS_PER_EXPERT}+ tokens per expert on "
+                    f"experts of 2^{moe_plan.DEQUANT_MIN_EXPERT_ELEMENTS.bit_length() - 1}+ "
                     "elements"
                 )
             except ImportError:  # no triton here: say it without the numbers
@@ -350,7 +350,7 @@ class TritonBackend(Backend):
                         in_features=k,
                     )
             if request.act_dtype == torch.float16:
-                from quantdispatch.kernels.checkpoint_layout.linear import rebase_mx_scales_for_fp16
+                from quantdispatch.formats.mxfp4 import rebase_mx_scales_for_fp16
 
                 codes, d = rebase_mx_scales_for_fp16(weight.packed, weight.block_scale)
                 if d:  # scales outside fp16's exact range: rebased, 2^d in the fp32 epilogue
@@ -396,11 +396,8 @@ class TritonBackend(Backend):
         everything else keeps the canonical stacks."""
         if request.format not in ("nvfp4", "mxfp4"):
             return self._canonical_moe(w13, w2, names, meta, request, gated=gated)
-        from quantdispatch.kernels.mma_layout.moe_gemm import (
-            moe_layout_supported,
-            repack_experts,
-            repack_experts_mx,
-        )
+        from quantdispatch.kernels.mma_layout.moe_plan import moe_layout_supported
+        from quantdispatch.kernels.mma_layout.moe_stacks import repack_experts, repack_experts_mx
 
         device = w13[0].device
         capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
@@ -442,10 +439,7 @@ class TritonBackend(Backend):
         their scales instead: kernels.fp4_linear.rebase_mx_scales_for_fp16)."""
         if request.format == "mxfp4" and request.act_dtype == torch.float16:
             from quantdispatch.errors import WeightFormatError
-            from quantdispatch.kernels.checkpoint_layout.linear import (
-                FP16_MX_EXPONENTS,
-                mx_scale_range,
-            )
+            from quantdispatch.formats.mxfp4 import FP16_MX_EXPONENTS, mx_scale_range
 
             low, high = FP16_MX_EXPONENTS
             for which, stack in (("w13", w13), ("w2", w2)):
@@ -485,7 +479,9 @@ class TritonBackend(Backend):
         from quantdispatch.ops import op_view
 
         if fmt in ("nvfp4", "mxfp4") and len(meta) == 2 and int(meta[0]) == MMA_LAYOUT_TAG:
-            from quantdispatch.kernels.mma_layout import layout as fp4_mma
+            from quantdispatch.kernels.mma_layout.dequant import mma_dequant_rows
+            from quantdispatch.kernels.mma_layout.gemv import mma_linear
+            from quantdispatch.kernels.mma_layout.layout import TILE_N
 
             words, scales, global_scale = tensors[0], tensors[1], tensors[2]
             packed_for = torch.bfloat16 if int(meta[1]) else torch.float16
@@ -499,18 +495,18 @@ class TritonBackend(Backend):
                 )
             from quantdispatch.kernels.common.configs import device_info
 
-            n = words.shape[0] * fp4_mma.TILE_N
+            n = words.shape[0] * TILE_N
             path = mma_path(x.shape[0], n, x.shape[1], device_info(x.device)[1])
             if path == "mma":
-                return fp4_mma.mma_linear(x, words, scales, global_scale, bias)
+                return mma_linear(x, words, scales, global_scale, bias)
             if path == "gemm":
                 from quantdispatch.kernels.mma_layout.gemm import mma_gemm
 
                 return mma_gemm(x, words, scales, global_scale, bias)
-            from quantdispatch.kernels.checkpoint_layout.dequant import dequant_gemm
+            from quantdispatch.kernels.common.slabs import dequant_gemm
 
             def mma_rows(a: int, b: int, out: torch.Tensor) -> None:
-                fp4_mma.mma_dequant_rows(words, scales, global_scale, a, b, out)
+                mma_dequant_rows(words, scales, global_scale, a, b, out)
 
             return dequant_gemm(x, n, x.shape[1], mma_rows, bias)
         large = use_dequant_gemm(x.shape[0], tensors[0].shape[0], x.shape[1])
@@ -523,10 +519,8 @@ class TritonBackend(Backend):
             # applies 2^d, where dequantized fp16 slabs would need it inside cuBLAS (a host
             # scalar, and fp16 partial sums of 2^|d| times the output when d < 0).
             if large and not rebase:
-                from quantdispatch.kernels.checkpoint_layout.dequant import (
-                    dequant_fp4_rows,
-                    dequant_gemm,
-                )
+                from quantdispatch.kernels.checkpoint_layout.dequant import dequant_fp4_rows
+                from quantdispatch.kernels.common.slabs import dequant_gemm
 
                 def rows(a: int, b: int, out: torch.Tensor) -> None:
                     dequant_fp4_rows(
@@ -543,10 +537,8 @@ class TritonBackend(Backend):
             weight, scale = op_view(tensors[0], torch.uint8), tensors[1]
             block = (int(meta[0]), int(meta[1])) if len(meta) == 2 else None
             if large:
-                from quantdispatch.kernels.checkpoint_layout.dequant import (
-                    dequant_fp8_rows,
-                    dequant_gemm,
-                )
+                from quantdispatch.kernels.checkpoint_layout.dequant import dequant_fp8_rows
+                from quantdispatch.kernels.common.slabs import dequant_gemm
 
                 def rows8(a: int, b: int, out: torch.Tensor) -> None:
                     dequant_fp8_rows(weight[a:b], scale, a, out, block_size=block)

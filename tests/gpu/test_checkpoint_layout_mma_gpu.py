@@ -16,11 +16,10 @@ import torch
 
 from quantdispatch.errors import InputError
 from quantdispatch.kernels.checkpoint_layout import moe as fm
-from quantdispatch.kernels.checkpoint_layout.moe_mma import (
-    MmaGemmConfig,
-    MmaMoeConfig,
-    mma_ckpt_linear,
-)
+from quantdispatch.kernels.checkpoint_layout import moe_plan
+from quantdispatch.kernels.checkpoint_layout.mma_linear import mma_ckpt_linear
+from quantdispatch.kernels.checkpoint_layout.moe_plan import MmaGemmConfig, MmaMoeConfig
+from quantdispatch.kernels.common import checks
 from tests.gpu.test_linear_kernels_gpu import check, fp4_w64, gen, nvfp4_weights
 from tests.gpu.test_moe_gpu import BOUND, DEV, moe64, rel, stacks
 
@@ -157,10 +156,10 @@ def test_every_path_matches_float64(m, cfg, dtype):
 
 
 def test_heuristic_takes_the_mma_kernels_for_few_tokens_per_expert():
-    cfg = fm.moe_config(4, 8, 128, 768, 2048, "nvfp4", DEV)
+    cfg = moe_plan.moe_config(4, 8, 128, 768, 2048, "nvfp4", DEV)
     assert isinstance(cfg, MmaMoeConfig)
-    assert not isinstance(fm.moe_config(4096, 8, 128, 768, 2048, "nvfp4", DEV), MmaMoeConfig)
-    assert not isinstance(fm.moe_config(4, 8, 128, 768, 2048, "mxfp4", DEV), MmaMoeConfig)
+    assert not isinstance(moe_plan.moe_config(4096, 8, 128, 768, 2048, "nvfp4", DEV), MmaMoeConfig)
+    assert not isinstance(moe_plan.moe_config(4, 8, 128, 768, 2048, "mxfp4", DEV), MmaMoeConfig)
 
 
 def test_real_sizes_match_the_tl_dot_kernels():
@@ -170,7 +169,7 @@ def test_real_sizes_match_the_tl_dot_kernels():
                               (32, 8, 7168, 2048, 4)):  # fmt: skip
         w13, w2, gen = weights(e, h, i, seed=h + m)
         x, ids, w = routing(m, e, top_k, gen, torch.bfloat16, h)
-        cfg = fm.moe_config(m, top_k, e, i, h, "nvfp4", DEV)
+        cfg = moe_plan.moe_config(m, top_k, e, i, h, "nvfp4", DEV)
         assert isinstance(cfg, MmaMoeConfig), cfg
         out = run(x, ids, w, w13, w2)
         assert rel(out, moe64("nvfp4", x, ids, w, w13, w2)) < BOUND[torch.bfloat16]
@@ -213,7 +212,7 @@ def test_poisoned_buffers_and_misaligned_activations(monkeypatch):
         t = torch.empty(shape, dtype=dtype, device=device)
         return t.fill_(float("nan")) if dtype.is_floating_point else t.fill_(-7)
 
-    monkeypatch.setattr(fm, "empty", poisoned)
+    monkeypatch.setattr(checks, "empty", poisoned)
     assert torch.equal(run(x, ids, w, w13, w2, CONFIGS[1]), want)
     monkeypatch.undo()
     big = torch.zeros(9, h + 3, dtype=x.dtype, device=DEV)

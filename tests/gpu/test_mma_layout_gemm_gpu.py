@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -30,9 +31,15 @@ def mg():
         pytest.skip("TRITON_INTERPRET=1 in this process: run tests/gpu in its own process")
     if torch.cuda.get_device_capability() < (8, 0):
         pytest.skip("the mma16x64 layout needs SM 8.0+")
-    from quantdispatch.kernels.mma_layout import gemm as fp4_mma_gemm
+    from quantdispatch.kernels.mma_layout import activation_order, gemm, gemm_tiles
 
-    return fp4_mma_gemm
+    return SimpleNamespace(
+        GemmTile=gemm_tiles.GemmTile,
+        mma_gemm_config=gemm_tiles.mma_gemm_config,
+        kappa_order=activation_order.kappa_order,
+        kappa_order_torch=activation_order.kappa_order_torch,
+        mma_gemm=gemm.mma_gemm,
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -42,12 +49,12 @@ def poisoned(monkeypatch, request):
 
 
 def _weights(n, kk, dtype, seed):
-    from quantdispatch.kernels.mma_layout import layout as fp4_mma
+    from quantdispatch.kernels.mma_layout import layout
 
     g = gen(seed)
     packed, sbits, gs = nvfp4_weights(n, kk, g)
     w64 = fp4_w64(packed, sbits, 16, False, 2.5e-3)
-    words, scales = fp4_mma.repack(packed, sbits, dtype)
+    words, scales = layout.repack(packed, sbits, dtype)
     return g, words, scales, gs, w64
 
 
@@ -180,7 +187,7 @@ def test_tiles_that_raced_on_triton_36_match_float64(mg, shape, m):
     (relative error 1-2.5e-2, not every call: the next step's decode overwrote wgmma A registers
     still in flight, kernels/wgmma_hazard.py). mma_gemm runs them with safe stages: every
     repetition matches float64 and equals the first bit for bit."""
-    from quantdispatch.kernels.mma_layout.gemm import GemmTile, tma_capable
+    from quantdispatch.kernels.mma_layout.gemm_tiles import GemmTile, tma_capable
 
     if not tma_capable(torch.device("cuda")):
         pytest.skip("TMA tiles need SM 9.0+ and Triton 3.3+")
@@ -200,9 +207,9 @@ def test_tiles_that_raced_on_triton_36_match_float64(mg, shape, m):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("shape", [*LLAMA, (2880, 2880)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_mxfp4_on_the_layout_heuristic_tiles(mg, shape, dtype):
-    """MXFP4 repacked (kernels.fp4_mma.repack_mx: lane pairs share a scale pair): the heuristic
-    tiles (TMA on SM 9.0+), K splits included, against float64."""
-    from quantdispatch.kernels.mma_layout import layout as fp4_mma
+    """MXFP4 repacked (kernels.mma_layout.layout.repack_mx: lane pairs share a scale pair): the
+    heuristic tiles (TMA on SM 9.0+), K splits included, against float64."""
+    from quantdispatch.kernels.mma_layout import layout
 
     n, kk = shape
     g = torch.Generator(device="cuda").manual_seed(n + 3 * kk)
@@ -210,7 +217,7 @@ def test_mxfp4_on_the_layout_heuristic_tiles(mg, shape, dtype):
     packed = torch.randint(0, 256, (n, kk // 2), **u8)
     e8m0 = torch.randint(105, 123, (n, kk // 32), **u8)
     w64 = fp4_w64(packed, e8m0, 32, True, None)
-    words, scales, gs = fp4_mma.repack_mx(packed, e8m0, dtype)
+    words, scales, gs = layout.repack_mx(packed, e8m0, dtype)
     for m in (33, 100, 150, 256):
         x = torch.randn(m, kk, generator=g, device="cuda").to(dtype)
         check(mg.mma_gemm(x, words, scales, gs), x.double() @ w64.T, dtype)

@@ -1,4 +1,5 @@
-"""GPU tests of the mma16x64 NVFP4 kernels (quantdispatch.kernels.mma_layout.layout): GEMV / small-M
+"""GPU tests of the mma16x64 NVFP4 kernels (quantdispatch.kernels.mma_layout.gemv,
+.dequant): GEMV / small-M
 GEMM and the layout's dequantize pass, against float64 from the format definitions.
 
 Bounds are test_linear_kernels_gpu.py's, through its ``check`` (bf16 1e-2, fp16 2e-3: the decode is
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -30,9 +32,14 @@ def mma():
         pytest.skip("TRITON_INTERPRET=1 in this process: run tests/gpu in its own process")
     if torch.cuda.get_device_capability() < (8, 0):
         pytest.skip("the mma16x64 kernels need SM 8.0+ (mma.sync m16n8k16 bf16)")
-    from quantdispatch.kernels.mma_layout import layout as fp4_mma
+    from quantdispatch.kernels.mma_layout import dequant, gemv, layout
 
-    return fp4_mma
+    return SimpleNamespace(
+        mma_linear=gemv.mma_linear,
+        mma_dequant_rows=dequant.mma_dequant_rows,
+        repack=layout.repack,
+        repack_mx=layout.repack_mx,
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -138,7 +145,7 @@ def test_cuda_graph_replay_equals_eager(mma):
             )
 
 
-# ---- MXFP4 on the same layout (kernels.fp4_mma.repack_mx: scale pairs shared by lane pairs) ----
+# ---- MXFP4 on the same layout (layout.repack_mx: scale pairs shared by lane pairs) ----
 
 
 def mx_weights(n, kk, g, low=110, high=127):

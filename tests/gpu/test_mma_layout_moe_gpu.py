@@ -20,18 +20,22 @@ pytestmark = pytest.mark.gpu
 
 triton = pytest.importorskip("triton")
 
-import quantdispatch.kernels.checkpoint_layout.moe as fm  # noqa: E402
-from quantdispatch.kernels.checkpoint_layout.moe import DequantMoeConfig  # noqa: E402
-from quantdispatch.kernels.checkpoint_layout.moe_mma import MmaMoeConfig, mma_moe_config  # noqa: E402
-from quantdispatch.kernels.common.pdl import pdl_capable  # noqa: E402
-from quantdispatch.kernels.mma_layout.moe_gemm import (  # noqa: E402
-    MoeGemmTile,
-    mma_layout_moe,
-    moe_layout_config,
-    repack_experts,
-    repack_experts_mx,
+from quantdispatch.kernels.checkpoint_layout.moe import fused_moe  # noqa: E402
+from quantdispatch.kernels.checkpoint_layout.moe_plan import (  # noqa: E402
+    DequantMoeConfig,
+    MmaMoeConfig,
+    grouped_mm_capable,
+    mma_moe_config,
 )
-from quantdispatch.kernels.mma_layout.moe_pairs import SmallMoeConfig  # noqa: E402
+from quantdispatch.kernels.common import checks  # noqa: E402
+from quantdispatch.kernels.common.pdl import pdl_capable  # noqa: E402
+from quantdispatch.kernels.mma_layout.moe_gemm import mma_layout_moe  # noqa: E402
+from quantdispatch.kernels.mma_layout.moe_plan import (  # noqa: E402
+    MoeGemmTile,
+    SmallMoeConfig,
+    moe_layout_config,
+)
+from quantdispatch.kernels.mma_layout.moe_stacks import repack_experts, repack_experts_mx  # noqa: E402
 from quantdispatch.moe import QuantMoE  # noqa: E402
 
 
@@ -42,7 +46,7 @@ def nan_empty(monkeypatch):
             return torch.full(shape, math.nan, dtype=dtype, device=device)
         return torch.zeros(shape, dtype=dtype, device=device)
 
-    monkeypatch.setattr(fm, "empty", empty)  # every MoE buffer comes from fused_moe.empty
+    monkeypatch.setattr(checks, "empty", empty)  # every MoE buffer comes from checks.empty
 
 
 def _repacked(fmt, w, dtype):
@@ -93,7 +97,7 @@ REGIMES = [
 @pytest.mark.parametrize("m", [1, 37, 300])
 def test_every_regime_matches_float64(nan_empty, m, regime, dtype):
     """Qwen3-30B-A3B sizes; a quarter of the experts live on another rank (ids -> -1)."""
-    if regime[0] == "dequant" and not fm._grouped_mm_capable(DEV):
+    if regime[0] == "dequant" and not grouped_mm_capable(DEV):
         pytest.skip("torch._grouped_mm needs SM 9.0+")
     if regime[0].endswith("-pdl") and not pdl_capable(DEV):
         pytest.skip("a programmatic dependent launch needs SM 9.0+")
@@ -153,7 +157,7 @@ def test_agrees_with_the_checkpoint_layout_kernels():
         ids, w = routing(m, E, TOP_K, gen)
         x = torch.randn(m, H, generator=gen, device=DEV).to(torch.bfloat16)
         new = call(r13, r2, x, ids, w, None)
-        old = fm.fused_moe(x, ids, w, w13, w2, None, None, fmt="nvfp4", activation="silu",
+        old = fused_moe(x, ids, w, w13, w2, None, None, fmt="nvfp4", activation="silu",
                            params=[], meta=[0])  # fmt: skip
         assert rel(new, old.double()) < 1e-2
 
@@ -235,7 +239,7 @@ def test_single_pair_kernels_biases_uneven_chunks_graphs_and_determinism(nan_emp
 @pytest.mark.parametrize("regime", REGIMES, ids=[r[0] for r in REGIMES])
 @pytest.mark.parametrize("m", [1, 37])
 def test_mxfp4_every_regime_matches_float64(nan_empty, m, regime, dtype):
-    if regime[0] == "dequant" and not fm._grouped_mm_capable(DEV):
+    if regime[0] == "dequant" and not grouped_mm_capable(DEV):
         pytest.skip("torch._grouped_mm needs SM 9.0+")
     if regime[0].endswith("-pdl") and not pdl_capable(DEV):
         pytest.skip("a programmatic dependent launch needs SM 9.0+")

@@ -27,14 +27,12 @@ triton = pytest.importorskip("triton", reason="triton is not installed (optional
 import triton.language as tl  # noqa: E402
 
 from quantdispatch.errors import InputError, WeightFormatError  # noqa: E402
-from quantdispatch.kernels.checkpoint_layout import linear as fp4_mod  # noqa: E402
 from quantdispatch.kernels.checkpoint_layout.fp8 import fp8_weight_only_linear  # noqa: E402
 from quantdispatch.kernels.checkpoint_layout.linear import fp4_linear  # noqa: E402
-from quantdispatch.kernels.common import configs as configs  # noqa: E402
-from quantdispatch.kernels.common import decode as decode  # noqa: E402
+from quantdispatch.kernels.common import checks, configs, decode  # noqa: E402
 from quantdispatch.kernels.common.configs import GemmConfig  # noqa: E402
 
-if type(fp4_mod._fp4_gemm_kernel).__name__ != "InterpretedFunction":
+if not checks.interpreting():
     pytest.skip(
         "the Triton kernels were already compiled for a GPU in this process (a GPU test "
         "imported them first); run tests/numerics in its own pytest process",
@@ -92,7 +90,7 @@ def poisoned_outputs(monkeypatch):
     def nan_empty(m, n, dtype, device):
         return torch.full((m, n), math.nan, dtype=dtype, device=device)
 
-    monkeypatch.setattr(fp4_mod, "empty_output", nan_empty)
+    monkeypatch.setattr(checks, "empty_output", nan_empty)
 
 
 def check(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:

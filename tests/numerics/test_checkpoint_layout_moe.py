@@ -29,15 +29,16 @@ from test_moe import make_experts, moe64, rand_x  # noqa: E402
 
 import quantdispatch.kernels.checkpoint_layout.moe as fm  # noqa: E402
 from quantdispatch.errors import InputError, WeightFormatError  # noqa: E402
-from quantdispatch.kernels.checkpoint_layout.moe import (  # noqa: E402
-    MoeConfig,
-    MoeGemmConfig,
-    fused_moe,
-    moe_align,
-)
+from quantdispatch.kernels.checkpoint_layout import moe_plan  # noqa: E402
+from quantdispatch.kernels.checkpoint_layout.dequant import dequant_experts  # noqa: E402
+from quantdispatch.kernels.checkpoint_layout.moe import fused_moe  # noqa: E402
+from quantdispatch.kernels.checkpoint_layout.moe_align import max_blocks_for, moe_align  # noqa: E402
+from quantdispatch.kernels.checkpoint_layout.moe_plan import MoeConfig, MoeGemmConfig  # noqa: E402
+from quantdispatch.kernels.common import checks  # noqa: E402
+from quantdispatch.kernels.common.slabs import run_dequant_moe  # noqa: E402
 from quantdispatch.moe import QuantMoE  # noqa: E402
 
-if not fm._interpreting():
+if not checks.interpreting():
     pytest.skip(
         "the Triton kernels were compiled for a GPU in this process; run tests/numerics in "
         "its own pytest process (the GPU MoE tests are tests/gpu/test_moe_gpu.py)",
@@ -55,7 +56,7 @@ def poisoned(monkeypatch):
             return torch.full(shape, math.nan, dtype=dtype, device=device)
         return torch.zeros(shape, dtype=dtype, device=device)
 
-    monkeypatch.setattr(fm, "empty", empty)
+    monkeypatch.setattr(checks, "empty", empty)
 
 
 def stacked(ex, **kw):
@@ -115,7 +116,7 @@ def test_align_groups_pairs_by_expert(m, k, e, bm):
             seen.append(r)
     valid = [i for i in range(m * k) if 0 <= int(flat[i]) < e]
     assert sorted(seen) == valid  # every valid pair exactly once, nothing else
-    assert sorted_ids.numel() == fm.max_blocks_for(m * k, e, bm) * bm
+    assert sorted_ids.numel() == max_blocks_for(m * k, e, bm) * bm
 
 
 # ---- numerics -------------------------------------------------------------------------------
@@ -151,7 +152,7 @@ def test_all_tokens_on_one_expert_and_top_k_equal_to_experts():
 def test_single_token_direct_path(dtype):
     ex = make_experts("nvfp4", 8, 64, 32, seed=7)
     ids, w = routing(1, 8, 2, seed=8)
-    assert fm.moe_config(1, 2, 8, 32, 64, "nvfp4", torch.device("cpu")).direct
+    assert moe_plan.moe_config(1, 2, 8, 32, 64, "nvfp4", torch.device("cpu")).direct
     x = rand_x(1, 64, dtype, seed=9)
     assert rel_err(run(ex, x, ids, w), moe64(x, ids, w, ex.w13, ex.w2)) < BOUND[dtype]
 
@@ -163,7 +164,7 @@ def test_direct_path_several_tokens_with_foreign_ids():
     ids, w = routing(3, 24, 2, seed=31)
     ids[0, 0] = -1
     ids[2] = torch.tensor([24, -1])
-    assert fm.moe_config(3, 2, 24, 32, 64, "nvfp4", torch.device("cpu")).direct
+    assert moe_plan.moe_config(3, 2, 24, 32, 64, "nvfp4", torch.device("cpu")).direct
     x = rand_x(3, 64, torch.float16, seed=32)
     out = run(ex, x, ids, w)
     assert rel_err(out[:2], moe64(x, ids, w, ex.w13, ex.w2)[:2]) < BOUND[torch.float16]
@@ -264,10 +265,10 @@ def run_dequant(ex, x, ids, w, activation="silu", params=(0.0, 0.0), b13=None, b
     c2, s2, g2, *_ = fm._unpack_weights(ex.fmt, w2, "w2", meta)
     spec = fm.get_activation(activation)
     out = torch.empty(x.shape, dtype=x.dtype)
-    fm._run_dequant(
+    run_dequant_moe(
         x, ids, w, c13.shape[0],
-        lambda: fm._dequant_experts(ex.fmt, c13, s13, g13, x.dtype),
-        lambda: fm._dequant_experts(ex.fmt, c2, s2, g2, x.dtype),
+        lambda: dequant_experts(ex.fmt, c13, s13, g13, x.dtype),
+        lambda: dequant_experts(ex.fmt, c2, s2, g2, x.dtype),
         b13, b2, spec.code, spec.gated, *params, out,
     )  # fmt: skip
     return out
@@ -303,7 +304,7 @@ def test_dequant_grouped_mm_path_mxfp4_biases_swiglu_and_relu2():
 
 
 def test_forced_mma_config_off_an_sm80_gpu_says_why():
-    from quantdispatch.kernels.checkpoint_layout.moe_mma import MmaGemmConfig, MmaMoeConfig
+    from quantdispatch.kernels.checkpoint_layout.moe_plan import MmaGemmConfig, MmaMoeConfig
 
     ex = make_experts("nvfp4", 2, 64, 64, seed=51)
     ids, w = routing(3, 2, 1, seed=52)
@@ -315,7 +316,7 @@ def test_forced_mma_config_off_an_sm80_gpu_says_why():
 def test_dequant_path_is_gpu_only_and_named_in_errors():
     ex = make_experts("nvfp4", 2, 64, 32, seed=48)
     ids, w = routing(3, 2, 1, seed=49)
-    assert not isinstance(fm.moe_config(8192, 2, 8, 14336, 4096, "nvfp4", torch.device("cpu")),
-                          fm.DequantMoeConfig)  # fmt: skip
+    cfg = moe_plan.moe_config(8192, 2, 8, 14336, 4096, "nvfp4", torch.device("cpu"))
+    assert not isinstance(cfg, moe_plan.DequantMoeConfig)
     with pytest.raises(InputError, match="grouped-GEMM config"):
-        run(ex, rand_x(3, 64, torch.bfloat16, 50), ids, w, config=fm.DequantMoeConfig())
+        run(ex, rand_x(3, 64, torch.bfloat16, 50), ids, w, config=moe_plan.DequantMoeConfig())

@@ -16,7 +16,8 @@ from ref64 import (
 
 triton = pytest.importorskip("triton", reason="the dequant kernels are Triton kernels")
 
-from quantdispatch.kernels.checkpoint_layout import dequant as dg  # noqa: E402
+from quantdispatch.kernels.checkpoint_layout import dequant  # noqa: E402
+from quantdispatch.kernels.common import slabs  # noqa: E402
 
 BOUND = {torch.bfloat16: 1e-2, torch.float16: 2e-3}  # weight and output each rounded once
 
@@ -24,7 +25,7 @@ BOUND = {torch.bfloat16: 1e-2, torch.float16: 2e-3}  # weight and output each ro
 @pytest.fixture
 def small_workspace(monkeypatch):
     """A tiny slab, so several slabs (and a ragged last one) are exercised."""
-    monkeypatch.setattr(dg, "WORKSPACE_ELEMENTS", 40 * 96)
+    monkeypatch.setattr(slabs, "WORKSPACE_ELEMENTS", 40 * 96)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -38,17 +39,19 @@ def test_nvfp4_and_mxfp4(small_workspace, dtype):
     bias = torch.randn(n, generator=g)
 
     def rows(a, b, out):
-        dg.dequant_fp4_rows(packed[a:b], bs.view(torch.uint8)[a:b], gs, out, scale_format="e4m3")
+        dequant.dequant_fp4_rows(
+            packed[a:b], bs.view(torch.uint8)[a:b], gs, out, scale_format="e4m3"
+        )
 
-    out = dg.dequant_gemm(x, n, k, rows, bias)
+    out = slabs.dequant_gemm(x, n, k, rows, bias)
     assert rel_err(out, linear64(x, nvfp4_weight64(packed, bs, gs), bias)) < BOUND[dtype]
 
     e8 = torch.randint(118, 134, (n, k // 32), generator=g).to(torch.uint8)
 
     def rows_mx(a, b, out):
-        dg.dequant_fp4_rows(packed[a:b], e8[a:b], None, out, scale_format="e8m0")
+        dequant.dequant_fp4_rows(packed[a:b], e8[a:b], None, out, scale_format="e8m0")
 
-    out = dg.dequant_gemm(x, n, k, rows_mx)
+    out = slabs.dequant_gemm(x, n, k, rows_mx)
     assert rel_err(out, linear64(x, mxfp4_weight64(packed, e8))) < BOUND[dtype]
 
 
@@ -66,7 +69,7 @@ def test_fp8(small_workspace, kind):
     x = torch.randn(m, k, generator=g).to(torch.bfloat16)
 
     def rows(a, b, out):
-        dg.dequant_fp8_rows(w.view(torch.uint8)[a:b], scale, a, out, block_size=block)
+        dequant.dequant_fp8_rows(w.view(torch.uint8)[a:b], scale, a, out, block_size=block)
 
-    out = dg.dequant_gemm(x, n, k, rows)
+    out = slabs.dequant_gemm(x, n, k, rows)
     assert rel_err(out, linear64(x, fp8_weight64(w, scale, block))) < BOUND[torch.bfloat16]

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from quantdispatch.errors import WeightFormatError
-from quantdispatch.kernels.mma_layout import layout as fp4_mma
+from quantdispatch.kernels.common import configs, decode_tables, ptx
+from quantdispatch.kernels.mma_layout import gemv, layout
 from tests.numerics.ref64 import e2m1_from_bits, e4m3_from_bits, unpack_low_first
 
 DTYPES = [torch.bfloat16, torch.float16]
@@ -31,7 +32,7 @@ def _random_weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tenso
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_tables_tile_a_word(dtype: torch.dtype) -> None:
-    table = fp4_mma.DECODE_TABLES[dtype]
+    table = decode_tables.DECODE_TABLES[dtype]
     bits = sorted(
         p
         for r in range(4)
@@ -46,11 +47,11 @@ def test_tables_tile_a_word(dtype: torch.dtype) -> None:
 def test_repack_unpack_round_trip(dtype: torch.dtype, n: int, k: int) -> None:
     packed, scales = _random_weight(n, k, seed=n + k)
     scales[scales == 0] = 1  # zero-scale blocks lose their codes (tested below)
-    words, s = fp4_mma.repack(packed, scales, dtype)
+    words, s = layout.repack(packed, scales, dtype)
     assert words.dtype == torch.int32 and words.shape == (n // 16, k // 64, 32, 4)
     assert s.dtype == torch.uint8 and s.shape == (n // 16, k // 64, 32, 2)
     assert words.numel() * 4 + s.numel() == packed.numel() + scales.numel()  # same bytes
-    back_packed, back_scales = fp4_mma.unpack(words, s, dtype)
+    back_packed, back_scales = layout.unpack(words, s, dtype)
     assert torch.equal(back_packed, packed)
     assert torch.equal(back_scales, scales)
 
@@ -60,10 +61,10 @@ def test_repack_in_slabs_equals_one_pass(dtype: torch.dtype, monkeypatch) -> Non
     """Slabs of 16 / 32 / 48 rows (a last slab shorter than the others) give the same bytes
     as the whole 80-row weight at once; zero-scale blocks included."""
     packed, scales = _random_weight(80, 192, seed=7)
-    whole = fp4_mma.repack(packed, scales, dtype)
+    whole = layout.repack(packed, scales, dtype)
     for slab_rows in (16, 32, 48):
-        monkeypatch.setattr(fp4_mma, "REPACK_SLAB_ELEMENTS", slab_rows * 192)
-        words, s = fp4_mma.repack(packed, scales, dtype)
+        monkeypatch.setattr(layout, "REPACK_SLAB_ELEMENTS", slab_rows * 192)
+        words, s = layout.repack(packed, scales, dtype)
         assert torch.equal(words, whole[0]) and torch.equal(s, whole[1])
 
 
@@ -71,8 +72,8 @@ def test_repack_in_slabs_equals_one_pass(dtype: torch.dtype, monkeypatch) -> Non
 def test_emulated_decode_is_exact(dtype: torch.dtype) -> None:
     n, k = 48, 256
     packed, scales = _random_weight(n, k, seed=7)
-    words, s = fp4_mma.repack(packed, scales, dtype)
-    got = fp4_mma.decode_emulated(words, s, dtype)
+    words, s = layout.repack(packed, scales, dtype)
+    got = layout.decode_emulated(words, s, dtype)
     want = (
         e2m1_from_bits(unpack_low_first(packed))
         * e4m3_from_bits(scales).repeat_interleave(16, dim=1)
@@ -90,8 +91,8 @@ def test_every_scale_code_and_every_e2m1_code(dtype: torch.dtype) -> None:
     scales = scale_codes.repeat(reps)[: n * (k // 16)].reshape(n, k // 16)
     codes = torch.arange(16, dtype=torch.int32).repeat(n, k // 16)
     packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
-    words, s = fp4_mma.repack(packed, scales.to(torch.uint8), dtype)
-    got = fp4_mma.decode_emulated(words, s, dtype)
+    words, s = layout.repack(packed, scales.to(torch.uint8), dtype)
+    got = layout.decode_emulated(words, s, dtype)
     want = (
         e2m1_from_bits(codes.to(torch.uint8))
         * e4m3_from_bits(scales.to(torch.uint8)).repeat_interleave(16, dim=1)
@@ -103,8 +104,8 @@ def test_every_scale_code_and_every_e2m1_code(dtype: torch.dtype) -> None:
 def test_zero_scale_blocks_decode_to_zero() -> None:
     packed, scales = _random_weight(16, 64, seed=3)
     scales[:, 1] = 0
-    words, s = fp4_mma.repack(packed, scales, torch.bfloat16)
-    got = fp4_mma.decode_emulated(words, s, torch.bfloat16)
+    words, s = layout.repack(packed, scales, torch.bfloat16)
+    got = layout.decode_emulated(words, s, torch.bfloat16)
     assert torch.count_nonzero(got[:, 16:32]) == 0
     assert torch.count_nonzero(got[:, :16]) > 0
 
@@ -112,9 +113,9 @@ def test_zero_scale_blocks_decode_to_zero() -> None:
 @pytest.mark.parametrize(("n", "k"), [(24, 64), (16, 48), (16, 96)])
 def test_unsupported_shapes_are_refused(n: int, k: int) -> None:
     packed, scales = _random_weight(n, k, seed=1)
-    assert not fp4_mma.mma_supported_shape(n, k)
+    assert not layout.mma_supported_shape(n, k)
     with pytest.raises(WeightFormatError, match="N % 16 == 0, K % 64 == 0"):
-        fp4_mma.repack(packed, scales, torch.bfloat16)
+        layout.repack(packed, scales, torch.bfloat16)
 
 
 @pytest.mark.parametrize("bad", [0x7F, 0x80 | 0x38])
@@ -122,7 +123,7 @@ def test_nan_or_negative_scale_codes_are_refused(bad: int) -> None:
     packed, scales = _random_weight(16, 64, seed=2)
     scales[3, 2] = bad
     with pytest.raises(WeightFormatError, match="negative or NaN"):
-        fp4_mma.repack(packed, scales, torch.bfloat16)
+        layout.repack(packed, scales, torch.bfloat16)
 
 
 def test_configs_are_launchable_for_every_shape_and_m() -> None:
@@ -132,23 +133,23 @@ def test_configs_are_launchable_for_every_shape_and_m() -> None:
     for tiles in (1, 3, 12, 48, 180, 256, 384, 1792):
         for chunks in (1, 3, 12, 45, 64, 224):
             for m in (1, 2, 7, 8, 9, 16, 33, 64, 65, 128, 1000):
-                nt, wt, wk, unroll, r, depth = fp4_mma._config(tiles, chunks, m)
+                nt, wt, wk, unroll, r, depth = gemv.gemv_config(tiles, chunks, m)
                 assert tiles % (wt * r) == 0, (tiles, chunks, m)
                 warps = wt * wk
                 assert warps in (1, 2, 4, 8, 16, 32) and wk <= max(1, chunks)
-                assert 8 * nt >= min(m, fp4_mma.MAX_TOKENS_PER_PROGRAM) and nt <= 8
+                assert 8 * nt >= min(m, configs.MAX_TOKENS_PER_PROGRAM) and nt <= 8
                 assert unroll in (1, 2, 4) and r in (1, 2, 4) and depth in (1, 2)
-                assert fp4_mma._base_config(tiles, chunks, m)[0] == nt
+                assert configs.mma_base_config(tiles, chunks, m)[0] == nt
 
 
 def test_a_prefetch_depth_other_than_one_or_two_is_refused() -> None:
     """DEPTH (the 6th config entry) is how many steps of weight loads are in flight."""
     packed = torch.randint(0, 256, (32, 64), dtype=torch.uint8)
     scales = torch.full((32, 8), 0x38, dtype=torch.uint8)
-    words, codes = fp4_mma.repack(packed, scales, torch.bfloat16)
+    words, codes = layout.repack(packed, scales, torch.bfloat16)
     x = torch.zeros(1, 128, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="DEPTH=3: the weight prefetch depth is 1 or 2"):
-        fp4_mma.mma_linear(x, words, codes, torch.ones(()), config=(1, 1, 1, 1, 1, 3))
+        gemv.mma_linear(x, words, codes, torch.ones(()), config=(1, 1, 1, 1, 1, 3))
 
 
 def _run_decode_ptx(text: str, word: int) -> dict[str, int]:
@@ -183,9 +184,9 @@ def _run_decode_ptx(text: str, word: int) -> dict[str, int]:
 def test_decode_ptx_computes_the_table_registers(dtype: torch.dtype, fma_shifts: bool) -> None:
     """The PTX the kernels run (plain left shifts where no masked bit wraps around, rotates
     elsewhere) yields exactly ``(rotl(q, a) & SIGN) | (rotl(q, b) & MAG)`` per register."""
-    table = fp4_mma.DECODE_TABLES[dtype]
+    table = decode_tables.DECODE_TABLES[dtype]
     outs = ["$o0", "$o1", "$o2", "$o3"]
-    text = fp4_mma._decode_ptx(table, "$w", outs, fma_shifts=fma_shifts)
+    text = ptx.decode_ptx(table, "$w", outs, fma_shifts=fma_shifts)
     # the shift form is in use only where asked (the GEMV asks, the wgmma GEMM does not)
     assert ("shl.b32" in text) == fma_shifts
 

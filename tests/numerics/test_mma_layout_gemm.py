@@ -22,8 +22,7 @@ triton = pytest.importorskip("triton", reason="triton is not installed (optional
 from ref64 import nvfp4_weight64  # noqa: E402
 
 from quantdispatch.backends import triton as triton_backend  # noqa: E402
-from quantdispatch.kernels.mma_layout import gemm as mg  # noqa: E402
-from quantdispatch.kernels.mma_layout import layout as fp4_mma  # noqa: E402
+from quantdispatch.kernels.mma_layout import activation_order, gemm, gemm_tiles, layout  # noqa: E402
 
 BOUND = {torch.bfloat16: 1e-2, torch.float16: 1e-3}
 
@@ -40,12 +39,12 @@ def _weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _run(n, k, m, tile, dtype, seed, bias=True):
     packed, scales = _weight(n, k, seed)
-    words, s = fp4_mma.repack(packed, scales, dtype)
+    words, s = layout.repack(packed, scales, dtype)
     gs = torch.tensor([0.37], dtype=torch.float32)
     g = torch.Generator().manual_seed(seed + 1)
     x = (torch.randn(m, k, generator=g) * 0.5).to(dtype)
     b = torch.randn(n, generator=g) if bias else None
-    out = mg.mma_gemm(x, words, s, gs, b, tile=tile)
+    out = gemm.mma_gemm(x, words, s, gs, b, tile=tile)
     ref = x.double() @ nvfp4_weight64(packed, scales, 0.37).T
     if b is not None:
         ref = ref + b.double()
@@ -58,7 +57,7 @@ def _run(n, k, m, tile, dtype, seed, bias=True):
 def test_kappa_order_is_the_layout_permutation() -> None:
     k = 192
     x = torch.arange(3 * k, dtype=torch.float32).reshape(3, k)
-    got = mg.kappa_order(x)
+    got = activation_order.kappa_order(x)
     for c in range(k // 64):
         for t in range(4):
             for j in range(4):
@@ -76,8 +75,8 @@ def test_the_permutation_kernel_equals_the_torch_copy(m, k, pad) -> None:
     """kappa_order's GPU path (a Triton kernel over 32-bit pairs; here in the interpreter):
     rows past a program's block, K not a multiple of its 128-pair block, padded rows."""
     x = torch.randn(m, k + pad, dtype=torch.float32).to(torch.bfloat16)[:, :k]
-    got = mg.kappa_order_triton(x)
-    assert got.is_contiguous() and torch.equal(got, mg.kappa_order_torch(x))
+    got = activation_order.kappa_order_triton(x)
+    assert got.is_contiguous() and torch.equal(got, activation_order.kappa_order_torch(x))
 
 
 @pytest.mark.parametrize(("m", "rows"), [(5, 16), (17, 64), (3, 3)])
@@ -85,34 +84,41 @@ def test_the_permutation_pads_to_whole_token_tiles_with_zeros(m, rows, monkeypat
     """``rows``: the copy the TMA tiles read is whole BLOCK_M tiles high (a box never runs past
     the last row); the rows past M are written as zeros by the kernel itself, over poison."""
     x = torch.randn(m, 256, dtype=torch.float32).to(torch.bfloat16)
-    want = torch.cat([mg.kappa_order_torch(x), torch.zeros(rows - m, 256, dtype=x.dtype)])
-    assert torch.equal(mg.kappa_order_torch(x, rows), want)
+    want = torch.cat(
+        [activation_order.kappa_order_torch(x), torch.zeros(rows - m, 256, dtype=x.dtype)]
+    )
+    assert torch.equal(activation_order.kappa_order_torch(x, rows), want)
     poison = torch.full((rows, 256), float("nan"), dtype=x.dtype)
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: poison)  # the kernel's output buffer
-    got = mg.kappa_order_triton(x, rows=rows)
+    got = activation_order.kappa_order_triton(x, rows=rows)
     monkeypatch.undo()
     assert got.shape == (rows, 256) and torch.equal(got, want)
 
 
 def test_the_permutation_kernel_refuses_what_it_cannot_permute() -> None:
     with pytest.raises(ValueError, match="multiple of 64"):
-        mg.kappa_order_triton(torch.zeros(2, 96, dtype=torch.bfloat16))
+        activation_order.kappa_order_triton(torch.zeros(2, 96, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="16-bit"):
-        mg.kappa_order_triton(torch.zeros(2, 64, dtype=torch.float32))
+        activation_order.kappa_order_triton(torch.zeros(2, 64, dtype=torch.float32))
     with pytest.raises(ValueError, match="rows=2 is fewer"):
-        mg.kappa_order_triton(torch.zeros(3, 64, dtype=torch.bfloat16), rows=2)
+        activation_order.kappa_order_triton(torch.zeros(3, 64, dtype=torch.bfloat16), rows=2)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize(
     ("n", "k", "m", "tile"),
     [
-        (64, 128, 5, mg.GemmTile(32, 16, 2, 4, 1)),  # M < the token tile
-        (32, 192, 20, mg.GemmTile(32, 16, 2, 4, 1)),  # 3 chunks: a half step at the end; N != K
-        (48, 64, 33, mg.GemmTile(16, 16, 1, 4, 1)),  # 3 token tiles, one partial
-        (32, 320, 7, mg.GemmTile(32, 16, 2, 4, 1, split=2)),  # 5 chunks in ranges of 4 + 1
-        (32, 576, 7, mg.GemmTile(16, 16, 2, 4, 1, split=4)),  # 9 chunks: ranges 4, 4, 1
-        (32, 256, 17, mg.GemmTile(32, 16, 1, 4, 1, split=3)),  # 4 chunks in 3 ranges
+        (64, 128, 5, gemm_tiles.GemmTile(32, 16, 2, 4, 1)),  # M < the token tile
+        (
+            32,
+            192,
+            20,
+            gemm_tiles.GemmTile(32, 16, 2, 4, 1),
+        ),  # 3 chunks: a half step at the end; N != K
+        (48, 64, 33, gemm_tiles.GemmTile(16, 16, 1, 4, 1)),  # 3 token tiles, one partial
+        (32, 320, 7, gemm_tiles.GemmTile(32, 16, 2, 4, 1, split=2)),  # 5 chunks in ranges of 4 + 1
+        (32, 576, 7, gemm_tiles.GemmTile(16, 16, 2, 4, 1, split=4)),  # 9 chunks: ranges 4, 4, 1
+        (32, 256, 17, gemm_tiles.GemmTile(32, 16, 1, 4, 1, split=3)),  # 4 chunks in 3 ranges
     ],
     ids=["m5", "k192", "m33", "split2", "split4", "split3"],
 )
@@ -126,28 +132,28 @@ def test_without_bias_and_heuristic_tile() -> None:
 
 def test_rejects_a_tile_that_does_not_divide_n() -> None:
     packed, scales = _weight(48, 64, 1)
-    words, s = fp4_mma.repack(packed, scales, torch.bfloat16)
+    words, s = layout.repack(packed, scales, torch.bfloat16)
     x = torch.zeros(2, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="BLOCK_N=32 does not divide N=48"):
-        mg.mma_gemm(x, words, s, torch.ones(1), tile=mg.GemmTile(32, 16, 1, 4, 1))
+        gemm.mma_gemm(x, words, s, torch.ones(1), tile=gemm_tiles.GemmTile(32, 16, 1, 4, 1))
     with pytest.raises(ValueError, match=r"x must be \[M, 64\]"):
-        mg.mma_gemm(torch.zeros(2, 128, dtype=torch.bfloat16), words, s, torch.ones(1))
+        gemm.mma_gemm(torch.zeros(2, 128, dtype=torch.bfloat16), words, s, torch.ones(1))
 
 
 @pytest.mark.parametrize(
     "tile",
     [
-        mg.GemmTile(128, 128, 2, 8, 3),
-        mg.GemmTile(64, 64, 2, 4, 4, split=4),
-        mg.GemmTile(128, 128, 2, 8, 2, maxnreg=128),
-        mg.GemmTile(64, 32, 1, 4, 3, split=2, maxnreg=168),
-        mg.GemmTile(128, 128, 2, 8, 3, tma=True),
-        mg.GemmTile(64, 64, 2, 4, 4, split=2, maxnreg=128, tma=True),
+        gemm_tiles.GemmTile(128, 128, 2, 8, 3),
+        gemm_tiles.GemmTile(64, 64, 2, 4, 4, split=4),
+        gemm_tiles.GemmTile(128, 128, 2, 8, 2, maxnreg=128),
+        gemm_tiles.GemmTile(64, 32, 1, 4, 3, split=2, maxnreg=168),
+        gemm_tiles.GemmTile(128, 128, 2, 8, 3, tma=True),
+        gemm_tiles.GemmTile(64, 64, 2, 4, 4, split=2, maxnreg=128, tma=True),
     ],
     ids=lambda t: t.label(),
 )
 def test_tile_labels_parse_back(tile) -> None:
-    assert mg.parse_tile(tile.label()) == tile
+    assert gemm_tiles.parse_tile(tile.label()) == tile
 
 
 @pytest.mark.parametrize(
@@ -155,27 +161,27 @@ def test_tile_labels_parse_back(tile) -> None:
 )
 def test_parse_tile_rejects_malformed_labels(text) -> None:
     with pytest.raises(ValueError, match="expected BNxBMxBKwWsS"):
-        mg.parse_tile(text)
+        gemm_tiles.parse_tile(text)
 
 
 def test_the_heuristic_takes_tma_only_where_it_runs() -> None:
-    assert not mg.tma_capable(torch.device("cpu"))
+    assert not gemm_tiles.tma_capable(torch.device("cpu"))
     _run(64, 128, 40, None, torch.bfloat16, seed=12)  # heuristic tile on the CPU: pointer loads
 
 
 def test_tma_tiles_are_refused_off_hopper() -> None:
     """The TMA variant needs an SM 9.0+ GPU: elsewhere a clear error naming the fix."""
     packed, scales = _weight(64, 128, 1)
-    words, s = fp4_mma.repack(packed, scales, torch.bfloat16)
+    words, s = layout.repack(packed, scales, torch.bfloat16)
     x = torch.zeros(4, 128, dtype=torch.bfloat16)
-    tile = mg.GemmTile(32, 16, 2, 4, 1, tma=True)
+    tile = gemm_tiles.GemmTile(32, 16, 2, 4, 1, tma=True)
     with pytest.raises(ValueError, match=r"by TMA, which needs an SM 9.0\+ GPU.*without the 't'"):
-        mg.mma_gemm(x, words, s, torch.ones(1), tile=tile)
+        gemm.mma_gemm(x, words, s, torch.ones(1), tile=tile)
 
 
 def test_a_register_cap_leaves_the_result_unchanged() -> None:
     """maxnreg is a launch option (the interpreter ignores it): the numbers must not change."""
-    _run(64, 128, 5, mg.GemmTile(32, 16, 2, 4, 1, maxnreg=128), torch.bfloat16, seed=11)
+    _run(64, 128, 5, gemm_tiles.GemmTile(32, 16, 2, 4, 1, maxnreg=128), torch.bfloat16, seed=11)
 
 
 @pytest.mark.parametrize("n", [64, 192, 2880, 4096, 6144, 28672, 32768])
@@ -183,7 +189,7 @@ def test_a_register_cap_leaves_the_result_unchanged() -> None:
 @pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
 def test_configs_fit_the_shape(n, k, tma) -> None:
     for m in (17, 32, 33, 64, 65, 128, 129, 256, 512):
-        tile = mg.mma_gemm_config(n, k, m, tma=tma)
+        tile = gemm_tiles.mma_gemm_config(n, k, m, tma=tma)
         assert tile.tma == tma
         assert n % tile.block_n == 0
         assert tile.block_n == 16 * tile.warps or (tile.block_n, tile.warps) == (128, 4)
@@ -208,7 +214,7 @@ def test_configs_fit_the_shape(n, k, tma) -> None:
     ],
 )
 def test_tma_table_holds_the_measured_winners(n, k, m, label) -> None:
-    assert mg.mma_gemm_config(n, k, m, tma=True).label() == label
+    assert gemm_tiles.mma_gemm_config(n, k, m, tma=True).label() == label
 
 
 def test_paths_by_m_and_gpu() -> None:

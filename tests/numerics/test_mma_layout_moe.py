@@ -1,4 +1,4 @@
-"""NVFP4 MoE on repacked (mma16x64) experts: kernels/fp4_mma_moe.py on the CPU interpreter.
+"""NVFP4 MoE on repacked (mma16x64) experts: kernels/mma_layout/moe_gemm.py on the CPU interpreter.
 
 The grouped GEMM (the mid regime) runs here: its decode has an interpreter twin of the PTX
 (Triton integer ops, products in fp32), so the layout, the expert-sorted blocks, the fused
@@ -20,27 +20,31 @@ from ref64 import rel_err  # noqa: E402
 from test_checkpoint_layout_moe import poisoned, routing, stacked  # noqa: E402, F401 (autouse fixture)
 from test_moe import make_experts, moe64, rand_x  # noqa: E402
 
-import quantdispatch.kernels.checkpoint_layout.moe as fm  # noqa: E402
-import quantdispatch.kernels.mma_layout.moe_gemm as mm  # noqa: E402
 from quantdispatch.backends import get_backend  # noqa: E402
 from quantdispatch.errors import InputError, WeightFormatError  # noqa: E402
-from quantdispatch.kernels.checkpoint_layout.moe_mma import MmaMoeConfig, mma_moe_config  # noqa: E402
-from quantdispatch.kernels.mma_layout.moe_gemm import (  # noqa: E402
+from quantdispatch.kernels.checkpoint_layout.moe_plan import (  # noqa: E402
+    DequantMoeConfig,
+    MmaMoeConfig,
+    mma_moe_config,
+)
+from quantdispatch.kernels.common import checks  # noqa: E402
+from quantdispatch.kernels.mma_layout import moe_gemm, moe_plan  # noqa: E402
+from quantdispatch.kernels.mma_layout.moe_gemm import mma_layout_moe  # noqa: E402
+from quantdispatch.kernels.mma_layout.moe_plan import (  # noqa: E402
     MoeGemmTile,
-    mma_layout_moe,
+    SmallMoeConfig,
     moe_layout_config,
     moe_layout_supported,
+    small_moe_config,
+)
+from quantdispatch.kernels.mma_layout.moe_stacks import (  # noqa: E402
     repack_experts,
     repack_experts_mx,
     unpack_experts,
 )
-from quantdispatch.kernels.mma_layout.moe_pairs import (  # noqa: E402
-    SmallMoeConfig,
-    small_moe_config,
-)
 from quantdispatch.request import Request  # noqa: E402
 
-if not fm._interpreting():
+if not checks.interpreting():
     pytest.skip(
         "the Triton kernels were compiled for a GPU in this process; run tests/numerics in "
         "its own pytest process (the GPU tests are tests/gpu/test_moe_gpu.py)",
@@ -200,7 +204,7 @@ def test_mma_path_sizes_its_buffers_by_the_layers_sizes(monkeypatch, direct):
     for a13, a2 in ((tuple(w13), tuple(w2)), (tuple(r13), tuple(r2))):
         out = torch.empty(m, hidden, dtype=torch.bfloat16)
         x = rand_x(m, hidden, torch.bfloat16, seed=2)
-        fm._run_mma(x, ids, tw, a13, a2, None, None, 0, 0.0, 0.0, cfg, out, inter)
+        ck.run_mma_moe(x, ids, tw, a13, a2, None, None, 0, 0.0, 0.0, cfg, out, inter)
         assert seen["a"][1] == inter and seen["y"] == (m * top_k, hidden)
         if direct:
             assert seen["a"][0] == m * top_k
@@ -316,7 +320,7 @@ def test_few_program_blocks_split_k_four_ways():
     """Repacked 8-pair blocks whose GEMM has few programs (the experts uniform routing touches x
     row tiles <= FEW_PROGRAMS) and 40+ chunks of K take a 4-way split, one chunk in flight:
     gpt-oss-20b (32 experts) at every 8-pair M; gpt-oss-120b only while its blocks are few."""
-    from quantdispatch.kernels.checkpoint_layout.moe_mma import FEW_PROGRAMS, expected_experts
+    from quantdispatch.kernels.checkpoint_layout.moe_plan import FEW_PROGRAMS, expected_experts
 
     assert expected_experts(1, 32) == pytest.approx(1.0)
     assert expected_experts(32, 32) == pytest.approx(32 * (1 - (31 / 32) ** 32))
@@ -340,7 +344,7 @@ def test_small_experts_run_one_block_per_pair_up_to_half_a_token_per_expert():
     """Between single pairs (4 x pairs <= E) and 8-pair blocks, experts of at most
     DIRECT_MAX_EXPERT_ELEMENTS (I x H) run one mma block per pair (no expert sort) up to
     0.5 tokens per expert; bigger experts keep the blocks."""
-    from quantdispatch.kernels.mma_layout.moe_gemm import DIRECT_MAX_EXPERT_ELEMENTS
+    from quantdispatch.kernels.mma_layout.moe_plan import DIRECT_MAX_EXPERT_ELEMENTS
 
     for m in (5, 6, 8):  # Qwen3-30B-A3B: 768 x 2048, 0.31..0.5 per expert
         cfg = moe_layout_config(m, 8, 128, 768, 2048, CPU)
@@ -380,17 +384,19 @@ def test_tiles_fit_the_gpus_shared_memory():
     fits by that bound."""
     big = moe_layout_config(4096, 8, 128, 768, 2048, CPU)
     assert big.block_m == 128 and big.shared_bytes() > 99 * 1024
-    assert mm.MoeDeviceFacts.for_capability((8, 9)).shared_bytes == 99 * 1024  # RTX 4090 / L40S
-    rtx = mm.MoeDeviceFacts(grouped_mm=False, shared_bytes=99 * 1024, pdl=False)
-    small = mm.moe_plan(4096, 8, 128, 768, 2048, rtx)
-    assert small.block_m == 64 and small.shared_bytes() + mm._SHARED_MARGIN <= 99 * 1024
+    assert (
+        moe_plan.MoeDeviceFacts.for_capability((8, 9)).shared_bytes == 99 * 1024
+    )  # RTX 4090 / L40S
+    rtx = moe_plan.MoeDeviceFacts(grouped_mm=False, shared_bytes=99 * 1024, pdl=False)
+    small = moe_plan.moe_plan(4096, 8, 128, 768, 2048, rtx)
+    assert small.block_m == 64 and small.shared_bytes() + moe_plan._SHARED_MARGIN <= 99 * 1024
     # the smaller tiles fit as they are
-    assert [mm.moe_plan(m, 8, 128, 768, 2048, rtx).block_m for m in (128, 256, 512)] == [
+    assert [moe_plan.moe_plan(m, 8, 128, 768, 2048, rtx).block_m for m in (128, 256, 512)] == [
         16,
         32,
         64,
     ]
-    assert mm._fit_shared(MoeGemmTile(16, stages=3), 20 * 1024) == MoeGemmTile(16, stages=2)
+    assert moe_plan._fit_shared(MoeGemmTile(16, stages=3), 20 * 1024) == MoeGemmTile(16, stages=2)
 
 
 def test_which_layers_are_repacked():
@@ -457,16 +463,16 @@ def test_grouped_gemm_settles_where_the_hazard_holds(monkeypatch):
         def __getitem__(self, grid):
             return lambda *args, **kwargs: launches.append(kwargs)
 
-    monkeypatch.setattr(mm, "_moe_gemm_kernel", FakeKernel())
-    monkeypatch.setattr(mm, "rs_wgmma_hazard", lambda device: True)
-    monkeypatch.setattr(mm, "_interpreting", lambda: False)  # compiled, as on the GPU
+    monkeypatch.setattr(moe_gemm, "_moe_gemm_kernel", FakeKernel())
+    monkeypatch.setattr(moe_gemm, "rs_wgmma_hazard", lambda device: True)
+    monkeypatch.setattr(moe_gemm, "interpreting", lambda: False)  # compiled, as on the GPU
     ex = make_experts("nvfp4", 4, 128, 64, seed=7)
     r13, r2, _, _ = repacked(ex, torch.bfloat16)
     ids, w = routing(5, 4, 2, seed=8)
     run(r13, r2, rand_x(5, 128, torch.bfloat16, seed=9), ids, w, MoeGemmTile(16, stages=3))
     assert [(k["SETTLE"], k["num_stages"]) for k in launches] == [(True, 3), (True, 3)]
     launches.clear()
-    monkeypatch.setattr(mm, "_interpreting", lambda: True)  # the interpreter runs no PTX
+    monkeypatch.setattr(moe_gemm, "interpreting", lambda: True)  # the interpreter runs no PTX
     run(r13, r2, rand_x(5, 128, torch.bfloat16, seed=9), ids, w, MoeGemmTile(16, stages=3))
     assert [k["SETTLE"] for k in launches] == [False, False]
 
@@ -501,12 +507,12 @@ def test_dequantize_only_large_experts_from_768_tokens_per_expert():
     """SM 9.0+ (torch._grouped_mm): Mixtral-sized experts (14336 x 4096) dequantize from 768
     tokens per expert (the H200 crossover lies between 640 and 768); smaller experts (Qwen3,
     gpt-oss, DeepSeek-V3) keep the grouped GEMM, which beat dequantize at 512..1024 per expert."""
-    h200 = mm.MoeDeviceFacts.for_capability((9, 0))
+    h200 = moe_plan.MoeDeviceFacts.for_capability((9, 0))
     mixtral = (2, 8, 14336, 4096)  # top_k, E, I, H
-    assert isinstance(mm.moe_plan(3072, *mixtral, h200), fm.DequantMoeConfig)  # 768 per expert
-    assert isinstance(mm.moe_plan(3068, *mixtral, h200), MoeGemmTile)  # 767
+    assert isinstance(moe_plan.moe_plan(3072, *mixtral, h200), DequantMoeConfig)  # 768 per expert
+    assert isinstance(moe_plan.moe_plan(3068, *mixtral, h200), MoeGemmTile)  # 767
     for m, top_k, e, i, h in [(16384, 8, 128, 768, 2048), (65536, 4, 32, 2880, 2880),
                               (131072, 8, 256, 2048, 7168)]:  # fmt: skip
-        assert isinstance(mm.moe_plan(m, top_k, e, i, h, h200), MoeGemmTile), (e, i, h)
-    a100 = mm.MoeDeviceFacts.for_capability((8, 0))  # no torch._grouped_mm: never
-    assert isinstance(mm.moe_plan(3072, *mixtral, a100), MoeGemmTile)
+        assert isinstance(moe_plan.moe_plan(m, top_k, e, i, h, h200), MoeGemmTile), (e, i, h)
+    a100 = moe_plan.MoeDeviceFacts.for_capability((8, 0))  # no torch._grouped_mm: never
+    assert isinstance(moe_plan.moe_plan(3072, *mixtral, a100), MoeGemmTile)

@@ -212,7 +212,7 @@ def test_moe_ranges_are_the_plan(capsys):
     """The JSON ranges cover M = 1.. without gaps, and each names what moe_plan picks at both
     of its ends (an A100: no torch._grouped_mm below SM 9.0, so no dequantize range)."""
     pytest.importorskip("triton")
-    from quantdispatch.kernels.mma_layout.moe_gemm import (
+    from quantdispatch.kernels.mma_layout.moe_plan import (
         MoeDeviceFacts,
         describe_moe_config,
         moe_plan,

@@ -3,7 +3,7 @@ that every launch whose MMA takes a decoded A operand settles its accumulator wh
 keeping its tuned stages (the loads stay pipelined).
 
 The numbers behind it (wrong results of pipelined tiles on the H200 with Triton 3.6, the PTX
-waits per Triton version) are in benchmarks/NOTES.md, session 8; the GPU regression test is
+waits per Triton version) are in docs/design/wgmma-gemm.md; the GPU regression test is
 tests/gpu/test_mma_layout_gemm_gpu.py::test_tiles_that_raced_on_triton_36_match_float64.
 """
 
@@ -84,54 +84,53 @@ class _FakeKernel:
 
 @pytest.mark.parametrize("hazard", [True, False])
 def test_the_mid_m_gemm_settles_where_the_hazard_holds(monkeypatch, hazard) -> None:
-    from quantdispatch.kernels.mma_layout import gemm as fp4_mma_gemm
-    from quantdispatch.kernels.mma_layout import layout as fp4_mma
+    from quantdispatch.kernels.mma_layout import gemm, layout
+    from quantdispatch.kernels.mma_layout.gemm_tiles import GemmTile
 
     fake = _FakeKernel()
-    monkeypatch.setattr(fp4_mma_gemm, "_mma_gemm_kernel", fake)
-    monkeypatch.setattr(fp4_mma_gemm, "rs_wgmma_hazard", lambda device: hazard)
+    monkeypatch.setattr(gemm, "_mma_gemm_kernel", fake)
+    monkeypatch.setattr(gemm, "rs_wgmma_hazard", lambda device: hazard)
     packed = torch.zeros(64, 64, dtype=torch.uint8)
-    words, scales = fp4_mma.repack(
+    words, scales = layout.repack(
         packed, torch.full((64, 8), 0x38, dtype=torch.uint8), torch.bfloat16
     )
     x = torch.zeros(4, 128, dtype=torch.bfloat16)
-    fp4_mma_gemm.mma_gemm(
-        x, words, scales, torch.ones(1), tile=fp4_mma_gemm.GemmTile(64, 16, 2, 4, 3)
-    )
+    gemm.mma_gemm(x, words, scales, torch.ones(1), tile=GemmTile(64, 16, 2, 4, 3))
     assert fake.launches[0]["SETTLE"] is hazard
     assert fake.launches[0]["num_stages"] == 3  # the loads stay pipelined
 
 
 @pytest.mark.parametrize("swap_ab", [1, 0])
 def test_the_checkpoint_tiled_kernel_settles_only_when_swapped(monkeypatch, swap_ab) -> None:
-    from quantdispatch.kernels.checkpoint_layout import linear as fp4_linear
+    from quantdispatch.kernels.checkpoint_layout import linear
+    from quantdispatch.kernels.common import checks
     from quantdispatch.kernels.common.configs import GemmConfig
 
     fake = _FakeKernel()
-    monkeypatch.setattr(fp4_linear, "_fp4_gemm_kernel", fake)
-    monkeypatch.setattr(fp4_linear, "rs_wgmma_hazard", lambda device: True)
-    monkeypatch.setattr(fp4_linear, "_interpreting", lambda: True)  # x may stay on the CPU
+    monkeypatch.setattr(linear, "_fp4_gemm_kernel", fake)
+    monkeypatch.setattr(linear, "rs_wgmma_hazard", lambda device: True)
+    monkeypatch.setattr(checks, "interpreting", lambda: True)  # x may stay on the CPU
     packed = torch.zeros(64, 64, dtype=torch.uint8)
     scales = torch.full((64, 8), 0x38, dtype=torch.uint8).view(torch.float8_e4m3fn)
     x = torch.zeros(40, 128, dtype=torch.bfloat16)
     config = GemmConfig(64, 64, 128, 4, 3, swap_ab=swap_ab)
-    fp4_linear.fp4_linear(x, packed, scales, torch.ones(1), scale_format="e4m3", config=config)
+    linear.fp4_linear(x, packed, scales, torch.ones(1), scale_format="e4m3", config=config)
     assert fake.launches[0]["SETTLE"] is bool(swap_ab)
     assert fake.launches[0]["num_stages"] == 3
 
 
 @pytest.mark.parametrize("swap_ab", [1, 0])
 def test_the_fp8_tiled_kernel_settles_only_when_swapped(monkeypatch, swap_ab) -> None:
-    from quantdispatch.kernels.checkpoint_layout import fp8 as fp8_linear
+    from quantdispatch.kernels.checkpoint_layout import fp8
     from quantdispatch.kernels.common.configs import GemmConfig
 
     fake = _FakeKernel()
-    monkeypatch.setattr(fp8_linear, "_fp8_gemm_kernel", fake)
-    monkeypatch.setattr(fp8_linear, "rs_wgmma_hazard", lambda device: True)
+    monkeypatch.setattr(fp8, "_fp8_gemm_kernel", fake)
+    monkeypatch.setattr(fp8, "rs_wgmma_hazard", lambda device: True)
     weight = torch.zeros(64, 128, dtype=torch.float8_e4m3fn)
     x = torch.zeros(40, 128, dtype=torch.bfloat16)
     config = GemmConfig(64, 64, 128, 4, 3, swap_ab=swap_ab)
-    fp8_linear.fp8_weight_only_linear(x, weight, torch.ones(()), block_size=None, config=config)
+    fp8.fp8_weight_only_linear(x, weight, torch.ones(()), block_size=None, config=config)
     assert fake.launches[0]["SETTLE"] is bool(swap_ab)
     assert fake.launches[0]["num_stages"] == 3
 

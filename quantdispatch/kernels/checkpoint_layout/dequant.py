@@ -1,16 +1,6 @@
-"""Large-M path: dequantize a bounded slab of weight rows to 16-bit, then a cuBLAS GEMM.
-
-Why: from a few hundred tokens on, a GEMM is bound by tensor-core math, not by weight bytes, and
-cuBLAS's bf16/fp16 GEMM is the fastest tensor-core code torch has. Dequantizing costs one pass
-over the packed weight (0.5625 B/weight read, 2 B/weight written to a slab that stays in L2 for
-small slabs), which is small next to the GEMM once M is large.
-
-Memory: the slab holds at most ``WORKSPACE_ELEMENTS`` 16-bit values (64 MiB), taken per call from
-torch's caching allocator, like any temporary of a torch op: stream-ordered, so two streams never
-share one, and under CUDA graph capture taken from the graph's private pool, which the graph
-keeps for its replays. (A workspace cached per device, as this module had, is shared by every
-stream and every graph: two large-M calls running concurrently would dequantize into the same
-slab.) The layer itself still holds only packed weights.
+"""Checkpoint-layout FP4 and FP8 weights dequantized to 16-bit rows: the slabs of the large-M
+linear path (:func:`..common.slabs.dequant_gemm`) and the expert stacks of the MoE's dequantize
+path (:func:`dequant_experts`).
 
 Numerics: each weight is decoded exactly in fp32 (e2m1 * block scale * global scale), rounded
 once to the activation dtype, and the GEMM accumulates in fp32: the same as a bf16 / fp16 model
@@ -24,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from quantdispatch.kernels.common import checks
 from quantdispatch.kernels.common.decode import (
     e2m1_pair_to_f32,
     e4m3_to_f32_scaled,
@@ -31,9 +22,7 @@ from quantdispatch.kernels.common.decode import (
     e8m0_to_f32_scaled,
 )
 
-__all__ = ["WORKSPACE_ELEMENTS", "dequant_fp4_rows", "dequant_fp8_rows", "dequant_gemm"]
-
-WORKSPACE_ELEMENTS = 32 * 2**20
+__all__ = ["dequant_experts", "dequant_fp4_rows", "dequant_fp8_rows"]
 
 
 @triton.jit
@@ -199,29 +188,18 @@ def dequant_fp8_rows(
     return out
 
 
-def dequant_gemm(
-    x: torch.Tensor,
-    n: int,
-    k: int,
-    dequant_rows,
-    bias: torch.Tensor | None = None,
+def dequant_experts(
+    fmt: str, codes: torch.Tensor, scales: torch.Tensor, gs: torch.Tensor | None, dtype: torch.dtype
 ) -> torch.Tensor:
-    """y [M, N] = x @ W.T (+ bias), W produced slab by slab by ``dequant_rows(a, b, out)``."""
-    m = x.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    # Slabs of a multiple of 128 rows: every slab's output columns start 256-byte aligned, which
-    # cuBLAS needs for its fast kernels (an unaligned column offset tripled the GEMM time).
-    rows = max(1, min(n, WORKSPACE_ELEMENTS // k))
-    if 128 <= rows < n:
-        rows = rows // 128 * 128
-    ws = torch.empty(rows * k, dtype=x.dtype, device=x.device)  # per call: see the module doc
-    bias16 = bias.to(x.dtype) if bias is not None else None
-    for a in range(0, n, rows):
-        b = min(n, a + rows)
-        slab = ws[: (b - a) * k].view(b - a, k)
-        dequant_rows(a, b, slab)
-        if bias16 is not None:
-            torch.addmm(bias16[a:b], x, slab.t(), out=out[:, a:b])
-        else:
-            torch.mm(x, slab.t(), out=out[:, a:b])
+    """All experts of one stacked FP4 weight as 16-bit [E, N, K] (each value rounded once)."""
+    e, n, k = codes.shape[0], codes.shape[1], codes.shape[2] * 2
+    out = checks.empty((e, n, k), dtype, codes.device)
+    for i in range(e):
+        dequant_fp4_rows(
+            codes[i],
+            scales[i],
+            gs[i] if gs is not None else None,
+            out[i],
+            scale_format="e4m3" if fmt == "nvfp4" else "e8m0",
+        )
     return out

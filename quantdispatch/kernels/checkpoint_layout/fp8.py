@@ -23,13 +23,15 @@ import torch
 import triton
 import triton.language as tl
 
-from quantdispatch.errors import InputError, WeightFormatError, format_error
-from quantdispatch.kernels.checkpoint_layout import linear as _fp4
-from quantdispatch.kernels.checkpoint_layout.linear import (
+from quantdispatch.errors import InputError, format_error
+from quantdispatch.kernels.checkpoint_layout.linear import mma_tile
+from quantdispatch.kernels.common import checks
+from quantdispatch.kernels.common.checks import (
     check_activation,
     check_bias,
+    check_fp8_weights,
     check_same_device,
-    mma_tile,
+    interpreting,
 )
 from quantdispatch.kernels.common.configs import GemmConfig, get_config
 from quantdispatch.kernels.common.decode import e4m3_to_16bit, e4m3_to_f32_scaled
@@ -243,91 +245,6 @@ def _fp8_small_m_kernel(
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _interpreted() -> bool:
-    """True when this kernel was built for Triton's CPU interpreter (see fp4_linear)."""
-    return type(_fp8_gemm_kernel).__name__ == "InterpretedFunction"
-
-
-def _check_fp8_weights(
-    weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int] | None, k: int
-) -> tuple[torch.Tensor, int, tuple[int, int]]:
-    """Validate weight/scale; returns (uint8 weight view, scale kind, block size or (1, 1))."""
-    where = "fp8_weight_only_linear"
-    if (
-        weight.dtype not in (torch.float8_e4m3fn, torch.uint8)
-        or weight.dim() != 2
-        or (weight.stride(1) != 1)
-    ):
-        raise WeightFormatError(
-            format_error(
-                f"{where}: weight is {weight.dtype} {tuple(weight.shape)} "
-                f"strides {weight.stride()}",
-                "FP8 weights are float8_e4m3fn (or its uint8 view) [N, K] with contiguous rows",
-                "pass the checkpoint weight unchanged (.contiguous() once at load)",
-            )
-        )
-    n = weight.shape[0]
-    if scale.dtype != torch.float32:
-        raise WeightFormatError(
-            format_error(
-                f"{where}: scale dtype is {scale.dtype}",
-                "FP8 weight scales are float32",
-                "convert the scale once at load: scale.float()",
-            )
-        )
-    kind = scale.dim()
-    if kind == 0:
-        bs = (1, 1)
-    elif kind == 1:
-        if scale.shape[0] != n:
-            raise WeightFormatError(
-                format_error(
-                    f"{where}: per-channel scale has {scale.shape[0]} entries",
-                    f"it needs N={n}",
-                    "pass the [N] weight scale of this layer",
-                )
-            )
-        bs = (1, 1)
-    elif kind == 2:
-        if block_size is None or len(block_size) != 2 or min(block_size) <= 0:
-            raise WeightFormatError(
-                format_error(
-                    f"{where}: 2-D scale {tuple(scale.shape)} with block_size={block_size!r}",
-                    "block scales need block_size=(block_n, block_k)",
-                    "pass the checkpoint's weight_block_size, e.g. (128, 128)",
-                )
-            )
-        bn, bk = int(block_size[0]), int(block_size[1])
-        want = (triton.cdiv(n, bn), triton.cdiv(k, bk))
-        if tuple(scale.shape) != want:
-            raise WeightFormatError(
-                format_error(
-                    f"{where}: block scale shape {tuple(scale.shape)}",
-                    f"with block_size {(bn, bk)} it must be "
-                    f"[ceil(N/{bn}), ceil(K/{bk})] = {list(want)}",
-                    "pass the scale that belongs to this weight and block size",
-                )
-            )
-        if bk % 16 != 0:
-            raise WeightFormatError(
-                format_error(
-                    f"{where}: block_k={bk}",
-                    "block_k must be a multiple of 16 (the MMA K step)",
-                    "use the reference backend for this checkpoint",
-                )
-            )
-        bs = (bn, bk)
-    else:
-        raise WeightFormatError(
-            format_error(
-                f"{where}: scale has {kind} dims",
-                "0 (tensor), 1 (channel) or 2 (block)",
-                "pass the checkpoint's weight scale",
-            )
-        )
-    return weight.view(torch.uint8), kind, bs
-
-
 def _scale_block_fit(block_k: int, kind: int, bk: int) -> int:
     """The K tile (or slice) width: halved until it divides the scale block's K width, so no
     tile straddles two block scales (block scales only)."""
@@ -364,12 +281,12 @@ def fp8_weight_only_linear(
     """
     k = weight.shape[1] if weight.dim() == 2 else -1
     x = check_activation(x, k, "fp8_weight_only_linear")
-    w_u8, kind, (bn, bk) = _check_fp8_weights(weight, scale, block_size, k)
+    w_u8, kind, (bn, bk) = check_fp8_weights(weight, scale, block_size, k)
     check_same_device(x, "fp8_weight_only_linear", weight=weight, scale=scale, bias=bias)
     n = weight.shape[0]
     check_bias(bias, n, "fp8_weight_only_linear")
     m = x.shape[0]
-    out = _fp4.empty_output(m, n, x.dtype, x.device)
+    out = checks.empty_output(m, n, x.dtype, x.device)
     if m == 0 or n == 0:
         return out
     if config is None:
@@ -395,9 +312,9 @@ def fp8_weight_only_linear(
             BLOCK_SK=bk,
             HAS_BIAS=bias is not None,
             EVEN_K=k % (config.split * block_k) == 0,
-            DOT_F32=_interpreted(),
+            DOT_F32=interpreting(),
             BF16=x.dtype == torch.bfloat16,
-            DEQ16=not (_interpreted() and x.dtype == torch.bfloat16),
+            DEQ16=not (interpreting() and x.dtype == torch.bfloat16),
             SPLIT=config.split,
             SWAP_AB=bool(config.swap_ab),
             BLOCK_M=config.block_m,
@@ -430,9 +347,9 @@ def fp8_weight_only_linear(
         BLOCK_SK=bk,
         HAS_BIAS=bias is not None,
         EVEN_K=k % block_k == 0,
-        DOT_F32=_interpreted(),
+        DOT_F32=interpreting(),
         BF16=x.dtype == torch.bfloat16,
-        DEQ16=not (_interpreted() and x.dtype == torch.bfloat16),
+        DEQ16=not (interpreting() and x.dtype == torch.bfloat16),
         SWAP_AB=bool(config.swap_ab),
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,

@@ -38,8 +38,16 @@ import torch
 import triton
 import triton.language as tl
 
-from quantdispatch.errors import InputError, WeightFormatError, format_error
-from quantdispatch.kernels.common.configs import GemmConfig, device_info, get_config
+from quantdispatch.kernels.common import checks
+from quantdispatch.kernels.common.checks import (
+    SCALE_GROUP,
+    check_activation,
+    check_bias,
+    check_fp4_weights,
+    check_same_device,
+    interpreting,
+)
+from quantdispatch.kernels.common.configs import GemmConfig, get_config
 from quantdispatch.kernels.common.decode import (
     e2m1_pair_to_16bit,
     e2m1_pair_to_f32,
@@ -49,14 +57,9 @@ from quantdispatch.kernels.common.decode import (
 )
 from quantdispatch.kernels.common.wgmma_guard import rs_wgmma_hazard, settle
 
-__all__ = [
-    "FP16_MX_EXPONENTS",
-    "fp4_linear",
-    "mx_scale_range",
-    "rebase_mx_scales_for_fp16",
-]
+__all__ = ["fp4_linear", "mma_tile"]
 
-_GROUP = {"e4m3": 16, "e8m0": 32}
+
 _KIND = {"e4m3": "nvfp4", "e8m0": "mxfp4"}
 
 
@@ -334,222 +337,6 @@ def _fp4_gemm_kernel(
     tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _interpreting() -> bool:
-    """True when the kernels were built for Triton's CPU interpreter (TRITON_INTERPRET=1 at
-    import): decided by the kernel object itself, so a later change of the env var cannot
-    make the wrappers and the kernels disagree."""
-    return type(_fp4_gemm_kernel).__name__ == "InterpretedFunction"
-
-
-def empty_output(m: int, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The only allocation of a call. Tests replace it to hand out NaN-poisoned buffers."""
-    return torch.empty((m, n), dtype=dtype, device=device)
-
-
-def check_activation(x: torch.Tensor, k: int, where: str) -> torch.Tensor:
-    """Shared activation checks of the weight-only wrappers; returns x with unit K stride."""
-    if not isinstance(x, torch.Tensor) or x.dim() != 2:
-        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-        raise InputError(
-            format_error(
-                f"{where}: x has shape {shape}",
-                "x must be 2-D [M, K]",
-                "flatten leading dims first (x.reshape(-1, K))",
-            )
-        )
-    if x.dtype not in (torch.float16, torch.bfloat16):
-        raise InputError(
-            format_error(
-                f"{where}: x dtype is {x.dtype}",
-                "activations must be float16 or bfloat16",
-                "cast x with x.to(torch.bfloat16) (or float16 before SM80)",
-            )
-        )
-    if x.shape[1] != k:
-        raise InputError(
-            format_error(
-                f"{where}: x has K={x.shape[1]} but the weight has K={k}",
-                "x.shape[1] must equal the weight's in-features",
-                "pass the activation that belongs to this layer",
-            )
-        )
-    if x.device.type != "cuda" and not _interpreting():
-        raise InputError(
-            format_error(
-                f"{where}: x is on {x.device}",
-                "the Triton kernels run on CUDA devices",
-                "move the layer and x to a GPU (or use the reference backend on CPU)",
-            )
-        )
-    if x.device.type == "cuda" and x.dtype == torch.bfloat16:
-        name, cap = device_info(x.device)
-        if cap < (8, 0):
-            raise InputError(
-                format_error(
-                    f"{where}: bfloat16 activations on {name} (SM{cap[0]}{cap[1]})",
-                    "bfloat16 tensor-core math needs SM80 or newer",
-                    "run this GPU with float16 activations",
-                )
-            )
-    return x if x.stride(1) == 1 else x.contiguous()
-
-
-def check_same_device(x: torch.Tensor, where: str, **tensors: torch.Tensor | None) -> None:
-    """Every given tensor must live on x's device (no silent cross-device copies)."""
-    for name, t in tensors.items():
-        if t is not None and t.device != x.device:
-            raise InputError(
-                format_error(
-                    f"{where}: {name} is on {t.device} but x is on {x.device}",
-                    "all operands must be on one device",
-                    f"move {name} to {x.device} at load time",
-                )
-            )
-
-
-def check_bias(bias: torch.Tensor | None, n: int, where: str) -> None:
-    """Bias is optional, [N], and any float dtype (it is added in fp32)."""
-    if bias is not None and (bias.dim() != 1 or bias.shape[0] != n or not bias.is_floating_point()):
-        raise InputError(
-            format_error(
-                f"{where}: bias has shape {tuple(bias.shape)} and dtype {bias.dtype}",
-                f"bias must be a 1-D float tensor of N={n} elements",
-                "pass the layer's own bias",
-            )
-        )
-
-
-def _check_fp4_weights(
-    packed: torch.Tensor,
-    block_scale: torch.Tensor,
-    global_scale: torch.Tensor | None,
-    scale_format: str,
-    k: int,
-) -> torch.Tensor:
-    """Validate the checkpoint tensors; returns the block scale viewed as uint8 codes."""
-    where = "fp4_linear"
-    if scale_format not in _GROUP:
-        raise WeightFormatError(
-            format_error(
-                f"{where}: scale_format={scale_format!r}",
-                "it must be 'e4m3' (NVFP4) or 'e8m0' (MXFP4)",
-                "pass the format of the checkpoint's block scales",
-            )
-        )
-    group = _GROUP[scale_format]
-    if packed.dtype != torch.uint8 or packed.dim() != 2 or packed.stride(1) != 1:
-        raise WeightFormatError(
-            format_error(
-                f"{where}: packed is {packed.dtype} {tuple(packed.shape)} "
-                f"strides {packed.stride()}",
-                "packed FP4 weights are uint8 [N, K/2] with contiguous rows",
-                "load the checkpoint's packed weight unchanged (.contiguous() once at load)",
-            )
-        )
-    n = packed.shape[0]
-    if k % group != 0:
-        raise InputError(
-            format_error(
-                f"{where}: K={k}",
-                f"K must be a multiple of the group size {group}",
-                "pad the layer's in-features to the group size when quantizing",
-            )
-        )
-    want_dtype = (torch.uint8, torch.float8_e4m3fn) if scale_format == "e4m3" else (torch.uint8,)
-    if (
-        block_scale.dtype not in want_dtype
-        or tuple(block_scale.shape) != (n, k // group)
-        or block_scale.stride(1) != 1
-    ):
-        raise WeightFormatError(
-            format_error(
-                f"{where}: block_scale is {block_scale.dtype} {tuple(block_scale.shape)}",
-                f"{scale_format} block scales are {' or '.join(map(str, want_dtype))} "
-                f"[N, K/{group}] = [{n}, {k // group}] with contiguous rows",
-                "pass the checkpoint's block scales for this weight",
-            )
-        )
-    if scale_format == "e4m3":
-        if global_scale is None or global_scale.numel() != 1 or global_scale.dtype != torch.float32:
-            raise WeightFormatError(
-                format_error(
-                    f"{where}: global_scale is "
-                    + (
-                        "None"
-                        if global_scale is None
-                        else f"{global_scale.dtype} {tuple(global_scale.shape)}"
-                    ),
-                    "NVFP4 needs a one-element float32 multiplier on the device (W = e2m1 * s * g)",
-                    "pass the per-tensor scale (ModelOpt weight_scale_2, or 1/weight_global_scale)",
-                )
-            )
-    elif global_scale is not None and (
-        global_scale.numel() != 1 or global_scale.dtype != torch.float32
-    ):
-        raise WeightFormatError(
-            format_error(
-                f"{where}: global_scale is {global_scale.dtype} {tuple(global_scale.shape)} "
-                "with scale_format='e8m0'",
-                "MXFP4 takes no per-tensor scale, or the one-element float32 factor of "
-                "rebase_mx_scales_for_fp16",
-                "pass global_scale=None for checkpoint MXFP4 scales",
-            )
-        )
-    return block_scale.view(torch.uint8)
-
-
-#: fp16 holds every product e2m1 * 2^E exactly for block scales 2^E with E in this range
-#: (6 * 2^13 < 65504; 0.5 * 2^-23 = 2^-24 is fp16's smallest subnormal).
-FP16_MX_EXPONENTS = (-23, 13)
-
-
-def mx_scale_range(
-    packed: torch.Tensor, e8m0_u8: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """The exponent range of the block scales 2^E that MXFP4 weights [..., N, K/2] / [..., N,
-    K/32] use: (smallest E, largest E) per leading index (0-d for one weight, [E] for an expert
-    stack), the mask of used blocks, the codes as int32; None when no block is used. A block
-    is used when it holds a non-zero code and a finite scale: all-zero blocks (codes +-0)
-    contribute nothing whatever their scale; NaN codes (255) are left for the caller's checks."""
-    groups = e8m0_u8.shape[-1]
-    magnitude = (packed.view(torch.uint8) & 0x77).reshape(*e8m0_u8.shape[:-1], groups, -1)
-    e = e8m0_u8.to(torch.int32)
-    used = (magnitude != 0).any(dim=-1) & (e != 255)
-    if not bool(used.any()):
-        return None
-    lo = torch.where(used, e, 1 << 20).amin(dim=(-2, -1)) - 127
-    hi = torch.where(used, e, -(1 << 20)).amax(dim=(-2, -1)) - 127
-    return lo, hi, used, e
-
-
-def rebase_mx_scales_for_fp16(
-    packed: torch.Tensor, e8m0_u8: torch.Tensor
-) -> tuple[torch.Tensor, int]:
-    """MXFP4 block scales for kernels that round the decoded weight to fp16 (the checkpoint
-    layout's tl.dot kernels): (codes, d) with codes = e - d, so that e2m1 * 2^(e - d - 127)
-    fits fp16, and 2^d applied to the fp32 accumulator instead.
-
-    d = 0 (the codes returned as they are) while every block with a non-zero code has its
-    scale in :data:`FP16_MX_EXPONENTS`, as in real checkpoints. Otherwise the largest scale
-    goes to 2^13 (6 * 2^13 < 65504); blocks more than 36 binades below it underflow (their
-    products are below 2^-36 of the largest ones); all-zero blocks get code 0. E8M0 scales reach
-    2^127, far outside fp16: without this a weight with scales of 2^14+ gave inf and tiny ones
-    flushed to zero, silently. One pass over the weight at load, on its device; NaN codes (255)
-    are kept for the caller's checks."""
-    found = mx_scale_range(packed, e8m0_u8)
-    if found is None:
-        return e8m0_u8, 0
-    lo, hi, used, e = found
-    low, high = FP16_MX_EXPONENTS
-    d = int(hi) - high
-    # inside the window, or the top already at 2^13 (the blocks below round, as in fp16)
-    if (int(lo) >= low and d <= 0) or d == 0:
-        return e8m0_u8, 0
-    shifted = torch.where(used, (e - d).clamp(0, 254), torch.zeros_like(e))
-    shifted = torch.where(e == 255, e, shifted)
-    return shifted.to(torch.uint8), d
-
-
 def fp4_linear(
     x: torch.Tensor,
     packed: torch.Tensor,
@@ -570,7 +357,7 @@ def fp4_linear(
     """
     k = packed.shape[1] * 2 if packed.dim() == 2 else -1
     x = check_activation(x, k, "fp4_linear")
-    scale_u8 = _check_fp4_weights(packed, block_scale, global_scale, scale_format, k)
+    scale_u8 = check_fp4_weights(packed, block_scale, global_scale, scale_format, k)
     check_same_device(
         x,
         "fp4_linear",
@@ -582,14 +369,14 @@ def fp4_linear(
     n = packed.shape[0]
     check_bias(bias, n, "fp4_linear")
     m = x.shape[0]
-    out = empty_output(m, n, x.dtype, x.device)
+    out = checks.empty_output(m, n, x.dtype, x.device)
     if m == 0 or n == 0:
         return out
-    group = _GROUP[scale_format]
+    group = SCALE_GROUP[scale_format]
     if config is None:
         config, _ = get_config(_KIND[scale_format], x.device, n, k, m)
     block_k = max(config.block_k, group)
-    interp = _interpreting()
+    interp = interpreting()
     bf16 = x.dtype == torch.bfloat16
     if deq16 is None:  # the interpreter's bf16 arithmetic is wrong: fp32 decode there
         deq16 = scale_format == "e4m3" and not (interp and bf16)

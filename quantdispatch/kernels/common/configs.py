@@ -28,15 +28,18 @@ from pathlib import Path
 import torch
 
 __all__ = [
+    "MAX_TOKENS_PER_PROGRAM",
     "M_BUCKETS",
     "SMALL_M_MAX",
     "GemmConfig",
     "candidate_configs",
     "device_info",
+    "fit_mma_config",
     "get_config",
     "heuristic_config",
     "load_table",
     "m_bucket",
+    "mma_base_config",
     "register_table",
     "table_from_results",
     "tune",
@@ -283,3 +286,53 @@ def table_from_results(gpu: str, entries: Sequence[tuple[str, int, int, int, Gem
             cfg.to_dict()
         )
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# warps of the mma.sync kernels (both layouts)
+
+MAX_TOKENS_PER_PROGRAM = 64  # 8 MMA column tiles of 8 tokens
+
+
+def mma_base_config(tiles: int, chunks: int, m: int) -> tuple[int, int, int, int, int]:
+    """(NT, WT, WK, UNROLL, R) with one step of weight loads in flight (the checkpoint-layout
+    kernel's configs too, :func:`.fp4_mma_ckpt.linear_config`): token tiles per program from
+    M; warps side by side (activation reuse through L1); K split; chunks in flight per warp;
+    tiles per warp (activation reuse in registers). From the H200 sweeps (benchmarks/results/
+    mma-sweep-h200-*.log; R from the ``-tiles`` one: it pays only with 64+ tokens per program,
+    e.g. gate_up M=64 100 vs 132 us, M=128 156 vs 193 us, down M=128 88 vs 118 us)."""
+    nt = 1
+    while nt * 8 < min(m, MAX_TOKENS_PER_PROGRAM):
+        nt *= 2
+    big = tiles >= 1024  # e.g. a fused 28672-row gate_up: enough programs without a K split
+    r = 1
+    if nt == 1:  # gate_up M <= 8: 2x2x2 19.6-19.8 vs 1x4x2 21.3-23.1 us (-gate_up-m1-8.log)
+        wt, wk, unroll = (2, 2, 2) if big else ((1, 8, 4) if chunks >= 128 else (1, 8, 2))
+    elif nt == 2:  # mma-sweep-h200-2026-11-30-{l2prefetch,decode-shl}.log, two builds agree
+        if big:  # gate_up M=16: 2x2x2x2 29.7 / 28.0 vs 8x2x1 30.8 / 30.1 us
+            wt, wk, unroll, r = 2, 2, 2, 2
+        else:  # qkv M=16: 1x4x2 10.6 / 10.9 vs 1x8x2 11.6 / 11.9; o keeps 1x8x2 (9.2 vs 9.7)
+            wt, wk, unroll = (1, 4, 2) if tiles >= 384 else (1, 8, 2)
+    elif nt == 4:
+        wt, wk, unroll = (8, 1, 2) if big else (1, 4, 2)
+    elif big:
+        wt, wk, unroll, r = (8, 1, 1, 2) if m <= 64 else (4, 1, 1, 4)
+    elif m > 64 and chunks >= 128:  # a long-K weight (down) at two token blocks
+        wt, wk, unroll, r = 1, 4, 2, 2
+    else:
+        wt, wk, unroll = (4, 2, 2) if tiles >= 384 else (2, 4, 2)
+    return (nt, *fit_mma_config(tiles, chunks, wt, wk, r, unroll))
+
+
+def fit_mma_config(
+    tiles: int, chunks: int, wt: int, wk: int, r: int, unroll: int
+) -> tuple[int, ...]:
+    """(WT, WK, UNROLL, R) shrunk to the weight: a K split no larger than the chunks (a power of
+    two, Triton's num_warps) and WT * R dividing the row tiles (the grid is whole)."""
+    while wk > 1 and wk > chunks:
+        wk //= 2
+    while r > 1 and tiles % r:
+        r //= 2
+    while wt > 1 and tiles % (wt * r):
+        wt //= 2
+    return wt, wk, unroll, r

@@ -33,119 +33,22 @@ PTX, so GPU only (SM 8.0+).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
-from quantdispatch.kernels.checkpoint_layout import moe as fused_moe
-from quantdispatch.kernels.checkpoint_layout.moe import _activation
-from quantdispatch.kernels.checkpoint_layout.moe_mma import _chunk_mma, _k_reduce
+from quantdispatch.kernels.common import checks
+from quantdispatch.kernels.common.activation import apply_activation
 from quantdispatch.kernels.common.pdl import gdc_launch_dependents, gdc_wait
-from quantdispatch.kernels.mma_layout.layout import CHUNK_K, TILE_N, _load_w, _load_x
+from quantdispatch.kernels.common.ptx import chunk_mma, k_reduce, load_w, load_x
+from quantdispatch.kernels.mma_layout.moe_plan import SmallMoeConfig, small_units
 
-__all__ = [
-    "DOWN_MIN_WARPS",
-    "GATE_UP_WIDE_MAX_PROGRAMS",
-    "GATE_UP_WIDE_MIN_CHUNKS_PDL",
-    "PREFETCH_MAX_BYTES",
-    "SmallMoeConfig",
-    "small_moe",
-    "small_moe_config",
-    "small_units",
-]
-
-
-@dataclass(frozen=True)
-class SmallMoeConfig:
-    """Warps and chunks in flight per warp of the gate/up programs (one 16-row tile each, K
-    split over the warps) and of the down programs (one 16-row output tile of one token)."""
-
-    warps: int = 4
-    unroll: int = 2
-    warps_down: int = 8
-    unroll_down: int = 2
-    #: SM 9.0+: launch the down kernel as a programmatic dependent launch, so its programs start
-    #: while the gate/up programs run and wait for the intermediate only where they read it.
-    pdl: bool = False
-    #: with ``pdl``: leading chunks (64 columns of I) of every (slot, output tile) the down
-    #: programs prefetch into L2 before they wait (their weights do not depend on gate/up).
-    prefetch: int = 0
-
-    def label(self) -> str:
-        early = f" pdl pf{self.prefetch}" if self.pdl else ""
-        return f"topk-sum w{self.warps}u{self.unroll}/w{self.warps_down}u{self.unroll_down}{early}"
-
-
-def small_units(m: int, top_k: int, inter: int, hidden: int) -> tuple[int, int]:
-    """(gate/up programs, down programs): (pairs x I/16, tokens x H/16)."""
-    return m * top_k * (inter // 16), m * (hidden // 16)
-
-
-#: Down programs get warps until they hold at least this many warps in all (memory parallelism
-#: of the output-tile-parallel kernel; at most 16 per program).
-DOWN_MIN_WARPS = 3072
-#: Up to this many gate/up programs (pairs x I/16), 8 warps with one chunk in flight each: a
-#: grid this small holds too few warps per SM for the per-pair kernel's tuning.
-GATE_UP_WIDE_MAX_PROGRAMS = 1024
-#: ... but with the down kernel launched as a programmatic dependent (SM 9.0+), only where K
-#: (the hidden size) has at least this many chunks: 8 per warp.
-GATE_UP_WIDE_MIN_CHUNKS_PDL = 64
-#: With a programmatic dependent launch the down programs prefetch at most this many bytes of
-#: their weights into L2 while gate/up runs (L2 is 50 MB on the H100 / H200, more on newer
-#: GPUs; gate/up streams its own weights through it at the same time).
-PREFETCH_MAX_BYTES = 16 << 20
-#: Bytes of one chunk (16 rows x 64 columns) of repacked weights: 4-bit codes, a byte of scale
-#: per 16 of them (512 + 64).
-CHUNK_BYTES = TILE_N * CHUNK_K // 2 + TILE_N * CHUNK_K // 16
-#: The L2 prefetch pays only on long down loops: from this many chunks of I (I >= 2560), the
-#: first eighth of them (measured on the H200, see :func:`small_moe_config`).
-PREFETCH_MIN_CHUNKS = 40
-
-
-def small_moe_config(
-    m: int, top_k: int, inter: int, hidden: int, warps: int, unroll: int, pdl: bool = False
-) -> SmallMoeConfig:
-    """Gate/up: ``warps`` x ``unroll`` (the per-pair kernel's tuning for the same programs,
-    :func:`.fp4_mma_ckpt.mma_moe_config`), or 8 x 1 for grids of at most
-    GATE_UP_WIDE_MAX_PROGRAMS. Down: the fewest of 4 / 8 / 16 warps per program that give the
-    grid DOWN_MIN_WARPS warps, two chunks in flight. From the H200 sweeps
-    (benchmarks/results/moe-sweep-h200-2026-11-30-small*.json; us): down, Qwen3-30B-A3B M=1 (128
-    programs) 16 warps 13.7, 8 17.5, 4 18.5; Mixtral-8x7B M=1 (256) 16: 66.9, 8: 76.2;
-    DeepSeek-V3 M=1 (448) 8: 72.0, 16: 75.6; Qwen3 M=4 (512) 8: 33.0, 16: 37.7. Gate/up 8 x 1
-    against 4 x 2: Qwen3 M=1 (384 programs) 13.3 vs 14.4, DeepSeek-V3 M=1 (1024) 68.3 vs 72.2;
-    bigger grids keep the tuning (Mixtral M=1, 1792: 4 x 2 76.2, 8 x 2 88.3). With ``pdl``
-    the 8 x 1 rule holds only from GATE_UP_WIDE_MIN_CHUNKS_PDL chunks of K (session 15,
-    moe-sweep-h200-2026-11-30-s15.json and moe-mxfp4-sweep-h200-2026-11-30-s15.json; us, 8 x 1
-    vs the tuning's 4 x 2): DeepSeek-V3 M=1 (112 chunks) 65.8 vs 69.2; Qwen3 M=1 (32) 12.9 vs
-    12.0, M=2 23.0 vs 19.4; gpt-oss-20b / 120b M=1 (45) 28.3 / 28.3 vs 24.9 / 25.1.
-
-    ``pdl`` (SM 9.0+): the down kernel as a programmatic dependent launch, its first chunks
-    loaded before it waits for gate/up; an L2 prefetch of the first eighth of the chunks of
-    every (slot, output tile) only where I has PREFETCH_MIN_CHUNKS chunks. H200, two sweeps each
-    (results/moe-sweep-h200-2026-11-30-topk-pdl-*.json; us, without PDL / PDL / PDL + prefetch of
-    1/8, 1/4, all): Qwen3 M=1 13.3 / 12.1 / 14.0, 14.1, 13.8; Mixtral M=1 66.7 / 65.5 / 61.8,
-    62.3, 69.1; DeepSeek-V3 M=1 68.0 / 66.7 / 66.4, 68.2, 75.5. Session 14, MXFP4 gpt-oss
-    (I = 2880, 45 chunks; moe-mxfp4-sweep-h200-2026-11-30.json) M=1: 36.0 / 35.3 / 28.4, 28.6,
-    31.3, hence the prefetch from 40 chunks (Qwen3 has 12, DeepSeek-V3 32, Mixtral 224)."""
-    if m * top_k * (inter // 16) <= GATE_UP_WIDE_MAX_PROGRAMS and (
-        not pdl or hidden // 64 >= GATE_UP_WIDE_MIN_CHUNKS_PDL
-    ):
-        warps, unroll = 8, 1
-    programs = m * (hidden // 16)
-    down = 4
-    while down < 16 and programs * down < DOWN_MIN_WARPS:
-        down *= 2
-    prefetch = 0
-    if pdl and inter // 64 >= PREFETCH_MIN_CHUNKS:  # an eighth, within PREFETCH_MAX_BYTES
-        per_chunk = m * top_k * (hidden // 16) * CHUNK_BYTES
-        prefetch = min(inter // 64 // 8, PREFETCH_MAX_BYTES // per_chunk)
-    return SmallMoeConfig(warps, unroll, down, 2, pdl, prefetch)
+__all__ = ["small_moe"]
 
 
 # --------------------------------------------------------------------------------------------
 # PTX helpers
+
 
 # The intermediate comes from the gate/up launch (a few KB, read by every down program): loaded
 # with .cg, cached in L2 only. Measured as is; the read-only (.nc) path was not tried.
@@ -233,25 +136,25 @@ def _gate_up_unit(
         v2 = tl.zeros((U, 1, 32 * W), dtype=tl.float32)
         v3 = tl.zeros((U, 1, 32 * W), dtype=tl.float32)
         ok0 = chunk0 < CH
-        q = _load_w(w_base + chunk0 * 128, s_base + chunk0 * SPC, ok0, EVEN)
-        qu = _load_w(w_base + UP_W + chunk0 * 128, s_base + UP_S + chunk0 * SPC, ok0, EVEN)
+        q = load_w(w_base + chunk0 * 128, s_base + chunk0 * SPC, ok0, EVEN)
+        qu = load_w(w_base + UP_W + chunk0 * 128, s_base + UP_S + chunk0 * SPC, ok0, EVEN)
         for c0 in range(0, CH, STEP):
             c = c0 + chunk0
             nxt = tl.minimum(c + STEP, CH - 1) if EVEN else c + STEP
             okn = nxt < CH
-            qn = _load_w(w_base + nxt * 128, s_base + nxt * SPC, okn, EVEN)
-            qun = _load_w(w_base + UP_W + nxt * 128, s_base + UP_S + nxt * SPC, okn, EVEN)
-            xs = _load_x(x_row + (c * 64)[:, None, :], (c < CH)[:, None, :], EVEN)
-            acc0, acc1, acc2, acc3 = _chunk_mma(acc0, acc1, acc2, acc3, q, xs, BF16, True)
-            v0, v1, v2, v3 = _chunk_mma(v0, v1, v2, v3, qu, xs, BF16, True)
+            qn = load_w(w_base + nxt * 128, s_base + nxt * SPC, okn, EVEN)
+            qun = load_w(w_base + UP_W + nxt * 128, s_base + UP_S + nxt * SPC, okn, EVEN)
+            xs = load_x(x_row + (c * 64)[:, None, :], (c < CH)[:, None, :], EVEN)
+            acc0, acc1, acc2, acc3 = chunk_mma(acc0, acc1, acc2, acc3, q, xs, BF16, True)
+            v0, v1, v2, v3 = chunk_mma(v0, v1, v2, v3, qu, xs, BF16, True)
             q = qn
             qu = qun
         # column 0 of the MMA output is the token (lanes t == 0): rows g (acc0) and g + 8 (acc2)
         factor = tl.load(gs_ptr + e64) * 256.0
-        g_lo = _k_reduce(acc0, 1, W, 1) * factor
-        g_hi = _k_reduce(acc2, 1, W, 1) * factor
-        u_lo = _k_reduce(v0, 1, W, 1) * factor
-        u_hi = _k_reduce(v2, 1, W, 1) * factor
+        g_lo = k_reduce(acc0, 1, W, 1) * factor
+        g_hi = k_reduce(acc2, 1, W, 1) * factor
+        u_lo = k_reduce(v0, 1, W, 1) * factor
+        u_hi = k_reduce(v2, 1, W, 1) * factor
         lo = tl.arange(0, 32)[None, :]
         n = tile * 16 + lo // 4
         keep = lo % 4 == 0
@@ -261,8 +164,8 @@ def _gate_up_unit(
             u_lo += tl.load(b_ptr + e64 * stride_be + TILES * 16 + n)
             u_hi += tl.load(b_ptr + e64 * stride_be + TILES * 16 + n + 8)
         row = a_ptr + p.to(tl.int64) * stride_am + n
-        h_lo = _activation(g_lo, u_lo, alpha, limit, ACT)
-        h_hi = _activation(g_hi, u_hi, alpha, limit, ACT)
+        h_lo = apply_activation(g_lo, u_lo, alpha, limit, ACT)
+        h_hi = apply_activation(g_hi, u_hi, alpha, limit, ACT)
         tl.store(row, h_lo.to(a_ptr.dtype.element_ty), mask=keep)
         tl.store(row + 8, h_hi.to(a_ptr.dtype.element_ty), mask=keep)
 
@@ -320,24 +223,24 @@ def _down_unit(
         acc1 = tl.zeros((U, 1, 32 * W), dtype=tl.float32)
         acc2 = tl.zeros((U, 1, 32 * W), dtype=tl.float32)
         acc3 = tl.zeros((U, 1, 32 * W), dtype=tl.float32)
-        q = _load_w(w_base + chunk0 * 128, s_base + chunk0 * SPC, (chunk0 < CH) & ok_s2, False)
+        q = load_w(w_base + chunk0 * 128, s_base + chunk0 * SPC, (chunk0 < CH) & ok_s2, False)
         if PDL and ps == 0:
             gdc_wait()  # the gate/up launch is complete and its intermediate visible
         for c0 in range(0, CH, STEP):
             c = c0 + chunk0
             nxt = c + STEP
-            qn = _load_w(w_base + nxt * 128, s_base + nxt * SPC, (nxt < CH) & ok_s2, False)
+            qn = load_w(w_base + nxt * 128, s_base + nxt * SPC, (nxt < CH) & ok_s2, False)
             ok = (c < CH) & ok_s2
             xs = _load_a(a_row + (c * 64)[:, None, :], ok[:, None, :])
-            acc0, acc1, acc2, acc3 = _chunk_mma(acc0, acc1, acc2, acc3, q, xs, BF16, True)
+            acc0, acc1, acc2, acc3 = chunk_mma(acc0, acc1, acc2, acc3, q, xs, BF16, True)
             q = qn
         sum_lo += acc0 * f[None, None, :]
         sum_hi += acc2 * f[None, None, :]
     lo = tl.arange(0, 32)[None, :]
     n = tile * 16 + lo // 4
     keep = lo % 4 == 0
-    y_lo = _k_reduce(sum_lo, 1, W, 1) * 256.0
-    y_hi = _k_reduce(sum_hi, 1, W, 1) * 256.0
+    y_lo = k_reduce(sum_lo, 1, W, 1) * 256.0
+    y_hi = k_reduce(sum_hi, 1, W, 1) * 256.0
     if HAS_BIAS:
         for s in tl.static_range(TOP_K):
             es = tl.load(ids_ptr + m * TOP_K + s).to(tl.int32)
@@ -414,7 +317,7 @@ def small_moe(
     top_k = ids.shape[1]
     if x.stride(0) % 8 or x.data_ptr() % 16:  # 16-byte activation loads
         x = x.clone(memory_format=torch.contiguous_format)
-    a = fused_moe.empty((m * top_k, inter), x.dtype, x.device)  # the intermediate
+    a = checks.empty((m * top_k, inter), x.dtype, x.device)  # the intermediate
     units1, units2 = small_units(m, top_k, inter, hidden)
     kw = dict(
         x_ptr=x, ids_ptr=ids, tw_ptr=tw, w13_ptr=c13, s13_ptr=s13, gs13_ptr=g13,
