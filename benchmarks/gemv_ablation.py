@@ -2,7 +2,7 @@
 
 A measurement, not a kernel: the variants below compute wrong results on purpose (only
 ``base`` is checked against float64), and each removes or reshapes one cost of the activation
-fragment loads, which the session-8 profile blamed for M = 16 (benchmarks/NOTES.md):
+fragment loads, which the profile blamed for M = 16 (docs/design/mma-layout.md):
 
 * ``base``     the kernel as it ships (kernels/mma_layout/gemv.py ``_mma_gemv_kernel``);
 * ``x_sector`` the 4 lanes of a token row read 64 contiguous bytes per load instruction

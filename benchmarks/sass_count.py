@@ -6,7 +6,7 @@ cuobjdump, target sm_90).
 
 Prints, per config, the instructions of the longest loop (the K loop) by opcode; divide by
 UNROLL for one 64-column chunk per warp. Used to tell issue-bound from memory-bound before
-spending device time (benchmarks/NOTES.md).
+spending device time (docs/design/mma-layout.md).
 """
 
 from __future__ import annotations

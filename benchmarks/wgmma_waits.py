@@ -1,13 +1,13 @@
 """Static check of the register-operand wgmma hazard, no GPU needed (quantdispatch/kernels/
-wgmma_hazard.py says what it is): compile our Hopper tl.dot kernels for sm_90 with the installed
-Triton and list, per K loop, how many wgmmas take A from registers ("RS") and which
-``wgmma.wait_group`` counts the loop body has. An RS loop whose body waits only with a count
-above 0 lets the next step overwrite A registers of wgmmas still in flight.
+common/wgmma_guard.py says what it is): compile our Hopper tl.dot kernels for sm_90 with the
+installed Triton and list, per K loop, how many wgmmas take A from registers ("RS") and which
+``wgmma.wait_group`` counts the loop body has. An RS loop whose body waits only with a count above 0
+lets the next step overwrite A registers of wgmmas still in flight.
 
     python benchmarks/wgmma_waits.py                            # every kernel, 3 stages and 1
     PYTHONPATH=/tmp/triton36 python benchmarks/wgmma_waits.py   # another Triton (pip --target)
 
-The output is what benchmarks/NOTES.md (session 8) quotes for Triton 3.6 and 3.7.
+The output is what docs/design/wgmma-gemm.md quotes for Triton 3.6 and 3.7.
 """
 
 from __future__ import annotations

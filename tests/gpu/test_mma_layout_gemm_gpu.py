@@ -185,7 +185,7 @@ def test_the_backend_takes_the_gemm_at_mid_m_on_sm90(mg):
 def test_tiles_that_raced_on_triton_36_match_float64(mg, shape, m):
     """Pipelined (3-stage) 64x128 TMA tiles returned wrong results on the H200 with Triton 3.6
     (relative error 1-2.5e-2, not every call: the next step's decode overwrote wgmma A registers
-    still in flight, kernels/wgmma_hazard.py). mma_gemm runs them with safe stages: every
+    still in flight, kernels/common/wgmma_guard.py). mma_gemm runs them with safe stages: every
     repetition matches float64 and equals the first bit for bit."""
     from quantdispatch.kernels.mma_layout.gemm_tiles import GemmTile, tma_capable
 

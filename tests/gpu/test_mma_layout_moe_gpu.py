@@ -2,10 +2,10 @@
 
     python3 -m pytest tests/gpu/test_mma_layout_moe_gpu.py -q
 
-Regimes of kernels/fp4_mma_moe.py, each forced by its config: the mma.sync kernels (single
-pairs, 8- and 16-pair blocks), the grouped tl.dot GEMM (16 / 32 / 64-pair blocks, 64- and
-128-row tiles) and dequantize + torch._grouped_mm. Buffers the call allocates are NaN-poisoned,
-so an element that is not written fails. Oracle and bounds from test_moe_gpu.py.
+Regimes of kernels/mma_layout/ (moe_gemm, moe_pairs), each forced by its config: the mma.sync
+kernels (single pairs, 8- and 16-pair blocks), the grouped tl.dot GEMM (16 / 32 / 64-pair blocks,
+64- and 128-row tiles) and dequantize + torch._grouped_mm. Buffers the call allocates are
+NaN-poisoned, so an element that is not written fails. Oracle and bounds from test_moe_gpu.py.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from quantdispatch.kernels.checkpoint_layout import mma_linear, moe_plan
-from quantdispatch.kernels.common import decode_tables, ptx
+from quantdispatch.kernels.common import decode_tables
 from tests.numerics.ref64 import e2m1_from_bits, e4m3_from_bits, unpack_low_first
 
 DTYPES = [torch.bfloat16, torch.float16]
@@ -56,7 +56,7 @@ def test_every_code_and_every_scale_decode_exactly(dtype: torch.dtype) -> None:
 
 
 def test_activation_permutation_matches_the_a_registers() -> None:
-    b_cols = ptx.x_perm_columns()
+    b_cols = mma_linear.x_perm_columns()
     for j in range(4):
         for r, b in ((0, 2 * j), (2, 2 * j + 1)):  # A register 0 <-> b0, register 2 <-> b1
             assert (decode_tables.reg_column(j, r, 0), decode_tables.reg_column(j, r, 1)) == b_cols[

@@ -199,9 +199,9 @@ def test_configs_fit_the_shape(n, k, tma) -> None:
 
 @pytest.mark.parametrize(
     ("n", "k", "m", "label"),
-    [  # the H200 winners the TMA table encodes (NOTES: sessions 9, 10, 13, 14)
+    [  # the H200 winners the TMA table encodes (docs/design/wgmma-gemm.md)
         (28672, 4096, 128, "64x128x128w4s3t"),  # gate_up
-        (6144, 4096, 128, "64x128x128w4s3k2t"),  # qkv (session 13)
+        (6144, 4096, 128, "64x128x128w4s3k2t"),  # qkv
         (4096, 14336, 128, "64x128x128w4s3k4t"),  # down
         (4096, 4096, 128, "64x128x128w4s3k4t"),  # o
         (6144, 4096, 160, "64x128x128w4s3t"),  # padded token tiles: 128 at 129..192 too

@@ -44,9 +44,9 @@ def _dequant_fp4_grouped_kernel(
     BLOCK_G: tl.constexpr,
 ):
     # A [rows, groups, bytes] tile: each scale is loaded once (a contiguous [rows, groups] load)
-    # and broadcast over its group's bytes; a per-byte scale gather ran at 0.9-2.2 TB/s against
-    # 2.7 for this (results/dequant-sweep-h200-2026-11-29.txt). Each packed byte (elements 2j,
-    # 2j + 1) becomes one 32-bit word of two 16-bit values: 2-byte stores ran at ~1 TB/s.
+    # and broadcast over its group's bytes, faster than a per-byte scale gather
+    # (benchmarks/results/dequant-sweep-h200-*.txt). Each packed byte (elements 2j, 2j + 1)
+    # becomes one 32-bit word of two 16-bit values: 2-byte stores were slower.
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     groups = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
     j = tl.arange(0, BYTES_PER_GROUP)
@@ -125,7 +125,7 @@ def dequant_fp4_rows(
 ) -> torch.Tensor:
     """Write the dequantized rows of an NVFP4 / MXFP4 weight into ``out`` [rows, K] (16-bit,
     rows contiguous). ``tile`` = (rows, packed bytes, warps) per program; the default is from
-    benchmarks/dequant_sweep.py on the H200 (every tile within 10% there)."""
+    benchmarks/dequant_sweep.py on the H200 (docs/design/checkpoint-layout.md)."""
     n, half_k = packed.shape
     out32 = out.view(torch.int32)  # [rows, K / 2]: one word per packed byte
     block_r, block_b, warps = tile

@@ -2,7 +2,7 @@
 
 For GPUs without FP8 tensor cores (SM75-SM86) and for FP8 checkpoints whose activations stay
 16-bit. The e4m3 bytes are decoded with integer ops (no fp8 dtype in Triton, which rejects it
-below SM89) straight to their exact 16-bit value (:func:`.decode.e4m3_to_16bit`: bits into
+below SM89) straight to their exact 16-bit value (:func:`..common.decode.e4m3_to_16bit`: bits into
 the bottom of the 16-bit exponent field, one exact power-of-two multiply); the interpreter's
 bf16 path uses the fp32 decode instead. Scales, by ``scale.dim()``:
 
@@ -11,10 +11,10 @@ bf16 path uses the fp32 decode instead. Scales, by ``scale.dim()``:
   scale block (BLOCK_K divides bk), so every tile's fp32 partial product is scaled by its
   per-column block scale before it is accumulated.
 
-Two kernels, picked on the host from the config table by M (:mod:`.configs`): the small-M
+Two kernels, picked on the host from the config table by M (:mod:`..common.configs`): the small-M
 kernel (``config.split > 0``) splits K inside each program, as the FP4 small-M kernel does, so
 a 4096-wide layer keeps enough warps per SM to stream its weights at M <= 16; the tiled
-kernel takes larger M. Same CUDA-graph properties as :mod:`.fp4_linear`.
+kernel takes larger M. Same CUDA-graph properties as :mod:`.linear`.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def _fp8_gemm_kernel(
     SETTLE: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] output tile over all of K; SCALE_KIND 0 tensor, 1 channel, 2 block.
-    SETTLE: see :func:`.fp4_linear.mma_tile`."""
+    SETTLE: see :func:`.linear.mma_tile`."""
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)

@@ -5,7 +5,7 @@ element; ``block_scale`` [N, K/group]; no repacking) and are dequantized tile by
 registers, right in the MMA operand layout (Triton hoists the decode past the layout change):
 
 * NVFP4 on a GPU (``DEQ16``): both E2M1 codes of a byte become 16-bit floats with 2 integer
-  ops per code (:func:`.decode.e2m1_pair_to_16bit`) and are multiplied by the block scale in
+  ops per code (:func:`..common.decode.e2m1_pair_to_16bit`) and are multiplied by the block scale in
   16-bit: ``e2m1 * scale * 2^-8`` is exact (<= 5 significant bits, normal range) and the
   2^8 returns in the fp32 epilogue. Subnormal scales and code 0.5 pass through 16-bit
   subnormals, which 16-bit arithmetic keeps (no flush-to-zero forms are emitted).
@@ -14,7 +14,7 @@ registers, right in the MMA operand layout (Triton hoists the decode past the la
 * Accumulation is fp32; the NVFP4 global scale (read on the device) and the bias are applied
   to the fp32 accumulator in the epilogue, never after a 16-bit cast.
 
-Two kernels, picked on the host from the config table (:mod:`.configs`, keyed by GPU, shape
+Two kernels, picked on the host from the config table (:mod:`..common.configs`, keyed by GPU, shape
 and M bucket; no autotuning at call time):
 
 * ``_fp4_small_m_kernel`` (``config.split > 0``, the small-M path, used up to M ~ 32): a
@@ -25,9 +25,9 @@ and M bucket; no autotuning at call time):
 * ``_fp4_gemm_kernel`` (``split == 0``): classic tiles with grouped (L2-friendly) tile order;
   ``tl.dot`` becomes wgmma for 64+ row tiles on Hopper.
 
-Rows of x past M are masked (never re-read: 16 copies of one row made M=1 1.6x slower than
-M=16 on the H200). No host synchronization, no allocation besides the output, no state:
-CUDA-graph safe. Measured numbers and their limits: benchmarks/NOTES.md.
+Rows of x past M are masked, never re-read (16 copies of one row hammer one L2 line). No host
+synchronization, no allocation besides the output, no state: CUDA-graph safe. Measured numbers
+and their limits: docs/design/checkpoint-layout.md.
 """
 
 from __future__ import annotations
@@ -125,12 +125,12 @@ def _dequant_fp4_tile3(
 
 @triton.jit
 def mma_tile(acc, x, w, SWAP_AB: tl.constexpr, DOT_F32: tl.constexpr, SETTLE: tl.constexpr):
-    """acc += x @ w.T ([BM, BN]), or with SWAP_AB acc += w @ x.T ([BN, BM]): the weights as
-    the MMA's A operand, which suits tiny M (the x tile is the narrow B operand). SETTLE (with
-    SWAP_AB): read acc at once (:func:`.wgmma_hazard.settle`), so the next K step's decode does
-    not overwrite the A registers of wgmmas in flight (the Triton < 3.7 pipelining bug).
-    DOT_F32 is for the interpreter only: its bf16 dot is wrong; fp32 is exact for these
-    inputs (16-bit values, fp32 products)."""
+    """acc += x @ w.T ([BM, BN]), or with SWAP_AB acc += w @ x.T ([BN, BM]): the weights as the
+    MMA's A operand, which suits tiny M (the x tile is the narrow B operand). SETTLE (with SWAP_AB):
+    read acc at once (:func:`..common.wgmma_guard.settle`), so the next K step's decode does not
+    overwrite the A registers of wgmmas in flight (the Triton < 3.7 pipelining bug). DOT_F32 is for
+    the interpreter only: its bf16 dot is wrong; fp32 is exact for these inputs (16-bit values, fp32
+    products)."""
     if DOT_F32:
         xf = x.to(tl.float32)
         wf = w.to(tl.float32)
@@ -206,8 +206,7 @@ def _fp4_small_m_kernel(
         acc = tl.zeros((SPLIT, BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((SPLIT, BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # rows past M are masked, not re-read: 16 copies of one row hammer one L2 line (M=1 ran
-    # 1.6x slower than M=16 on the H200 with clamped rows)
+    # rows past M are masked, not re-read: 16 copies of one row hammer one L2 line
     row_ok = (offs_m < M)[None, :, None]
     for k0 in range(0, K, SPLIT * BLOCK_K):
         if EVEN_K:
@@ -350,9 +349,9 @@ def fp4_linear(
 ) -> torch.Tensor:
     """``x @ W.T + bias`` with W = e2m1(packed) * block_scale [* global_scale]; [M, N] in x.dtype.
 
-    ``scale_format='e4m3'`` is NVFP4 (group 16, ``global_scale`` a float32 one-element tensor
-    on the device, never read on the host); ``'e8m0'`` is MXFP4 (group 32, no global scale, or
-    the factor :func:`rebase_mx_scales_for_fp16` returns for its rebased codes).
+    ``scale_format='e4m3'`` is NVFP4 (group 16, ``global_scale`` a float32 one-element tensor on the
+    device, never read on the host); ``'e8m0'`` is MXFP4 (group 32, no global scale, or the factor
+    :func:`quantdispatch.formats.mxfp4.rebase_mx_scales_for_fp16` returns for its rebased codes).
     ``config`` overrides the table and ``deq16`` the decode variant (tuning and tests only).
     """
     k = packed.shape[1] * 2 if packed.dim() == 2 else -1

@@ -22,12 +22,14 @@ from quantdispatch.kernels.common.decode_tables import (
     reg_source,
     scale_consts,
 )
+from quantdispatch.kernels.common.ptx import X_PERM
 
 __all__ = [
     "decode_checkpoint_emulated",
     "linear_config",
     "mma_ckpt_linear",
     "mma_ckpt_supported_shape",
+    "x_perm_columns",
 ]
 
 
@@ -68,6 +70,18 @@ def decode_checkpoint_emulated(
     return out.reshape(n, k)
 
 
+def x_perm_columns() -> list[tuple[int, int]]:
+    """Columns (low half, high half) that each permuted B register holds, by replaying the
+    prmt selectors of :data:`..common.ptx.X_PERM` on column indices (for tests)."""
+    regs = [(2 * q, 2 * q + 1) for q in range(8)]  # halves of X[q]
+    cols = []
+    for qa, qb, sel in X_PERM:
+        halves = regs[qa] + regs[qb]  # byte pairs 0-1, 2-3 of a; 4-5, 6-7 of b
+        lo, hi = (sel & 0xF) // 2, ((sel >> 8) & 0xF) // 2
+        cols.append((halves[lo], halves[hi]))
+    return cols
+
+
 def mma_ckpt_supported_shape(n: int, k: int) -> bool:
     """Whole 16-row tiles and 64-column chunks."""
     return n > 0 and k > 0 and n % 16 == 0 and k % 64 == 0
@@ -75,8 +89,8 @@ def mma_ckpt_supported_shape(n: int, k: int) -> bool:
 
 def linear_config(tiles: int, chunks: int, m: int) -> tuple[int, int, int, int]:
     """(NT, WT, WK, UNROLL) for a linear call: the repacked kernel's one-step heuristic
-    (:func:`.fp4_mma._base_config`) without its tiles-per-warp R (this kernel has neither R
-    nor DEPTH; its configs were not swept again when the repacked kernel got DEPTH 2)."""
+    (:func:`..common.configs.mma_base_config`) without its tiles-per-warp R (this kernel has neither
+    R nor DEPTH; its configs were not swept again when the repacked kernel got DEPTH 2)."""
     nt, wt, wk, unroll, _ = mma_base_config(tiles, chunks, m)
     return nt, wt, wk, unroll
 

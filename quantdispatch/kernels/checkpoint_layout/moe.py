@@ -16,23 +16,25 @@ is CUDA-graph capturable and opaque to torch.compile (it runs behind a custom op
    **Direct** path (few pairs per expert, M=1 decode): no alignment; each pair is its own
    block, its expert read straight from ``topk_ids`` (one launch fewer). (A variant that also
    fused steps 3 and 4, one program per (token, N tile) walking the token's slots, has only
-   H / BN programs at M=1; with it the whole Qwen3 M=1 call took 65 us on the H200, 8.5x the
-   floor, so the down GEMM keeps one program per (pair, N tile).)
+   H / BN programs at M=1, far from the streaming floor (docs/design/moe.md), so the down GEMM
+   keeps one program per (pair, N tile).) Kernels: :mod:`.moe_align`.
 2. **Gate/up GEMM** per (block, N tile): rows of x gathered by token, the packed weights of
-   the block's expert decoded in registers (integer-op decoders of :mod:`.decode`), two fp32
+   the block's expert decoded in registers (integer-op decoders of :mod:`..common.decode`), two fp32
    accumulators (gate and up tiles), per-expert global scale / FP8 scale and bias in fp32,
    the activation fused, the intermediate stored in x.dtype in sorted order.
 3. **Down GEMM** per (block, N tile) on that intermediate; fp32 epilogue applies scale, bias
    and the pair's routing weight and writes one row per (token, slot) pair.
 4. **Reduce**: out[t] = the fp32 sum of its valid slots' rows (deterministic: no atomics),
    cast to x.dtype. Slots with ids outside [0, E) are skipped, so their rows are never read.
+   Kernels of steps 2-4: :mod:`.moe_gemm`.
 
-Which kernels run is :func:`moe_config`'s choice from the static sizes: NVFP4 with few tokens
-per expert on SM 8.0+ runs steps 2-3 as the ``mma.sync`` kernels of :mod:`.fp4_mma_ckpt`
+Which kernels run is :func:`.moe_plan.moe_config`'s choice from the static sizes: NVFP4 with
+few tokens per expert on SM 8.0+ runs steps 2-3 as the ``mma.sync`` kernels of :mod:`.moe_mma`
 (8-pair blocks or single pairs); very many tokens per expert on SM 9.0+ dequantize each GEMM's
-experts and run ``torch._grouped_mm`` (:func:`run_dequant_moe`); everything else takes the tl.dot
-kernels below. (``QuantMoE`` on an SM 8.0+ GPU repacks NVFP4 experts of gated layers and runs
-:mod:`.fp4_mma_moe` instead, which reuses the alignment, the activations and step 4 from here.)
+experts and run ``torch._grouped_mm`` (:func:`..common.slabs.run_dequant_moe`); everything else
+takes the tl.dot kernels. (``QuantMoE`` on an SM 8.0+ GPU repacks NVFP4 experts of gated layers
+and runs :mod:`..mma_layout.moe_gemm` instead, which reuses the alignment, the activations and
+step 4.)
 
 Tiles: few tokens per expert take 16-row blocks, narrow N tiles (enough programs to cover
 the GPU) and long K steps; many tokens per expert take 64/128-row blocks. K and N need not be

@@ -39,7 +39,7 @@ def _load_w(w_ptrs, s_ptrs, rem, FMT: tl.constexpr, GROUP: tl.constexpr, BN: tl.
     """One [BN, BK] weight tile, every value exact.
 
     NVFP4 on a GPU (DEQ16): codes and block scales decoded straight to x's 16-bit type
-    (integer ops and bitcasts, :func:`.decode.e2m1_pair_to_16bit`), one 16-bit multiply per
+    (integer ops and bitcasts, :func:`..common.decode.e2m1_pair_to_16bit`), one 16-bit multiply per
     weight giving e2m1 * scale * 2^-8 (<= 6 significant bits: no rounding); the kernels undo
     the 2^-8 in the fp32 epilogue (:func:`_fp4_fold`). Otherwise (MXFP4, NVFP4 on the
     interpreter, whose 16-bit subnormals are unreliable): fp32 e2m1 * scale. FP8: the fp32

@@ -1,9 +1,10 @@
 """NVFP4 on tensor cores for small M, straight from the checkpoint layout: linear and MoE.
 
 Why: with few rows per weight (decode, small batches, few tokens per expert) a GEMM streams the
-weight once, and the tl.dot kernels of :mod:`.fp4_linear` / :mod:`.fused_moe` decode too
-slowly to stream at the bandwidth limit (see :mod:`.fp4_mma`). This module runs the
-``mma.sync`` + PTX-decode design of :mod:`.fp4_mma` on the tensors *as the checkpoint stores
+weight once, and the tl.dot kernels of :mod:`.linear` / :mod:`.moe_gemm` decode too slowly
+to stream at the bandwidth limit (see :mod:`..mma_layout.gemv`). This module runs the
+``mma.sync`` + PTX-decode design of :mod:`..mma_layout.gemv` on the tensors *as the checkpoint
+stores
 them* (packed [N, K/2] codes, E4M3 block scales [N, K/16], stacked per expert for MoE), so the
 same weight also feeds the tl.dot and dequantize kernels that are faster once many rows share
 it: nothing is repacked, no byte is added, state dicts stay the checkpoint's.
@@ -12,28 +13,30 @@ Per lane ``l = 4g + t`` of a warp, one 64-column K chunk of a 16-row tile is two
 (rows g and g+8, codes of columns ``16t .. 16t+15``) and two scale bytes (group ``4c + t``).
 A 32-bit word holds the codes of 8 consecutive columns, low nibble first; nibbles ``i`` and
 ``i + 4`` sit exactly 16 bits apart, so one pair of rotations (sign, magnitude) moves both into
-the two halves of a 16-bit pair at once (:data:`CHECKPOINT_TABLES`: 15 integer ops per word,
+the two halves of a 16-bit pair at once (:data:`..common.decode_tables.CHECKPOINT_TABLES`: 15
+integer ops per word,
 against 11 for the repacked layout). That pairs columns ``(i, i + 4)`` in one register, so MMA
 step ``j`` of a lane takes the lane's columns ``o + {0, 4}`` (A register 0/1) and ``o + {1, 5}``
 (register 2/3) with ``o = 8 (j // 2) + 2 (j % 2)``; the activations are permuted the same way
 in registers (``prmt``, two per step) after the usual two 16-byte loads. Block scales become
-the 16-bit multiplier with the integer multiply-add of :mod:`.fp4_mma` (E4M3 normal codes
+the 16-bit multiplier with the integer multiply-add of :mod:`..mma_layout.layout` (E4M3 normal
+codes
 ``b`` give ``u = b + 16``, subnormals come from an 8-entry byte table, a zero scale gives 0).
 
-Where it runs: :func:`.fused_moe.fused_moe` takes it for NVFP4 experts in the checkpoint
-layout with few tokens per expert. ``QuantMoE`` on an SM 8.0+ GPU repacks the experts of the
-layers this kernel serves (:mod:`.fp4_mma_moe`) and runs the same kernel in its REPACKED mode:
-on the H200 the repacked decode is 30-45% faster per weight (linear gate_up M=1 22 vs 32 us,
-benchmarks/results/mma-sweep-h200-*-ckpt.log; MoE Mixtral M=1 69 vs 97 us,
-moe-h200-2026-11-30.md), since this decode costs more instructions (15 vs 11 per word,
-activation permutes, byte-wise scale loads) and the kernel is issue bound. The checkpoint mode
+Where it runs: :func:`.moe.fused_moe` takes it for NVFP4 experts in the checkpoint layout
+with few tokens per expert. ``QuantMoE`` on an SM 8.0+ GPU repacks the experts of the layers
+this kernel serves (:mod:`..mma_layout.moe_stacks`) and runs the same kernel in its REPACKED
+mode: the repacked decode is faster per weight (docs/design/moe.md), since this decode costs
+more instructions (15 vs 11 per word, activation permutes, byte-wise scale loads) and the
+kernel is issue bound. The PTX of both decodes is in :mod:`..common.ptx`; the linear entry is
+:mod:`.mma_linear`. The checkpoint mode
 stays for direct callers of ``fused_moe`` and as the benchmarks' comparison column; LINEAR mode
 for ``benchmarks/mma_sweep.py --ckpt``; all tested.
 
 One kernel, three modes: LINEAR (rows are tokens, ``y = x W^T * global scale + bias``);
 MoE gate/up (gate tile and up tile of one warp share the activation fragments, the activation
-is fused); MoE down (routing weight applied, one row per (token, slot) pair). :mod:`.fused_moe`
-supplies the MoE alignment and the final reduction.
+is fused); MoE down (routing weight applied, one row per (token, slot) pair).
+:mod:`.moe_align` and :mod:`.moe_gemm` supply the MoE alignment and the final reduction.
 """
 
 from __future__ import annotations
@@ -113,13 +116,13 @@ def checkpoint_mma_kernel(
     GATE_UP: x rows are tokens, each warp runs gate tile and up tile (rows + up_off) on the
     same activation fragments, and the activation is fused: out = A [rows, up_off] in sorted
     (or pair) order. Otherwise (down): x rows are A's, out = Y [pairs, N] with the routing
-    weight applied. Shapes as in fp4_mma: per lane [32W], per chunk [U, 32W], per token tile
+    weight applied. Shapes as in the GEMV kernel: per lane [32W], per chunk [U, 32W], per token tile
     [U, NT, 32W].
 
-    REPACKED: the weights are in the mma16x64 layout of :mod:`.fp4_mma` (words [E, N/16, K/64,
-    32, 4] int32, scales [E, N/16, K/64, 32, 2] viewed as int16; strides in those elements):
-    one 16-byte load per chunk, the 11-op decode, and the activations in their natural order
-    (the layout's K permutation keeps each lane's B fragments contiguous)."""
+    REPACKED: the weights are in the mma16x64 layout of :mod:`..mma_layout.layout` (words [E, N/16,
+    K/64, 32, 4] int32, scales [E, N/16, K/64, 32, 2] viewed as int16; strides in those elements):
+    one 16-byte load per chunk, the 11-op decode, and the activations in their natural order (the
+    layout's K permutation keeps each lane's B fragments contiguous)."""
     WARPS: tl.constexpr = WT * WK
     BM: tl.constexpr = 8 * NT
     b = tl.program_id(0)
@@ -280,10 +283,10 @@ def mma_moe_gemms(
 ) -> None:
     """Gate/up into ``a`` then down into ``y`` (one row per pair); see the module docstring.
 
-    ``w13`` / ``w2`` = (packed uint8 [E, N, K/2], E4M3 codes uint8 [E, N, K/16], global scales
-    fp32 [E]), or in the mma16x64 layout (int32 words [E, N/16, K/64, 32, 4], uint8 scales
-    [E, N/16, K/64, 32, 2], global scales; :mod:`.fp4_mma_moe`); checked by the caller, shapes by
-    :func:`mma_moe_supported`."""
+    ``w13`` / ``w2`` = (packed uint8 [E, N, K/2], E4M3 codes uint8 [E, N, K/16], global scales fp32
+    [E]), or in the mma16x64 layout (int32 words [E, N/16, K/64, 32, 4], uint8 scales [E, N/16,
+    K/64, 32, 2], global scales; :mod:`..mma_layout.moe_stacks`); checked by the caller, shapes by
+    :func:`.moe_plan.mma_moe_supported`."""
     c13, s13, g13 = w13
     c2, s2, g2 = w2
     repacked = c13.dtype == torch.int32
@@ -336,7 +339,7 @@ def run_mma_moe(
     out: torch.Tensor,
     inter: int,
 ) -> None:
-    """Steps 1-4 with the mma.sync gate/up and down kernels of :mod:`.fp4_mma_ckpt`.
+    """Steps 1-4 with the mma.sync gate/up and down kernels of this module.
     ``inter`` (I) is passed, not read off w13: the checkpoint and the repacked layouts shape
     their code tensors differently."""
     m, hidden = x.shape

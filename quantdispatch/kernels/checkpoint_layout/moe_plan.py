@@ -119,7 +119,8 @@ def _gemm_config(blocks: int, tiles: int, chunks: int) -> MmaGemmConfig:
     """K split 4 ways while (block, tile) pairs are few (<= 8192: the GPU needs more warps),
     else 2 ways, but never below 16 chunks per warp (short loops pay their prologue and the
     cross-warp reduction); two chunks in flight. From the H200 sweep
-    (benchmarks/results/moe-sweep-h200-*.json: Qwen3, Mixtral, DeepSeek-V3 at M = 1 and 16)."""
+    (benchmarks/results/moe-sweep-h200-*.json: Qwen3, Mixtral, DeepSeek-V3 at M = 1 and 16;
+    docs/design/moe.md)."""
     wk = 4 if blocks * tiles <= 8192 else 2
     while wk > 1 and chunks < 16 * wk:
         wk //= 2
@@ -133,11 +134,11 @@ MIN_WARPS_REPACKED = 1536
 def _gemm_config_repacked(blocks: int, tiles: int, chunks: int, gate_up: bool) -> MmaGemmConfig:
     """The checkpoint layout's choice, adjusted for the repacked kernels on single pairs (its
     decode is cheaper, so small experts need more warps, not longer loops). From the H200
-    sweep (benchmarks/results/moe-sweep-h200-*.json, Qwen3-30B-A3B; us per layer): at M=1
-    (8 pairs) a 4-way K split for gate/up and 2 for down, 15.6 vs 19.2 (too few warps: raise
-    the split until MIN_WARPS_REPACKED); at M=4 (32 pairs) no split for gate/up, 34.5 vs 38.2
-    (enough programs; two tiles per warp already hold many registers). Long weights (Mixtral,
-    DeepSeek-V3) keep the first rule (they have the programs)."""
+    sweep (benchmarks/results/moe-sweep-h200-*.json, Qwen3-30B-A3B; docs/design/moe.md): at M=1
+    (8 pairs) a 4-way K split for gate/up and 2 for down (too few warps: raise the split until
+    MIN_WARPS_REPACKED); at M=4 (32 pairs) no split for gate/up (enough programs; two tiles per
+    warp already hold many registers). Long weights (Mixtral, DeepSeek-V3) keep the first rule
+    (they have the programs)."""
     cfg = _gemm_config(blocks, tiles, chunks)
     wk = cfg.wk
     while wk < 4 and blocks * tiles * wk < MIN_WARPS_REPACKED and chunks >= 8 * wk:
@@ -149,12 +150,10 @@ def _gemm_config_repacked(blocks: int, tiles: int, chunks: int, gate_up: bool) -
 
 def _even_split(cfg: MmaGemmConfig, chunks: int) -> MmaGemmConfig:
     """No K split whose step (WK x UNROLL chunks) leaves a ragged last step: its warps then run
-    the predicated loop (Nsight Compute: 12-19% more instructions at 45 chunks, same occupancy
-    and issue rate; results/ncu-ksplit-h200-2026-11-30/). From the H200 (session 15,
-    ksplit-probe-h200-2026-11-30.log; us per layer, 8-pair blocks, both GEMMs K split 2 x 2
-    against no split): 45 chunks (gpt-oss, H = I = 2880) 128 experts top-4 M=16 244 vs 214,
-    32 experts M=4 84.5 vs 80.8; 46 chunks 241 vs 225 and 77.5 vs 73.5; where the split is even
-    it is kept (44 chunks 204 vs 201, 64 chunks 404 vs 396, DeepSeek-V3 M=16 701 vs 770)."""
+    the predicated loop (Nsight Compute: more instructions, same occupancy and issue rate;
+    benchmarks/results/ncu-ksplit-h200-*/). On the H200 a ragged 2 x 2 split lost to no split
+    for gpt-oss (45 and 46 chunks); where the split is even it is kept (benchmarks/results/
+    ksplit-probe-h200-*.log, docs/design/moe.md)."""
     if cfg.wk > 1 and chunks % (cfg.wk * cfg.unroll):
         return MmaGemmConfig(cfg.wt, 1, 2 if chunks >= 4 else 1)
     return cfg
@@ -176,11 +175,10 @@ def expected_experts(pairs: int, experts: int) -> float:
 def _few_programs_split(cfg: MmaGemmConfig, programs: float, chunks: int) -> MmaGemmConfig:
     """A 4-way K split with one chunk in flight where a GEMM has few programs and a long K,
     in place of a smaller split (the 16-chunks-a-warp floor of :func:`_gemm_config`, or a
-    ragged split :func:`_even_split` dropped). From the H200 (session 16,
-    ksplit-probe-h200-2026-11-30-few*.log; us per layer, 4 x 1 on both GEMMs against the pick,
-    no split): gpt-oss-20b (45 chunks, ~1900..5700 programs) M=3 57.3 vs 61.4, M=4 68.3 vs 78.4,
-    M=8 98.4 vs 108.8, M=16 135.2 vs 143.7; gpt-oss-120b M=9 (~5650) ties, M=16 (~9200) loses
-    (222.8 vs 212.4 for gate/up alone)."""
+    ragged split :func:`_even_split` dropped). On the H200 it won for gpt-oss-20b (45 chunks,
+    ~1900..5700 programs) from M=3 to 16, tied for gpt-oss-120b at ~5650 programs and lost at
+    ~9200, hence FEW_PROGRAMS (benchmarks/results/ksplit-probe-h200-*-few*.log,
+    docs/design/moe.md)."""
     if cfg.wk < 4 and programs <= FEW_PROGRAMS and chunks >= FEW_PROGRAMS_MIN_CHUNKS:
         return MmaGemmConfig(cfg.wt, 4, 1)
     return cfg
@@ -198,7 +196,7 @@ def mma_moe_config(
 ) -> MmaMoeConfig:
     """Config for ``pairs`` (token, slot) pairs: ``direct`` one block per pair, else blocks of
     8 * nt expert-sorted pairs (at most min(pairs, experts) of them hold tokens). ``repacked``:
-    for the mma16x64 experts of :mod:`.fp4_mma_moe` (single pairs tuned apart)."""
+    for the mma16x64 experts of :mod:`..mma_layout.moe_gemm` (single pairs tuned apart)."""
     blocks = pairs if direct else min(pairs, experts)
     if repacked and direct:
         g1 = _gemm_config_repacked(blocks, inter // 16, hidden // 64, True)
@@ -220,20 +218,19 @@ def mma_moe_config(
 
 
 #: NVFP4 with at most this many tokens per expert (M * top_k / E) runs the mma.sync kernels of
-#: kernels/fp4_mma_ckpt.py (SM 8.0+, gated, I and H multiples of 64) on 8-pair blocks; with more
-#: tokens per expert the tl.dot kernels reuse each decoded tile across more rows and win (H200:
-#: Qwen3 M=16 (1 per expert) 127 vs 147 us, DeepSeek-V3 M=256 (8 per expert) 3878 vs 3364 us;
-#: benchmarks/results/moe-h200-*.md).
+#: :mod:`.moe_mma` (SM 8.0+, gated, I and H multiples of 64) on 8-pair blocks; with more tokens
+#: per expert the tl.dot kernels reuse each decoded tile across more rows and win (H200,
+#: benchmarks/results/moe-h200-*.md, docs/design/moe.md).
 MMA_MAX_TOKENS_PER_EXPERT = 4
 
 
 #: NVFP4 / MXFP4 with at least this many tokens per expert, on SM 9.0+ with torch._grouped_mm,
 #: dequantizes each GEMM's experts to a 16-bit buffer and runs torch._grouped_mm: at that many
 #: tokens the GEMMs are compute bound, and cuBLAS-class grouped GEMMs beat the tl.dot kernels by
-#: more than the dequantization pass costs (H200, Mixtral M=4096 with 1024 tokens per expert:
-#: tl.dot 9.5 ms, this path 6.4 ms, bf16 experts 6.1 ms; benchmarks/results/moe-h200-*.md).
-#: Below it the pass is not expected to pay (estimate, not measured: Mixtral M=1024, 256 per
-#: expert, ~1.3 ms of dequantization plus a ~1.9 ms grouped GEMM against 2.9 ms for tl.dot).
+#: more than the dequantization pass costs (H200, Mixtral at 1024 tokens per expert;
+#: benchmarks/results/moe-h200-*.md). Below it the pass is not expected to pay (an estimate,
+#: not measured; docs/design/moe.md). The mma16x64 layout's plan has its own, measured cut-off
+#: (:data:`..mma_layout.moe_plan.DEQUANT_MIN_TOKENS_PER_EXPERT`).
 DEQUANT_MIN_TOKENS_PER_EXPERT = 512
 #: ... as long as the transient 16-bit copy of one GEMM's experts stays below this (bytes).
 DEQUANT_MAX_BUFFER_BYTES = 4 * 2**30
@@ -277,7 +274,7 @@ def moe_config(
 
     Tokens per expert ``tpe = M * top_k / E`` picks the regime. NVFP4 on SM 8.0+ with
     ``tpe <= MMA_MAX_TOKENS_PER_EXPERT``: the mma.sync kernels on single pairs (``direct``)
-    or 8-pair blocks (:func:`.fp4_mma_ckpt.mma_moe_config`). Otherwise tl.dot kernels: <= 12
+    or 8-pair blocks (:func:`mma_moe_config`). Otherwise tl.dot kernels: <= 12
     small 16-row blocks with narrow N tiles (memory bound: cover every SM) and long K steps;
     then 32, 64, 128-row blocks with wider tiles (compute bound: reuse each decoded weight tile
     across more rows).

@@ -128,7 +128,7 @@ def _ensure_loaded() -> None:
 
 
 def heuristic_config(kind: str, n: int, k: int, m: int, capability: tuple[int, int]) -> GemmConfig:
-    """Defaults for untuned shapes/GPUs (see benchmarks/NOTES.md for where they come from).
+    """Defaults for untuned shapes/GPUs (where they come from: docs/design/checkpoint-layout.md).
 
     Small M (H200 winners): the small-M kernel, K split 4 ways in-program, one 16-row MMA
     tile per warp and slice (swap_ab; more warps than that would repeat each other's
@@ -138,10 +138,9 @@ def heuristic_config(kind: str, n: int, k: int, m: int, capability: tuple[int, i
     """
     old = capability < (8, 0)
     if m <= SMALL_M_MAX:
-        if kind == "fp8" and n >= 16384:  # H200: tiled 50.5 us vs 53.3 / 81.1 split (gate_up)
+        if kind == "fp8" and n >= 16384:  # the tiled kernel beat the split ones here (H200)
             cfg = GemmConfig(16, 64, 256, 4, 4)
         else:  # K split 4 ways in-program; one 16-row MMA tile per warp and slice
-            # (FP8 on the H200, M=1: qkv 13.8 us vs 16.0 tiled, down 28.0 vs 46.9)
             cfg = GemmConfig(
                 16, 32 if n >= 16384 else 16, 128, 8 if n >= 16384 else 4, 3, swap_ab=1, split=4
             )
@@ -296,22 +295,22 @@ MAX_TOKENS_PER_PROGRAM = 64  # 8 MMA column tiles of 8 tokens
 
 def mma_base_config(tiles: int, chunks: int, m: int) -> tuple[int, int, int, int, int]:
     """(NT, WT, WK, UNROLL, R) with one step of weight loads in flight (the checkpoint-layout
-    kernel's configs too, :func:`.fp4_mma_ckpt.linear_config`): token tiles per program from
-    M; warps side by side (activation reuse through L1); K split; chunks in flight per warp;
-    tiles per warp (activation reuse in registers). From the H200 sweeps (benchmarks/results/
-    mma-sweep-h200-*.log; R from the ``-tiles`` one: it pays only with 64+ tokens per program,
-    e.g. gate_up M=64 100 vs 132 us, M=128 156 vs 193 us, down M=128 88 vs 118 us)."""
+    kernel's configs too, :func:`..checkpoint_layout.mma_linear.linear_config`): token tiles per
+    program from M; warps side by side (activation reuse through L1); K split; chunks in flight
+    per warp; tiles per warp (activation reuse in registers; it pays only with 64+ tokens per
+    program). From the H200 sweeps (benchmarks/results/mma-sweep-h200-*.log, docs/design/
+    mma-layout.md)."""
     nt = 1
     while nt * 8 < min(m, MAX_TOKENS_PER_PROGRAM):
         nt *= 2
     big = tiles >= 1024  # e.g. a fused 28672-row gate_up: enough programs without a K split
     r = 1
-    if nt == 1:  # gate_up M <= 8: 2x2x2 19.6-19.8 vs 1x4x2 21.3-23.1 us (-gate_up-m1-8.log)
+    if nt == 1:  # wide weights (fused gate_up) at M <= 8: 2x2x2 beat 1x4x2
         wt, wk, unroll = (2, 2, 2) if big else ((1, 8, 4) if chunks >= 128 else (1, 8, 2))
-    elif nt == 2:  # mma-sweep-h200-2026-11-30-{l2prefetch,decode-shl}.log, two builds agree
-        if big:  # gate_up M=16: 2x2x2x2 29.7 / 28.0 vs 8x2x1 30.8 / 30.1 us
+    elif nt == 2:  # two builds of the sweep agree
+        if big:  # gate_up M=16: 2x2x2x2 beat 8x2x1
             wt, wk, unroll, r = 2, 2, 2, 2
-        else:  # qkv M=16: 1x4x2 10.6 / 10.9 vs 1x8x2 11.6 / 11.9; o keeps 1x8x2 (9.2 vs 9.7)
+        else:  # qkv M=16: 1x4x2 beat 1x8x2; o (fewer tiles) keeps 1x8x2
             wt, wk, unroll = (1, 4, 2) if tiles >= 384 else (1, 8, 2)
     elif nt == 4:
         wt, wk, unroll = (8, 1, 2) if big else (1, 4, 2)

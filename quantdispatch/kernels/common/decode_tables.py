@@ -114,7 +114,7 @@ def reg_column(j: int, r: int, half: int) -> int:
 
 def scale_consts(bf16: bool) -> tuple[int, int]:
     """(multiplier, addend) turning a u code into the 16-bit pair scale * 2^118 (bf16) or
-    scale * 2^6 (fp16) with one integer multiply-add (see fp4_mma)."""
+    scale * 2^6 (fp16) with one integer multiply-add (see :mod:`..mma_layout.layout`)."""
     if bf16:
         return 0x00100010, (236 << 7) | (236 << 23)
     return 0x00800080, (12 << 10) | (12 << 26)

@@ -10,9 +10,8 @@ it reads that kernel's outputs or writes any memory. A kernel that calls
 The rule every PDL kernel here keeps: before its wait it reads only memory that its immediate
 predecessor in the stream cannot have written, and it releases its own dependents only after
 its own wait (so theirs never run ahead of an unfinished kernel further back). Where the
-dependent has nothing to load early, release it late (after the work, not at the top): the
-mid-M GEMM released at the top of the activation permutation took 33 us instead of 22 for down
-at M=32 on the H200 (not profiled; its waiting programs hold SM slots from the start).
+dependent has nothing to load early, release it late (after the work, not at the top): its
+waiting programs would hold SM slots from the start (docs/design/wgmma-gemm.md).
 ``QUANTDISPATCH_PDL=0`` turns PDL off (every launch then waits for the kernel before it).
 """
 

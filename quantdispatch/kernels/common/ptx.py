@@ -38,7 +38,6 @@ __all__ = [
     "mma_step",
     "mma_step_tiles",
     "x_perm",
-    "x_perm_columns",
 ]
 
 
@@ -63,10 +62,9 @@ def _shift_ptx(dst: str, word: str, n: int, mask: int, fma_shifts: bool) -> str:
 def decode_ptx(table: DecodeTable, word: str, outs: list[str], *, fma_shifts: bool = False) -> str:
     """PTX turning the 32-bit ``word`` into the four A registers ``outs`` (before scaling).
 
-    ``fma_shifts``: non-wrapping shifts as ``shl`` (IMAD.SHL on the FMA pipe). Measured on the
-    H200 (NOTES, session 11): faster in the mma.sync GEMV, whose integer ALU pipe is the busiest
-    (gate_up M=1 20.8 vs 22.1 us, down 12.3 vs 13.3), but slower in the wgmma GEMM, where each
-    step waits for its decode and IMAD.SHL's longer latency shows (qkv M=128 29.7 vs 25.1)."""
+    ``fma_shifts``: non-wrapping shifts as ``shl`` (IMAD.SHL on the FMA pipe): faster in the
+    mma.sync GEMV, whose integer ALU pipe is the busiest, but slower in the wgmma GEMM, where each
+    step waits for its decode and IMAD.SHL's longer latency shows (docs/design/mma-layout.md)."""
     lines = []
     both = table.sign_mask | table.mag_mask
     for r, out in enumerate(outs):
@@ -311,18 +309,6 @@ _DECODE_CKPT_F16 = tl.constexpr(_decode_ckpt_asm(False))
 X_PERM: tuple[tuple[int, int, int], ...] = tuple(
     (q, q + 2, sel) for q in (0, 1, 4, 5) for sel in (0x5410, 0x7632)
 )
-
-
-def x_perm_columns() -> list[tuple[int, int]]:
-    """Columns (low half, high half) that each permuted B register holds, by replaying the
-    prmt selectors of :data:`X_PERM` on column indices (for tests)."""
-    regs = [(2 * q, 2 * q + 1) for q in range(8)]  # halves of X[q]
-    cols = []
-    for qa, qb, sel in X_PERM:
-        halves = regs[qa] + regs[qb]  # byte pairs 0-1, 2-3 of a; 4-5, 6-7 of b
-        lo, hi = (sel & 0xF) // 2, ((sel >> 8) & 0xF) // 2
-        cols.append((halves[lo], halves[hi]))
-    return cols
 
 
 _X_PERM_ASM = tl.constexpr(

@@ -8,9 +8,9 @@ small slabs), which is small next to the GEMM once M is large.
 Memory: the slab holds at most ``WORKSPACE_ELEMENTS`` 16-bit values (64 MiB), taken per call from
 torch's caching allocator, like any temporary of a torch op: stream-ordered, so two streams never
 share one, and under CUDA graph capture taken from the graph's private pool, which the graph
-keeps for its replays. (A workspace cached per device, as this module had, is shared by every
-stream and every graph: two large-M calls running concurrently would dequantize into the same
-slab.) The layer itself still holds only packed weights.
+keeps for its replays. (A workspace cached per device would be shared by every stream and
+every graph: two large-M calls running concurrently would dequantize into the same slab.) The
+layer itself holds only packed weights.
 
 Numerics: each weight is decoded exactly in fp32 (e2m1 * block scale * global scale), rounded
 once to the activation dtype, and the GEMM accumulates in fp32: the same as a bf16 / fp16 model

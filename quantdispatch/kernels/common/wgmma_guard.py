@@ -9,10 +9,10 @@ the checkpoint-layout FP4 and FP8 kernels). On SM 9.x Triton lowers these to
 wgmmas that may not have read them yet. The PTX ISA makes that undefined behaviour; upstream:
 triton-lang/triton#9433, fixed by #9514 (Triton 3.7).
 
-What we saw on the H200 (Triton 3.6, benchmarks/NOTES.md, session 8): tiles whose decode starts
-earlier (activations by TMA, words already in registers) returned wrong results intermittently
-(relative error 1-14% instead of 2e-3), and the Triton 3.6 PTX of every pipelined RS tile has
-``wgmma.wait_group 7`` (or 3) at the end of the loop body and no wait 0. With
+On the H200 with Triton 3.6, tiles whose decode starts earlier (activations by TMA, words
+already in registers) returned wrong results intermittently, and the Triton 3.6 PTX of every
+pipelined RS tile has ``wgmma.wait_group 7`` (or 3) at the end of the loop body and no wait 0
+(docs/design/wgmma-gemm.md). With
 ``num_stages = 1`` the same kernels get one ``wait_group 0`` per step and no instruction writes
 an A register of a pending wgmma group in the SASS (``benchmarks/wgmma_waits.py``, Triton 3.6 and
 3.7); Triton 3.7 emits upstream's fixed pattern for pipelined tiles.
@@ -23,16 +23,14 @@ before anything later in the step, and so before the next step's decode writes r
 its loads stay pipelined (``num_stages`` as tuned). ``benchmarks/wgmma_waits.py`` checks every
 kernel: settled, Triton 3.6, 3.7 and 3.9 give one ``wait_group 0`` per step, no SASS write to
 an A register of a pending wgmma group, and the same cp.async / TMA stages as unsettled
-(benchmarks/results/rs-wgmma-hazard-h200-2026-11-30/wgmma-waits-*-settled.txt). (Session 8
-ran these launches with one stage instead, which was safe too but lost the load pipelining:
-gate_up M=128 173 us instead of 63.)
+(benchmarks/results/rs-wgmma-hazard-h200-*/wgmma-waits-*-settled.txt). One stage per launch is
+safe too, but loses the load pipelining.
 
-That includes Triton 3.7+: its fixed pipeliner is upstream's claim, not yet checked by us on a
-GPU, and in its SASS of our GEMM instructions still write registers that in-flight wgmma groups
-read (45-58 in the GEMM, 122 in the MoE GEMM; Triton 3.9: none. ptxas may manage those itself,
-the SASS alone cannot tell). Once a GPU run shows a version
-safe for our kernels, :data:`VERIFIED_SAFE_FROM` names it and the settle goes from that version
-on.
+That includes Triton 3.7+: its fixed pipeliner is upstream's claim, not yet checked by us on a GPU,
+and in its SASS of our GEMM instructions still write registers that in-flight wgmma groups read
+(Triton 3.9: none; ptxas may manage those itself, the SASS alone cannot tell). Once a GPU run shows
+a version safe for our kernels, :data:`VERIFIED_SAFE_FROM` names it and the settle goes from that
+version on.
 """
 
 from __future__ import annotations
@@ -56,7 +54,8 @@ __all__ = [
 UPSTREAM_FIX: tuple[int, int] = (3, 7)
 #: The first Triton release verified on a GPU to pipeline our register-operand wgmma loops
 #: correctly; None: none yet, so every version settles them. Setting it also means re-sweeping
-#: the mid-M GEMM's TMA tiles (:data:`.fp4_mma_gemm._TMA_TILES` holds the settled winners).
+#: the mid-M GEMM's TMA tiles (:data:`..mma_layout.gemm_tiles._TMA_TILES` holds the settled
+#: winners).
 VERIFIED_SAFE_FROM: tuple[int, int] | None = None
 
 

@@ -31,9 +31,9 @@ def _kappa_kernel(x_ptr, out_ptr, M, M_OUT, stride_xm, W: tl.constexpr, BLOCK_M:
     chunk (32 pairs), destination pair d = 8 j + 4 cc + t comes from pair 8 t + 2 j + cc; a
     warp reads and writes whole 128-byte chunk rows (the gather stays inside one line).
     PDL: let the GEMM launch once every program is past its store (it waits for this kernel
-    before it reads anything). Released at the top instead, down M=32 took 33 us instead of
-    22 on the H200 (not profiled; likely the GEMM's programs were placed while these still
-    held SMs, onto fewer SMs)."""
+    before it reads anything). Released at the top instead, it was slower on the H200 (likely
+    the GEMM's programs were placed while these still held SMs, onto fewer SMs; see
+    :mod:`..common.pdl`)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     d = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
     within = d % 32
@@ -51,11 +51,11 @@ def kappa_order(
 ) -> torch.Tensor:
     """x [M, K] -> a contiguous copy whose columns follow the MMA's K order within each chunk of
     64: column 16 j + 8 cc + 2 t + h holds x's column 16 t + 4 j + 2 cc + h. ``rows`` (>= M):
-    the copy has that many rows, those past M zero (whole TMA boxes, see :func:`mma_gemm`).
+    the copy has that many rows, those past M zero (whole TMA boxes, see :func:`.gemm.mma_gemm`).
 
     On a GPU one Triton pass over 32-bit pairs (:func:`kappa_order_triton`): torch's generic
-    copy of the 6-D permuted view ran at ~1.2 TB/s (H200, gemm-sweep-h200-2026-11-30-m16-
-    kappa.log: 12.3 us for down's activations at M = 256, a fifth of that GEMM call)."""
+    copy of the 6-D permuted view was far slower, a large part of the GEMM call
+    (docs/design/wgmma-gemm.md)."""
     if x.device.type != "cuda" or x.shape[0] == 0:
         return kappa_order_torch(x, rows)
     return kappa_order_triton(x, release_next=release_next, rows=rows)

@@ -1,15 +1,17 @@
 """NVFP4 GEMM for mid M on the ``mma16x64`` layout, through ``tl.dot`` (wgmma on Hopper).
 
-Why this exists: the GEMV-style kernel of :mod:`.fp4_mma` issues one ``mma.sync`` per 8 tokens
+Why this exists: the GEMV-style kernel of :mod:`.gemv` issues one ``mma.sync`` per 8 tokens
 per decoded fragment and re-reads the activations per weight tile, so from ~32 tokens on it is
-latency and L1 bound (benchmarks/NOTES.md, Nsight Compute), and dequantizing whole slabs for
+latency and L1 bound (Nsight Compute; docs/design/wgmma-gemm.md), and dequantizing whole slabs for
 cuBLAS moves 4.5x the weight bytes. Here each program decodes a [BLOCK_N, 64 * CHUNKS] weight
 tile once per K step, with the same PTX bit tricks as the GEMV kernel (11 integer ops and 4
 16-bit FMAs per 8 codes), and hands it to ``tl.dot`` as the *A* operand of ``out^T = W x^T``
 ("swap AB"): the weight rows fill the 64-row MMA dimension, the tokens (up to 256) the N
-dimension, so the decode cost is shared by every token of the tile.
+dimension, so the decode cost is shared by every token of the tile. The decode:
+:mod:`.tile_decode`; the tiles: :mod:`.gemm_tiles`; the activations' K order:
+:mod:`.activation_order`.
 
-Numerics as in :mod:`.fp4_mma`: 16-bit operands ``e2m1 * scale * 2^-8`` (exact), fp32
+Numerics as in :mod:`.layout`: 16-bit operands ``e2m1 * scale * 2^-8`` (exact), fp32
 accumulation, ``2^8 * global_scale`` and the bias on the fp32 sums. ``DOT_F32`` (the CPU
 interpreter, which runs no PTX) decodes the same bits with Triton integer ops into fp32.
 """
@@ -70,16 +72,17 @@ def _mma_gemm_kernel(
     X_TMA: ``x_ptr`` is a host-made tensor descriptor of x ([BLOCK_M, BK] boxes) and the
     activation tiles arrive by TMA (rows past M and columns past K read as zeros), instead of
     per-thread cp.async with 64-bit address arithmetic (on the H200 the warps of the pointer
-    version waited on those address registers: benchmarks/NOTES.md, session 8).
+    version waited on those address registers: docs/design/wgmma-gemm.md).
 
     x is [M, K] contiguous with its columns already in the MMA's K order (:func:`kappa_order`).
     M tiles of one weight tile run back to back (program id order), so the weight tile is read
     from HBM once and from L2 after. With SPLIT > 1, ``out_ptr`` is an fp32 [SPLIT, M, N]
     workspace of unscaled partial sums (summed by :func:`_split_sum_kernel`).
-    SETTLE: read the accumulator in every step (:func:`.wgmma_hazard.settle`), so the next
-    step's decode never writes A registers of wgmmas in flight (Triton < 3.7 pipelining bug).
-    (Measured on the H200, session 4: TMA for the weight words and scales too was slower, as
-    ptxas then serialized the wgmma chain of the split register-operand dot; see NOTES.)"""
+    SETTLE: read the accumulator in every step (:func:`..common.wgmma_guard.settle`), so the
+    next step's decode never writes A registers of wgmmas in flight (Triton < 3.7 pipelining
+    bug). The weight words and scales stay on pointer loads: by TMA too it was slower, as ptxas
+    then serialized the wgmma chain of the split register-operand dot
+    (docs/design/wgmma-gemm.md)."""
     if PDL:  # launched as a dependent of the permutation kernel: wait for it
         gdc_wait()
     num_m = tl.cdiv(M, BLOCK_M)
@@ -213,8 +216,8 @@ def mma_gemm(
     # on SM 9.0+ the permutation, the GEMM and the split sum form a programmatic-dependent
     # chain: each launch starts while the one before finishes and waits for it before it reads
     pdl = pdl_capable(x.device)
-    # TMA boxes that run past the activations' last row were slow on the H200 (gate_up M=160:
-    # 227 us for 64x128 tiles, M=256 129); the copy into the K order is made whole tiles high
+    # TMA boxes that run past the activations' last row were slow on the H200
+    # (docs/design/wgmma-gemm.md); the copy into the K order is made whole tiles high
     rows = triton.cdiv(m, tile.block_m) * tile.block_m if tile.tma and PAD_TMA_ROWS else m
     xk = kappa_order(x, release_next=pdl, rows=rows)
     ck = tile.chunks

@@ -126,19 +126,13 @@ _POINTER_TILES = (
 
 
 #: TMA tiles, same rows: the winners with the accumulator settled each K step (what SM 9.x
-#: runs, gemm-sweep-h200-2026-11-30-settled.log). Settled, a warpgroup's decode no longer
-#: overlaps its own wgmmas, so smaller programs that let more warpgroups share an SM won: e.g.
-#: 64x128 tiles of one warpgroup at M 65..256 (gate_up M=128 61 vs 70 us for the pipelined
-#: winner 128x128w8s2, qkv M=256 33 vs 47; M=512: gate_up 249 vs 278, down 127 vs 153 for
-#: 128x128w8s3). At M 65..128 a K split lets the 64x128 tile decode each weight once and still
-#: fill the SMs (gemm-sweep-h200-2026-11-30-ksplit3 / -m65-256 logs, two or three sweeps): qkv
-#: k2 21.4 vs 24.7 for 64x64 unsplit, down k4 34.5 vs 41.4, o k4 16.5 vs 17.5. At M 129..256
-#: 64x128 too, with a 2-way K split for long or narrow weights (gemm-sweep-h200-2026-11-30-
-#: pad.log, M = 160 / 192 / 224: o 22.2-22.8 vs 26.9 unsplit, down 58.0-59.9 vs 79.4-83.5;
-#: qkv and gate_up stay unsplit, 31.3-31.8 vs 36.5-37.9 and 117-123 vs 132-141). Sweeps before
-#: session 14 let the last token tile's TMA boxes run past row M, which cost up to 2x (gate_up
-#: M=160 231 vs 117 us; M=72 118 vs 59) and had made 64-token tiles win at M 129..192; the
-#: activations are now padded to whole token tiles (:func:`mma_gemm`).
+#: runs; benchmarks/results/gemm-sweep-h200-*-settled.log, docs/design/wgmma-gemm.md). Settled,
+#: a warpgroup's decode no longer overlaps its own wgmmas, so smaller programs that let more
+#: warpgroups share an SM won: 64x128 tiles of one warpgroup at M 65..256. At M 65..128 a K
+#: split lets the 64x128 tile decode each weight once and still fill the SMs; at M 129..256 a
+#: 2-way K split for long or narrow weights (qkv and gate_up stay unsplit). The activations are
+#: padded to whole token tiles (:func:`.gemm.mma_gemm`): TMA boxes that ran past
+#: row M had cost up to 2x and had made 64-token tiles win at M 129..192.
 _TMA_TILES = tuple(
     (top, rule, replace(tile, tma=True))
     for top, rule, tile in (
@@ -162,8 +156,8 @@ def mma_gemm_config(n: int, k: int, m: int, *, tma: bool = False) -> GemmTile:
     weight's width (WIDE_N) and depth (LONG_K): narrow weights split K to fill the GPU.
 
     ``tma`` (the device is :func:`tma_capable`): the activation tiles come by TMA, which beat
-    the pointer loads in every winning tile of the session-8 sweep (gemm-sweep-h200-2026-11-30-
-    tma.log; gate_up M=128 63 vs 78 us, qkv M=256 36 vs 42, pipelined) and frees registers."""
+    the pointer loads in every winning tile of the sweep (benchmarks/results/
+    gemm-sweep-h200-*-tma.log, docs/design/wgmma-gemm.md) and frees registers."""
     wide, long_k = n >= WIDE_N, k >= LONG_K
     tile = next(
         tile

@@ -1,10 +1,15 @@
-"""The GEMV-style kernel for small M on the mma16x64 layout: mma.sync with the PTX decode.
+"""NVFP4 / MXFP4 weight-only GEMM for small M on tensor cores, with the decode written in PTX.
 
-Each lane loads its ``mma.m16n8k16`` A fragments for 64 K with one 16-byte load, turns every
-32-bit word (8 codes) into the four 16-bit A registers with 11 integer ops and one 16-bit FMA
-per two weights for the block scale (:mod:`..common.ptx`), then runs ``mma.sync`` with the
-activations as the 8-column B operand. Triton only launches, loops and reduces across warps.
-Layout and numerics: :mod:`.layout`.
+Why this exists: the tl.dot kernels of :mod:`..checkpoint_layout.linear` spend ~6 instructions
+per weight (static SASS count) on decode, layout moves and byte extraction, which makes them
+instruction-issue bound well below the GPU's memory bandwidth (docs/design/mma-layout.md).
+Here, on the repacked layout (:mod:`.layout`), each lane loads its ``mma.m16n8k16`` A fragments
+for 64 K with one 16-byte load, turns every 32-bit word (8 codes) into the four 16-bit A
+registers with 11 integer ops and one 16-bit FMA per two weights for the block scale
+(:mod:`..common.ptx`), then runs ``mma.sync`` with the activations as the 8-column B operand.
+Everything per lane is inline PTX inside a Triton program whose tensors hold exactly one element
+per thread, so Triton only launches, loops and reduces across warps: the kernel needs nothing
+but torch and triton.
 """
 
 from __future__ import annotations
@@ -52,8 +57,8 @@ def _mma_gemv_kernel(
     """One program = WT * R 16-row tiles x (8 * NT) tokens with WT * WK warps: warp (wt, wk)
     takes R consecutive tiles and every WK-th chunk from wk (a K split summed at the end). Its
     activation fragments are loaded once per chunk and used by all R tiles (at M >= 16 the
-    activation loads, not the weights, fill L1: ncu on the H200 shows L1 ~72% busy at M = 16
-    and 64 with R = 1); the WT warps of one wk read the same activation bytes at about the same
+    activation loads, not the weights, fill L1: Nsight Compute, docs/design/mma-layout.md); the
+    WT warps of one wk read the same activation bytes at about the same
     time, so those loads hit in L1. Each step a warp handles UNROLL chunks (wk + WK * i), and
     the weight loads of the step DEPTH steps ahead are issued before this step's math, so every
     warp keeps DEPTH * R * UNROLL * 576 bytes in flight (DEPTH = 2 costs another set of
@@ -64,7 +69,7 @@ def _mma_gemv_kernel(
     [U, NT, 32W]; accumulators [R, U, NT, 32W].
 
     SPC: scale pairs per tile and chunk, 32 (NVFP4: one per lane) or 16 (MXFP4, group 32: lanes
-    2i and 2i + 1 read the same pair, see :func:`repack_mx`)."""
+    2i and 2i + 1 read the same pair, see :func:`.layout.repack_mx`)."""
     WARPS: tl.constexpr = WT * WK
     m0 = tl.program_id(0) * (8 * NT)
     idx = tl.arange(0, 32 * WARPS)
@@ -146,16 +151,12 @@ def _store_out(out_ptr, bias_ptr, acc, tok, n, M, stride_om, factor, HAS_BIAS: t
 
 
 def gemv_config(tiles: int, chunks: int, m: int) -> tuple[int, int, int, int, int, int]:
-    """(NT, WT, WK, UNROLL, R, DEPTH) for a call: :func:`mma_base_config`, except that from 9
-    tokens on, weights that are not wide keep two steps of weight loads in flight (DEPTH 2) in
-    narrower programs. At those M the kernel waits on memory: Nsight Compute on down M=16
-    showed 0.6 eligible warps per scheduler, long-scoreboard the top stall, and only 256
-    programs for 132 SMs (stall-mma-down-16). On the H200 (mma-sweep-h200-2026-11-30-depth
-    logs, two sweeps each): M=16 qkv 1x4x2 10.6-10.8 -> 1x4x2d2 9.4-9.6 us, o 1x8x2 9.0-9.1 ->
-    1x4x4d2 7.9-8.0, down 1x8x2 18.6-18.9 -> 1x8x2d2 16.8-16.9; M=24 / 32 qkv 1x4x2 16.2 /
-    17.1-17.4 -> 1x2x4d2 14.3-14.5 / 15.1-15.4, o 13.0-13.3 / 13.6-13.9 -> 11.7-12.1 /
-    12.2-12.5 (down at M=24: 1x4x4d2 24.6 vs 32.0). Not at M <= 8 (no gain) nor for fused
-    gate_up weights (slower: 2x2x2x2d2 33.0 vs 28.0 at M=16)."""
+    """(NT, WT, WK, UNROLL, R, DEPTH) for a call: :func:`..common.configs.mma_base_config`, except
+    that from 9 tokens on, weights that are not wide keep two steps of weight loads in flight (DEPTH
+    2) in narrower programs. At those M the kernel waits on memory (Nsight Compute: few eligible
+    warps per scheduler, long-scoreboard the top stall, fewer programs than two per SM). Faster on
+    the H200 for qkv, o and down at M = 16..32 (benchmarks/results/mma-sweep-h200-*-depth logs,
+    docs/design/mma-layout.md); not at M <= 8 (no gain) nor for fused gate_up weights (slower)."""
     nt, wt, wk, unroll, r = mma_base_config(tiles, chunks, m)
     if tiles < 1024 and nt in (2, 4):
         if nt == 2:

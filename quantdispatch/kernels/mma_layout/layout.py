@@ -1,22 +1,18 @@
-"""NVFP4 weight-only GEMM for small M on tensor cores, with the decode written in PTX.
+"""The mma16x64 layout of FP4 weights: repack / unpack, the scale encoding and the torch replay
+of the kernels' decode. No triton import (the kernels that read it: :mod:`.gemv`,
+:mod:`.dequant`, :mod:`.gemm`, the MoE modules; why the layout exists: :mod:`.gemv`).
 
-Why this exists: the tl.dot kernels in :mod:`.fp4_linear` spend ~6 instructions per weight
-(static SASS count, benchmarks/NOTES.md) on decode, layout moves and byte extraction, which
-makes them instruction-issue bound at ~1.5 TB/s on the H200 (the budget at the 4.2 TB/s
-floor is ~4.4 per weight). Here the weights are repacked once (``prepare``, same bytes) so that
-each lane of a warp loads its ``mma.m16n8k16`` A fragments for 64 K with one 16-byte load,
-and turns every 32-bit word (8 codes) into the four 16-bit A registers with 11 integer ops
-(no byte extraction, no conversion), one 16-bit FMA per two weights for the block scale, then
-``mma.sync`` with the activations as the 8-column B operand. Everything per lane is inline PTX
-inside a Triton program whose tensors hold exactly one element per thread, so Triton only
-launches, loops and reduces across warps: the kernel needs nothing but torch and triton.
+The weights are repacked once at load (same bytes) so that each lane of a warp loads its
+``mma.m16n8k16`` A fragments for 64 K with one 16-byte load and turns every 32-bit word (8
+codes) into the four 16-bit A registers with 11 integer ops (no byte extraction, no
+conversion) and one 16-bit FMA per two weights for the block scale.
 
 Layout ("mma16x64"; N a multiple of 16, K of 64), for tile ``T`` (rows 16T..16T+15), chunk
 ``c`` (K columns 64c..64c+63) and lane ``l = 4g + t``:
 
-* ``words[T, c, l, j]`` (int32, j = 0..3): the 8 codes of rows 16T+g and 16T+g+8 at K
-  columns ``64c + 16t + 4j + {0, 1, 2, 3}``. Within each word the code bits sit where the
-  decode table below reads them (:data:`DECODE_TABLES`), so that a rotate and a mask (two
+* ``words[T, c, l, j]`` (int32, j = 0..3): the 8 codes of rows 16T+g and 16T+g+8 at K columns
+  ``64c + 16t + 4j + {0, 1, 2, 3}``. Within each word the code bits sit where the decode table
+  reads them (:data:`..common.decode_tables.DECODE_TABLES`), so that a rotate and a mask (two
   rotates for two of the four registers) put sign and magnitude straight into the 16-bit
   exponent/mantissa fields.
 * ``scales[T, c, l, 0 / 1]`` (uint8): the block scales of rows 16T+g / 16T+g+8 for group

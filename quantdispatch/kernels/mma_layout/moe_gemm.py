@@ -1,34 +1,34 @@
 """NVFP4 and MXFP4 MoE experts in the ``mma16x64`` layout: every regime on one repacked copy.
 
-Why: the MoE kernels on the checkpoint layout (:mod:`.fp4_mma_ckpt`, :mod:`.fused_moe`) decode
-each weight with more instructions than the repacked linear kernels (15 vs 11 integer ops per 8
-codes, activation permutes, byte-wise scales), and at few tokens per expert they are issue
-bound: on the H200 the same mma.sync design streamed gate_up at M=1 in 32 us from the
-checkpoint layout and in 22 us repacked (benchmarks/NOTES.md). Experts used to stay in the
-checkpoint layout because their larger-M kernels read it; with the tl.dot GEMM that decodes the
-repacked layout (:mod:`.fp4_mma_gemm`) every regime can read the repacked copy, and it holds the
-same bytes (no second copy):
+Why: the MoE kernels on the checkpoint layout (:mod:`..checkpoint_layout.moe_mma`,
+:mod:`..checkpoint_layout.moe`) decode each weight with more instructions than the repacked
+linear kernels (15 vs 11 integer ops per 8 codes, activation permutes, byte-wise scales), and at
+few tokens per expert they are issue bound, so the same mma.sync design streams faster from the
+repacked layout (docs/design/moe.md). With the tl.dot GEMM that decodes the repacked layout
+(:mod:`.gemm`) every regime can read the repacked copy, and it holds the same bytes (no second
+copy). The regime is chosen in :mod:`.moe_plan`:
 
 * single (token, slot) pairs (4 x pairs <= E: decode): the mma.sync gate/up tiles of
-  :mod:`.fp4_mma_ckpt` and a down kernel that also sums the top-k slots
-  (:mod:`.fp4_mma_moe_small`: two launches instead of three);
-* few tokens per expert: the mma.sync gate/up + down kernels of :mod:`.fp4_mma_ckpt` in their
-  REPACKED mode (gate and up tiles of a warp share the activation fragments, activation fused)
-  on 8-pair blocks;
+  :mod:`..checkpoint_layout.moe_mma` and a down kernel that also sums the top-k slots
+  (:mod:`.moe_pairs`: two launches instead of three);
+* few tokens per expert: the mma.sync gate/up + down kernels of
+  :mod:`..checkpoint_layout.moe_mma` in their REPACKED mode (gate and up tiles of a warp share
+  the activation fragments, activation fused) on 8-pair blocks;
 * mid: a grouped GEMM (:func:`_moe_gemm_kernel`): expert-sorted blocks of ``block_m`` pairs
-  (:func:`.fused_moe.moe_align`) times 64-row weight tiles, the weight decoded into the wgmma A
-  operand as in :mod:`.fp4_mma_gemm` (swap AB: weight rows x tokens). Gate/up programs run the
-  gate tile and the up tile on the same activation tile (one shared-memory tile feeds both
-  dots) and fuse the activation; they write the intermediate with its columns already in the MMA
-  K order, so the down GEMM reads it as is (the tokens' own activations are permuted once per
-  call, :func:`.fp4_mma_gemm.kappa_order`);
+  (:func:`..checkpoint_layout.moe_align.moe_align`) times 64-row weight tiles, the weight decoded
+  into the wgmma A operand as in :mod:`.gemm` (swap AB: weight rows x tokens). Gate/up programs run
+  the gate tile and the up tile on the same activation tile (one shared-memory tile feeds both dots)
+  and fuse the activation; they write the intermediate with its columns already in the MMA K order,
+  so the down GEMM reads it as is (the tokens' own activations are permuted once per call,
+  :func:`.activation_order.kappa_order`);
 * very many (SM 9.0+ with ``torch._grouped_mm``): each GEMM's experts dequantized to 16-bit
   by the layout's own dequant kernel, then ``torch._grouped_mm`` (as for the checkpoint layout).
 
 Stacked tensors: ``words`` int32 [E, N/16, K/64, 32, 4], ``scales`` uint8 [E, N/16, K/64, 32, 2]
-(:func:`repack_experts`; N = 2I for w13, gate tiles then up tiles), ``global_scale`` fp32 [E].
-MXFP4 (:func:`repack_experts_mx`): scales [E, N/16, K/64, 16, 2], one pair per group of 32 read
-by two lanes, and each expert's scales relative to its own largest (its global scale).
+(:func:`.moe_stacks.repack_experts`; N = 2I for w13, gate tiles then up tiles), ``global_scale``
+fp32 [E]. MXFP4 (:func:`.moe_stacks.repack_experts_mx`): scales [E, N/16, K/64, 16, 2], one pair
+per group of 32 read by two lanes, and each expert's scales relative to its own largest (its
+global scale).
 The layout places codes for one 16-bit activation dtype (bf16 or fp16), fixed at repack.
 """
 
@@ -74,8 +74,7 @@ def _tile_warps(tile: MoeGemmTile, block_n: int) -> int:
     """Warps for one GEMM of ``tile`` run ``block_n`` rows wide: the tile's warps scale with
     the rows when a GEMM whose N the tile's width does not divide falls back to 64-row tiles
     (8 warps on 64 rows would split the tokens between two warpgroups that decode the same
-    weights: gpt-oss-20b, N = 2880, M=1024 1033.6 us against 716.6 with 4; session 16,
-    moe-mxfp4-sweep-h200-2026-11-30-s16-wide.json)."""
+    weights, which was much slower for gpt-oss-20b, N = 2880: docs/design/moe.md)."""
     return max(4, tile.warps * block_n // tile.block_n)
 
 
@@ -85,7 +84,7 @@ def _tile_pointers(w_ptr, s_ptr, e64, stride_we, stride_se, tile0,
                    SPC: tl.constexpr):  # fmt: skip
     """Word and scale pointers of BT 16-row tiles from ``tile0`` of expert e, first K step
     (SPC 16, MXFP4: int32 pointers to both scale pairs of a row group, as in
-    :func:`.fp4_mma_gemm._mma_gemm_kernel`)."""
+    :func:`.gemm._mma_gemm_kernel`)."""
     t = tl.arange(0, BT)[:, None, None, None, None]
     c = tl.arange(0, CK)[None, :, None, None, None]
     g = tl.arange(0, 8)[None, None, :, None, None]
@@ -121,7 +120,7 @@ def _moe_gemm_kernel(
     activation tile, and the activation is stored to row ``b * BLOCK_M + slot`` of the
     intermediate at the MMA K-order column of each output column. Down: x rows are those
     intermediate rows; out row = pair, times the pair's routing weight. SETTLE: read the
-    accumulators in every step (:func:`.wgmma_hazard.settle`; the Triton < 3.7 wgmma bug)."""
+    accumulators in every step (:func:`..common.wgmma_guard.settle`; the Triton < 3.7 wgmma bug)."""
     pid = tl.program_id(0)
     b = pid % n_blocks
     pid_n = pid // n_blocks
@@ -208,7 +207,7 @@ def _check_stack(w: Sequence[torch.Tensor], which: str) -> tuple[int, int, int]:
         _fail(
             f"{which} words are {words.dtype} {tuple(words.shape)}",
             "repacked expert words are int32 [E, N/16, K/64, 32, 4]",
-            "build them with fp4_mma_moe.repack_experts (QuantMoE does)",
+            "build them with moe_stacks.repack_experts (QuantMoE does)",
         )
     e, tiles, chunks = words.shape[:3]
     pairs = scales.shape[3] if scales.dim() == 5 else 0

@@ -2,12 +2,12 @@
 
 Why: with a handful of tokens (decode) a MoE layer streams the experts its tokens picked once,
 and each dependent launch costs time of its own: on the H200 a kernel that only *reads*
-Qwen3-30B-A3B's M=1 bytes as three dependent launches (gate/up, down, top-k sum) takes 2.2x the
-streaming floor (benchmarks/results/stream-small-h200-2026-11-30.md). This module drops the
-third launch:
+Qwen3-30B-A3B's M=1 bytes as three dependent launches (gate/up, down, top-k sum) stays far from
+the streaming floor (benchmarks/results/stream-small-h200-*.md). This module drops the third
+launch:
 
 * gate/up programs, one per (pair, 16-row tile of I): the mma.sync gate and up tiles of
-  :mod:`.fp4_mma_ckpt` (REPACKED mode) on the pair's token, K split over the warps,
+  :mod:`..checkpoint_layout.moe_mma` (REPACKED mode) on the pair's token, K split over the warps,
   activation fused, 16 intermediate values stored to a small scratch ``a`` [pairs, I];
 * down programs, one per (token, 16-row tile of H): each warp takes one of the token's slots
   (a fixed expert, so its loads stream like the per-pair kernel's), ``min(top_k, warps)``
@@ -15,19 +15,18 @@ third launch:
   is scaled by its routing weight x global scale, and the cross-warp sum at the end *is* the
   top-k sum: no per-pair output, no third launch, a fixed order (deterministic, bit for bit).
 
-On SM 9.0+ the down kernel is a programmatic dependent launch (:mod:`.gdc`): gate/up programs
+On SM 9.0+ the down kernel is a programmatic dependent launch (:mod:`..common.pdl`): gate/up
+programs
 (an ordinary launch: every earlier kernel is complete when they start) release it at once, its
 programs start next to them, load their first weight chunks (on long loops prefetch more into
 L2), and only then wait for the intermediate (``griddepcontrol.wait``: gate/up complete, its
-writes visible). Qwen3-30B-A3B M=1 12.1 vs 13.3 us.
+writes visible).
 
-Measured on the H200 against the per-pair kernels + sum (benchmarks/NOTES.md, session 6):
-Qwen3-30B-A3B M=1 13.5 vs 15.9 us, Mixtral-8x7B M=1 67.6 vs 69.5, DeepSeek-V3 M=1 68.1 vs
-69.1; wide programs matter where the grids are small (:func:`small_moe_config`). Tried and
-dropped: both kernels in one cooperative launch with a grid barrier between them (persistent
-programs): one warp count for both, fewer warps in flight; the two launches beat every setting
-of it (Qwen3 M=1 13.6 vs 19.1 us at best).
-Experts in the mma16x64 layout of :mod:`.fp4_mma` (:func:`.fp4_mma_moe.repack_experts`);
+Faster on the H200 than the per-pair kernels + sum; wide programs matter where the grids are
+small (:func:`.moe_plan.small_moe_config`). Tried and dropped: both kernels in one cooperative
+launch with a grid barrier between them (persistent programs): one warp count for both, fewer
+warps in flight; the two launches beat every setting of it (docs/design/moe.md).
+Experts in the mma16x64 layout of :mod:`.layout` (:func:`.moe_stacks.repack_experts`);
 PTX, so GPU only (SM 8.0+).
 """
 
@@ -309,7 +308,7 @@ def small_moe(
 ) -> None:
     """out [M, H] = the routed experts of x (checked by the caller: repacked stacks, x [M, H]
     16-bit and contiguous, ids [M, top_k] and tw float32 [M, top_k] contiguous), the same
-    contract as :func:`.fused_moe._run_mma`."""
+    contract as :func:`..checkpoint_layout.moe_mma.run_mma_moe`."""
     c13, s13, g13 = w13
     c2, s2, g2 = w2
     s13, s2 = s13.view(torch.int16), s2.view(torch.int16)  # scale pairs

@@ -50,24 +50,20 @@ __all__ = [
 #: wgmma would be padding).
 MMA_MAX_TOKENS_PER_EXPERT = 4
 #: From this many tokens per expert (SM 9.0+), dequantize + torch._grouped_mm, for experts of at
-#: least DEQUANT_MIN_EXPERT_ELEMENTS (I x H). H200 (session 17, moe-sweep-h200-2026-11-30-s17-
-#: crossover.json; us, the plan's grouped GEMM tile vs dequantize): Mixtral-8x7B (14336 x 4096)
-#: 512 per expert 3687 vs 4114, 640 4502 vs 4636, 768 5408 vs 5309, 896 6229 vs 5864, 1024
-#: 7190 vs 6380; Qwen3-30B-A3B (768 x 2048) the GEMM wins at 512 / 768 / 1024 (2155 vs 3967,
-#: 3081 vs 5293, 4073 vs 6618: torch._grouped_mm over 128 small experts is slow itself), as it
-#: does for gpt-oss-20b (2880 x 2880) at 512 (2431 vs 3325, session 16). (fused_moe's
-#: checkpoint-layout kernels keep 512 for all experts: not re-measured.)
+#: least DEQUANT_MIN_EXPERT_ELEMENTS (I x H): on the H200 the crossover for Mixtral-8x7B
+#: (14336 x 4096) lies between 640 and 768 per expert; for smaller experts (Qwen3-30B-A3B,
+#: gpt-oss-20b) the grouped GEMM wins at 512..1024, as torch._grouped_mm over many small experts
+#: is slow itself (benchmarks/results/moe-sweep-h200-*-crossover.json, docs/design/moe.md). The
+#: checkpoint layout's kernels keep their own cut-off
+#: (:data:`..checkpoint_layout.moe_plan.DEQUANT_MIN_TOKENS_PER_EXPERT`; not re-measured).
 DEQUANT_MIN_TOKENS_PER_EXPERT = 768
 DEQUANT_MIN_EXPERT_ELEMENTS = 2**25
 #: ... as long as the transient 16-bit copy of one GEMM's experts stays below this (bytes).
 DEQUANT_MAX_BUFFER_BYTES = 4 * 2**30
 #: Small experts (I x H at most DIRECT_MAX_EXPERT_ELEMENTS) run one mma block per (token, slot)
 #: pair, no expert sort, up to this many tokens per expert: their blocks of 8 pairs would mostly
-#: hold one pair, and the sort is a large part of a small expert's time. H200 (session 16,
-#: ksplit-probe-h200-2026-11-30-few*.log; us per layer, one block per pair vs 8-pair blocks):
-#: Qwen3-30B-A3B (768 x 2048) M=5 38.6 vs 45.6, M=6 43.8 vs 48.4, M=8 51.5 vs 55.5; 64 experts
-#: of 1024 x 2048, top-8, M=3 32.0 vs 38.0, M=4 37.5 vs 42.6. Bigger experts keep the blocks
-#: (1536 x 4096 M=8 179.6 vs 160.8; gpt-oss-120b M=12 178.7 vs 167.2).
+#: hold one pair, and the sort is a large part of a small expert's time. Bigger experts keep the
+#: blocks (H200: benchmarks/results/ksplit-probe-h200-*-few*.log, docs/design/moe.md).
 DIRECT_MAX_TOKENS_PER_EXPERT = 0.5
 DIRECT_MAX_EXPERT_ELEMENTS = 1 << 22
 
@@ -238,27 +234,19 @@ def small_moe_config(
     m: int, top_k: int, inter: int, hidden: int, warps: int, unroll: int, pdl: bool = False
 ) -> SmallMoeConfig:
     """Gate/up: ``warps`` x ``unroll`` (the per-pair kernel's tuning for the same programs,
-    :func:`.fp4_mma_ckpt.mma_moe_config`), or 8 x 1 for grids of at most
+    :func:`..checkpoint_layout.moe_plan.mma_moe_config`), or 8 x 1 for grids of at most
     GATE_UP_WIDE_MAX_PROGRAMS. Down: the fewest of 4 / 8 / 16 warps per program that give the
-    grid DOWN_MIN_WARPS warps, two chunks in flight. From the H200 sweeps
-    (benchmarks/results/moe-sweep-h200-2026-11-30-small*.json; us): down, Qwen3-30B-A3B M=1 (128
-    programs) 16 warps 13.7, 8 17.5, 4 18.5; Mixtral-8x7B M=1 (256) 16: 66.9, 8: 76.2;
-    DeepSeek-V3 M=1 (448) 8: 72.0, 16: 75.6; Qwen3 M=4 (512) 8: 33.0, 16: 37.7. Gate/up 8 x 1
-    against 4 x 2: Qwen3 M=1 (384 programs) 13.3 vs 14.4, DeepSeek-V3 M=1 (1024) 68.3 vs 72.2;
-    bigger grids keep the tuning (Mixtral M=1, 1792: 4 x 2 76.2, 8 x 2 88.3). With ``pdl``
-    the 8 x 1 rule holds only from GATE_UP_WIDE_MIN_CHUNKS_PDL chunks of K (session 15,
-    moe-sweep-h200-2026-11-30-s15.json and moe-mxfp4-sweep-h200-2026-11-30-s15.json; us, 8 x 1
-    vs the tuning's 4 x 2): DeepSeek-V3 M=1 (112 chunks) 65.8 vs 69.2; Qwen3 M=1 (32) 12.9 vs
-    12.0, M=2 23.0 vs 19.4; gpt-oss-20b / 120b M=1 (45) 28.3 / 28.3 vs 24.9 / 25.1.
+    grid DOWN_MIN_WARPS warps, two chunks in flight. Gate/up 8 x 1 pays where the grid is small
+    (bigger grids keep the tuning); with ``pdl`` only from GATE_UP_WIDE_MIN_CHUNKS_PDL chunks of
+    K. From the H200 sweeps (benchmarks/results/moe-sweep-h200-*-small*.json, *-s15.json,
+    docs/design/moe.md).
 
     ``pdl`` (SM 9.0+): the down kernel as a programmatic dependent launch, its first chunks
     loaded before it waits for gate/up; an L2 prefetch of the first eighth of the chunks of
-    every (slot, output tile) only where I has PREFETCH_MIN_CHUNKS chunks. H200, two sweeps each
-    (results/moe-sweep-h200-2026-11-30-topk-pdl-*.json; us, without PDL / PDL / PDL + prefetch of
-    1/8, 1/4, all): Qwen3 M=1 13.3 / 12.1 / 14.0, 14.1, 13.8; Mixtral M=1 66.7 / 65.5 / 61.8,
-    62.3, 69.1; DeepSeek-V3 M=1 68.0 / 66.7 / 66.4, 68.2, 75.5. Session 14, MXFP4 gpt-oss
-    (I = 2880, 45 chunks; moe-mxfp4-sweep-h200-2026-11-30.json) M=1: 36.0 / 35.3 / 28.4, 28.6,
-    31.3, hence the prefetch from 40 chunks (Qwen3 has 12, DeepSeek-V3 32, Mixtral 224)."""
+    every (slot, output tile) only where I has PREFETCH_MIN_CHUNKS chunks: it paid for Mixtral
+    and gpt-oss (45 chunks) on the H200, not for Qwen3 (12) or DeepSeek-V3 (32); prefetching a
+    quarter or all of them did worse (benchmarks/results/moe-sweep-h200-*-topk-pdl-*.json,
+    moe-mxfp4-sweep-h200-*.json)."""
     if m * top_k * (inter // 16) <= GATE_UP_WIDE_MAX_PROGRAMS and (
         not pdl or hidden // 64 >= GATE_UP_WIDE_MIN_CHUNKS_PDL
     ):
@@ -307,23 +295,19 @@ def moe_plan(
 
     Tokens per expert ``tpe = M * top_k / E``: <= MMA_MAX_TOKENS_PER_EXPERT the mma.sync
     kernels (single pairs when 4 * pairs <= E, with the top-k sum in the down kernel,
-    :func:`.fp4_mma_moe_small.small_moe_config`; small experts up to
+    :func:`small_moe_config`; small experts up to
     DIRECT_MAX_TOKENS_PER_EXPERT one block per pair; else 8-pair blocks); >=
     DEQUANT_MIN_TOKENS_PER_EXPERT on SM 9.0+ dequantize + grouped_mm for experts of
     DEQUANT_MIN_EXPERT_ELEMENTS+ (Mixtral's; smaller experts keep the GEMM); else the grouped
     GEMM, with blocks of 16 / 32 / 64 pairs (64-row weight tiles, 4 warps) and above 96 tokens
     per expert 128 pairs on 128-row tiles (8 warps; 64-row tiles and 4 warps where 128 does
     not divide I or H, e.g. gpt-oss's 2880). From the H200 sweep
-    (benchmarks/results/moe-sweep-h200-*.json; us): at 4 per expert the mma kernels win
-    (Qwen3 M=64 125 vs 167, DeepSeek-V3 M=128 1952 vs 2409); at 8 it is mixed (Qwen3 163 vs
-    172, Mixtral 310 vs 353, DeepSeek-V3 2777 vs 2564) and the GEMM wins the sum; 16 per expert:
-    32-pair blocks (Qwen3 M=256 199 vs 229 for 16, 266 for 64); 32: 64 (DeepSeek-V3 M=1024 4229
-    vs 4529 for 32); 256: 128 (Mixtral M=1024 1862 vs 2162 for 64). Three stages beat four
-    (e.g. Qwen3 M=1024 395 vs 431). With the accumulators settled each K step (SM 9.x,
-    :mod:`.wgmma_hazard`; moe-sweep-h200-2026-11-30-settled.json) the same tiles won at 8, 16,
-    32, 64 and 256 per expert, and 128 pairs on 128-row tiles already at 128 (DeepSeek-V3
-    M=4096 10465 vs 12094 for 64-pair blocks; at 64 per expert 64 still wins: Qwen3 M=1024 397
-    vs 464), hence the switch above 96. A tile whose pipeline does not fit the GPU's shared
+    (benchmarks/results/moe-sweep-h200-*.json, docs/design/moe.md): at 4 per expert the mma
+    kernels win; at 8 it is mixed and the GEMM wins the sum; 16 per expert: 32-pair blocks; 32:
+    64; 256: 128. Three stages beat four. With the accumulators settled each K step (SM 9.x,
+    :mod:`..common.wgmma_guard`; moe-sweep-h200-*-settled.json) the same tiles won at 8, 16, 32,
+    64 and 256 per expert, and 128 pairs on 128-row tiles already at 128 (at 64 per expert 64
+    still wins), hence the switch above 96. A tile whose pipeline does not fit the GPU's shared
     memory gives way to a smaller one (:func:`_fit_shared`)."""
     pairs = m * top_k
     tpe = pairs / max(experts, 1)
@@ -341,7 +325,7 @@ def moe_plan(
         small = tpe <= DIRECT_MAX_TOKENS_PER_EXPERT and inter * hidden <= DIRECT_MAX_EXPERT_ELEMENTS
         direct = single or small  # one block per pair, no expert sort
         cfg = mma_moe_config(pairs, experts, inter, hidden, direct=direct, repacked=True)
-        if single:  # fp4_mma_moe_small, its gate/up tuned as the per-pair mma kernels
+        if single:  # moe_pairs, its gate/up tuned as the per-pair mma kernels
             return small_moe_config(
                 m, top_k, inter, hidden, cfg.gemm1.wk, cfg.gemm1.unroll, facts.pdl
             )

@@ -45,7 +45,7 @@ def repack_experts_mx(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stacked MXFP4 experts (packed uint8 [E, N, K/2], E8M0 bytes [E, N, K/32]) -> (words
     [E, N/16, K/64, 32, 4], scales uint8 [E, N/16, K/64, 16, 2], global scales fp32 [E]),
-    expert by expert (:func:`.fp4_mma.repack_mx`: each expert's scales relative to its own
+    expert by expert (:func:`.layout.repack_mx`: each expert's scales relative to its own
     largest). Raises WeightFormatError if any expert's scales span more than the layout holds."""
     codes = e8m0.view(torch.uint8)
     words, scales = _stack_buffers(packed, 16)

@@ -2,12 +2,12 @@
 and the MoE grouped GEMM share it).
 
 The words of one lane decode to registers whose (row, column) are fixed by the layout
-(:mod:`.fp4_mma`: register r of word (T, c, g, t, j) holds row 16T + 8(r % 2) + g, columns
+(:mod:`.layout`: register r of word (T, c, g, t, j) holds row 16T + 8(r % 2) + g, columns
 64c + 16t + 4j + 2(r // 2) + {0, 1}). Taken in the MMA's own K order within each chunk of 64
 (kappa = 16j + 8(r // 2) + 2t + h), these registers already are the wgmma A fragments of a
 16-row slab, so the decoded tile reaches the MMA without a shared-memory round trip; the
-activations are permuted to that K order once per call (:func:`kappa_order`), the output keeps
-its natural order.
+activations are permuted to that K order once per call (:func:`.activation_order.kappa_order`),
+the output keeps its natural order.
 
 ``DOT_F32`` (the CPU interpreter, which runs no PTX) decodes the same bits with Triton integer
 ops into fp32.
