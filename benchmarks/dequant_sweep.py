@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from quantdispatch.kernels.dequant_gemm import dequant_fp4_rows
+from quantdispatch.kernels.checkpoint_layout.dequant import dequant_fp4_rows
 
 TILES = [(16, 128, 4), (16, 256, 4), (32, 128, 4), (8, 128, 4), (16, 128, 2), (32, 256, 8)]
 

@@ -1,4 +1,4 @@
-"""Check and time the tl.dot GEMM on the mma16x64 layout (kernels/fp4_mma_gemm.py) per tile.
+"""Check and time the tl.dot GEMM on the mma16x64 layout (kernels/mma_layout/gemm.py) per tile.
 
 Every (shape, M, tile) is first checked against the float64 reference (relative error < BOUND;
 fp16 activations and a poisoned output once per shape and M) and only then timed (CUDA-graph
@@ -23,8 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import linear as L  # benchmarks/linear.py: Problem, timing, reference
 
-from quantdispatch.kernels import fp4_mma, fp4_mma_gemm
-from quantdispatch.kernels.wgmma_hazard import rs_wgmma_hazard
+from quantdispatch.kernels.common.wgmma_guard import rs_wgmma_hazard
+from quantdispatch.kernels.mma_layout import gemm
+from quantdispatch.kernels.mma_layout.activation_order import kappa_order, kappa_order_torch
+from quantdispatch.kernels.mma_layout.gemm_tiles import parse_tile
+from quantdispatch.kernels.mma_layout.layout import repack
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 DEFAULT_TILES = (
@@ -32,9 +35,6 @@ DEFAULT_TILES = (
     "128x64x128w4s4,128x64x128w8s3,128x64x128w8s3k2,64x128x128w4s3,64x128x128w4s3k2,"
     "128x128x128w8s3,128x128x128w8s3k2,128x128x64w8s4,128x256x64w8s3,64x256x64w4s3"
 )
-
-
-parse_tile = fp4_mma_gemm.parse_tile
 
 
 def main() -> None:
@@ -63,8 +63,8 @@ def main() -> None:
         n, k = SHAPES[name]
         p = L.Problem(n, k, gen)
         t0 = time.time()
-        rot = [fp4_mma.repack(pk, sc.view(torch.uint8), torch.bfloat16) for pk, sc in p.nv]
-        f16 = fp4_mma.repack(p.nv[0][0], p.nv[0][1].view(torch.uint8), torch.float16)
+        rot = [repack(pk, sc.view(torch.uint8), torch.bfloat16) for pk, sc in p.nv]
+        f16 = repack(p.nv[0][0], p.nv[0][1].view(torch.uint8), torch.float16)
         torch.cuda.synchronize()
         L.log(f"{name} {n}x{k}: repack {time.time() - t0:.1f}s for {len(rot)} copies")
         w64 = p.w64["nvfp4"]
@@ -77,14 +77,14 @@ def main() -> None:
                 line.append(f"{kernel} {t:7.1f}" if t else f"{kernel} FAIL {err:.1e}")
             # the heuristic's tile, checked with fp16 activations, an odd M and a poisoned output
             x16 = torch.randn(m - 3, k, generator=gen, device="cuda").to(torch.float16)
-            y16 = fp4_mma_gemm.mma_gemm(x16, *f16, p.gscale)
+            y16 = gemm.mma_gemm(x16, *f16, p.gscale)
             err16 = L.rel_err(y16, x16.double() @ w64.T)
             line.append(f"err[fp16, M-3] {err16:.1e}" + ("" if err16 < L.BOUND else " FAILED"))
             xs = p.xs(m, len(rot), gen)
             if args.kappa:  # the per-call copy of x into the MMA's K order (a separate kernel)
                 for label, fn in (
-                    ("kappa", fp4_mma_gemm.kappa_order),
-                    ("kappa_torch", fp4_mma_gemm.kappa_order_torch),
+                    ("kappa", kappa_order),
+                    ("kappa_torch", kappa_order_torch),
                 ):
                     calls = [(lambda x=x, fn=fn: fn(x)) for x in xs]
                     t = L.time_calls(L.graph_calls(calls, m), L.replays_for(m))
@@ -95,9 +95,9 @@ def main() -> None:
                 if n % tile.block_n:
                     continue
                 label = tile.label() + ("" if pad else "/u")
-                fp4_mma_gemm.PAD_TMA_ROWS = pad  # read at call (and capture) time
+                gemm.PAD_TMA_ROWS = pad  # read at call (and capture) time
                 try:
-                    y = fp4_mma_gemm.mma_gemm(xs[0], *rot[0], p.gscale, tile=tile)
+                    y = gemm.mma_gemm(xs[0], *rot[0], p.gscale, tile=tile)
                 except Exception as e:  # a tile too large for shared memory or registers
                     line.append(f"{label} ERR {type(e).__name__}")
                     continue
@@ -106,11 +106,11 @@ def main() -> None:
                     line.append(f"{label} BAD {err:.1e}")
                     continue
                 calls = [
-                    (lambda x=x, r=r, t=tile, p=p: fp4_mma_gemm.mma_gemm(x, *r, p.gscale, tile=t))
+                    (lambda x=x, r=r, t=tile, p=p: gemm.mma_gemm(x, *r, p.gscale, tile=t))
                     for x, r in zip(xs, rot, strict=True)
                 ]
                 t = L.time_calls(L.graph_calls(calls, m), L.replays_for(m))
-                fp4_mma_gemm.PAD_TMA_ROWS = True
+                gemm.PAD_TMA_ROWS = True
                 line.append(f"{label} {t:6.1f}")
                 if best is None or t < best[0]:
                     best = (t, label)

@@ -2,9 +2,9 @@
 
 A measurement, not a kernel: the variants below compute wrong results on purpose (only
 ``base`` is checked against float64), and each removes or reshapes one cost of the activation
-fragment loads, which the session-8 profile blamed for M = 16 (benchmarks/NOTES.md):
+fragment loads, which the profile blamed for M = 16 (docs/design/mma-layout.md):
 
-* ``base``     the kernel as it ships (kernels/fp4_mma.py ``_mma_gemv_kernel``);
+* ``base``     the kernel as it ships (kernels/mma_layout/gemv.py ``_mma_gemv_kernel``);
 * ``x_sector`` the 4 lanes of a token row read 64 contiguous bytes per load instruction
                (whole 32-byte sectors) instead of 4 x 16 bytes at a 32-byte stride: what a
                sector-covering K order of the layout would load;
@@ -35,16 +35,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import linear as L  # benchmarks/linear.py: Problem, timing, reference
 from mma_sweep import SHAPES, parse_config
 
-from quantdispatch.kernels import fp4_mma
+from quantdispatch.kernels.mma_layout import gemv
+from quantdispatch.kernels.mma_layout.layout import repack
 
 _X_ROW = "x_row = (x_ptr + rows * stride_xm + (16 * t)[None, :])[None, :, :]"
-_LOAD_X = "x0, x1, x2, x3, x4, x5, x6, x7 = _load_x(x_row + ((c0 + cx) * 64)[:, None, :], ok, EVEN)"
+_LOAD_X = "x0, x1, x2, x3, x4, x5, x6, x7 = load_x(x_row + ((c0 + cx) * 64)[:, None, :], ok, EVEN)"
 
 VARIANTS: dict[str, list[tuple[str, str]]] = {
     "base": [],
     "x_sector": [
         (_X_ROW, _X_ROW.replace("(16 * t)", "(8 * t)")),
-        (_LOAD_X, _LOAD_X.replace("_load_x(", "_load_x_sector(")),
+        (_LOAD_X, _LOAD_X.replace("load_x(", "load_x_sector(")),
     ],
     "x_bcast": [  # one row per token tile (not one for all: the tiles' loads must stay apart)
         (_X_ROW, "x_row = (x_ptr + (tt + 0 * g[None, :]) * stride_xm + 0 * t[None, :])[None, :, :]")
@@ -61,9 +62,8 @@ VARIANTS: dict[str, list[tuple[str, str]]] = {
 _HEADER = """
 import triton
 import triton.language as tl
-from quantdispatch.kernels.fp4_mma import (
-    _decode_chunk, _load_w, _load_x, _mma_step_tiles, _store_out, _tile_sum,
-)
+from quantdispatch.kernels.common.ptx import decode_chunk, load_w, load_x, mma_step_tiles
+from quantdispatch.kernels.mma_layout.gemv import _store_out, _tile_sum
 
 _SECTOR_ASM = tl.constexpr(
     "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$9];\\nld.global.nc.v4.b32 {$4, $5, $6, $7}, [$9+64];"
@@ -71,7 +71,7 @@ _SECTOR_ASM = tl.constexpr(
 
 
 @triton.jit
-def _load_x_sector(x_ptrs, ok, ALL: tl.constexpr):
+def load_x_sector(x_ptrs, ok, ALL: tl.constexpr):
     return tl.inline_asm_elementwise(
         _SECTOR_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,l", [ok.to(tl.int32), x_ptrs],
         dtype=(tl.int32,) * 8, is_pure=True, pack=1,
@@ -82,7 +82,7 @@ def _load_x_sector(x_ptrs, ok, ALL: tl.constexpr):
 
 def build_variant(name: str, workdir: Path):
     """The GEMV kernel with the variant's substitutions, as a fresh Triton JIT function."""
-    src = inspect.getsource(fp4_mma._mma_gemv_kernel.fn)
+    src = inspect.getsource(gemv._mma_gemv_kernel.fn)
     for old, new in VARIANTS[name]:
         if old not in src:
             raise SystemExit(f"variant {name}: the kernel no longer contains {old!r}")
@@ -121,9 +121,9 @@ def main() -> None:
     for shape in args.shapes.split(","):
         n, k = SHAPES[shape]
         p = L.Problem(n, k, gen)
-        rot = [fp4_mma.repack(pk, sc.view(torch.uint8), torch.bfloat16) for pk, sc in p.nv]
+        rot = [repack(pk, sc.view(torch.uint8), torch.bfloat16) for pk, sc in p.nv]
         for m in map(int, args.ms.split(",")):
-            heur = fp4_mma._config(n // 16, k // 64, m)
+            heur = gemv.gemv_config(n // 16, k // 64, m)
             cfgs = [heur] + [(heur[0], *parse_config(c)) for c in args.configs.split(",") if c]
             xs = p.xs(m, len(rot), gen)
             for cfg in cfgs:

@@ -26,8 +26,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import moe as bench  # benchmarks/moe.py: Layer, timing, reference
 
-from quantdispatch.kernels.fp4_mma_ckpt import MmaGemmConfig, MmaMoeConfig, mma_moe_config
-from quantdispatch.kernels.fp4_mma_moe_small import small_moe_config
+from quantdispatch.kernels.checkpoint_layout.moe_plan import (
+    MmaGemmConfig,
+    MmaMoeConfig,
+    mma_moe_config,
+)
+from quantdispatch.kernels.mma_layout.moe_plan import small_moe_config
 
 Point = tuple[str, int, int, int, int, int]  # format, experts, top-k, H, I, M
 Split = tuple[int, int, int]  # warps side by side, K split, chunks in flight

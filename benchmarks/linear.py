@@ -12,8 +12,8 @@ weight and activation copies to exceed the L2 several times, so every call strea
 
     PYTHONPATH=$PWD python3 benchmarks/linear.py [--quick] [--tune] [--out DIR]
 
-``--tune`` first sweeps :func:`quantdispatch.kernels.configs.candidate_configs` per shape and M
-(NVFP4 bf16; FP8 W8A16 for M <= 16), writes ``configs_<gpu>.json`` to the output folder and
+``--tune`` first sweeps :func:`quantdispatch.kernels.common.configs.candidate_configs` per shape
+and M (NVFP4 bf16; FP8 W8A16 for M <= 16), writes ``configs_<gpu>.json`` to the output folder and
 uses it for the timed run.
 """
 
@@ -35,12 +35,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from quantdispatch.kernels import configs
-from quantdispatch.kernels.configs import GemmConfig
-from quantdispatch.kernels.fp4_linear import fp4_linear
-from quantdispatch.kernels.fp8_linear import fp8_weight_only_linear
-from quantdispatch.kernels.scaled_mm import fp8_scaled_mm_linear, prepare_fp8_scaled_mm
-from quantdispatch.kernels.wgmma_hazard import rs_wgmma_hazard
+from quantdispatch.kernels.checkpoint_layout.fp8 import fp8_weight_only_linear
+from quantdispatch.kernels.checkpoint_layout.linear import fp4_linear
+from quantdispatch.kernels.common import configs
+from quantdispatch.kernels.common.configs import GemmConfig
+from quantdispatch.kernels.common.wgmma_guard import rs_wgmma_hazard
+from quantdispatch.kernels.native.scaled_mm import fp8_scaled_mm_linear, prepare_fp8_scaled_mm
 
 SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
@@ -61,7 +61,7 @@ KERNELS = [
 DEQ_MIN_M = 32  # the dequantize + cuBLAS column is only interesting from here on
 # extra columns for the notes (not in the markdown ratios): NVFP4 through the fp32 decode
 EXTRA_KERNELS = ["nvfp4_f32"]
-BOUND = 1e-2  # bf16 outputs: see tests/numerics/test_triton_kernels.py
+BOUND = 1e-2  # bf16 outputs: see tests/numerics/test_checkpoint_layout_linear.py
 DEVICE = "cuda"  # a CPU smoke run (interpreter) may switch this
 
 
@@ -221,7 +221,8 @@ class Problem:
 
 
 def _deq_nvfp4(x, w, gscale):
-    from quantdispatch.kernels.dequant_gemm import dequant_fp4_rows, dequant_gemm
+    from quantdispatch.kernels.checkpoint_layout.dequant import dequant_fp4_rows
+    from quantdispatch.kernels.common.slabs import dequant_gemm
 
     packed, scale = w[0], w[1].view(torch.uint8)
 
@@ -471,7 +472,7 @@ def main() -> None:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "triton": triton.__version__,
-        # register-operand wgmma launches settle each K step (kernels/wgmma_hazard.py)
+        # register-operand wgmma launches settle each K step (kernels/common/wgmma_guard.py)
         "rs_wgmma_settled": torch.cuda.is_available() and rs_wgmma_hazard(torch.device("cuda")),
         "date": date,
         "shapes": shapes,

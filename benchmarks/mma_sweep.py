@@ -1,4 +1,5 @@
-"""Check and time the mma16x64 NVFP4 kernels (kernels/fp4_mma.py) on the GPU, per config.
+"""Check and time the mma16x64 NVFP4 kernels (kernels/mma_layout/gemv.py, dequant.py) on the GPU,
+per config.
 
 Every (shape, M, config) is first checked against the float64 reference (relative error
 < BOUND) and only then timed (CUDA-graph replays, weights rotated past L2), next to what the
@@ -21,7 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import linear as L  # benchmarks/linear.py: Problem, timing, reference
 
-from quantdispatch.kernels import fp4_mma, fp4_mma_ckpt
+from quantdispatch.kernels.checkpoint_layout.mma_linear import mma_ckpt_linear
+from quantdispatch.kernels.mma_layout.dequant import mma_dequant_rows
+from quantdispatch.kernels.mma_layout.gemv import gemv_config, mma_linear
+from quantdispatch.kernels.mma_layout.layout import repack
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 
@@ -52,8 +56,8 @@ def main() -> None:
         t0 = time.time()
         packs = {}
         for dtype in (torch.bfloat16, torch.float16):
-            packs[dtype] = [fp4_mma.repack(pk, sc.view(torch.uint8), dtype) for pk, sc in p.nv[:2]]
-        rot = [fp4_mma.repack(pk, sc.view(torch.uint8), torch.bfloat16) for pk, sc in p.nv]
+            packs[dtype] = [repack(pk, sc.view(torch.uint8), dtype) for pk, sc in p.nv[:2]]
+        rot = [repack(pk, sc.view(torch.uint8), torch.bfloat16) for pk, sc in p.nv]
         torch.cuda.synchronize()
         L.log(f"{name} {n}x{k}: repack {time.time() - t0:.1f}s for {len(rot)} copies")
         w64 = p.w64["nvfp4"]
@@ -63,7 +67,7 @@ def main() -> None:
                 words, scales = packs[dtype][0]
                 rows = min(n, 2048)
                 out = torch.full((rows, k), float("nan"), dtype=dtype, device="cuda")
-                fp4_mma.mma_dequant_rows(words, scales, p.gscale, 0, rows, out)
+                mma_dequant_rows(words, scales, p.gscale, 0, rows, out)
                 err = L.rel_err(out, w64[:rows])
                 exact = torch.equal(out, w64[:rows].to(dtype))
                 L.log(
@@ -71,11 +75,7 @@ def main() -> None:
                 )
             out = torch.empty((n, k), dtype=torch.bfloat16, device="cuda")
             calls = [
-                (
-                    lambda w=w, p=p, n=n, out=out: fp4_mma.mma_dequant_rows(
-                        w[0], w[1], p.gscale, 0, n, out
-                    )
-                )
+                (lambda w=w, p=p, n=n, out=out: mma_dequant_rows(w[0], w[1], p.gscale, 0, n, out))
                 for w in rot
             ]
             us = L.time_calls(calls, 10)
@@ -91,7 +91,7 @@ def main() -> None:
             for dtype in (torch.bfloat16, torch.float16):
                 x = torch.randn(m, k, generator=gen, device="cuda").to(dtype)
                 words, scales = packs[dtype][1]
-                y = fp4_mma.mma_linear(x, words, scales, p.gscale)
+                y = mma_linear(x, words, scales, p.gscale)
                 err = L.rel_err(y, x.double() @ w64.T)
                 line.append(f"err[{str(dtype)[6:]}] {err:.1e}")
                 if not err < L.BOUND:
@@ -99,18 +99,18 @@ def main() -> None:
             xs = p.xs(m, len(rot), gen)
             best = None
             for wt, w, u, r, d in cfgs:
-                nt = fp4_mma._config(n // 16, k // 64, m)[0]
+                nt = gemv_config(n // 16, k // 64, m)[0]
                 cfg = (nt, wt, w, u, r, d)
                 label = f"{wt}x{w}x{u}" + (f"x{r}" if r > 1 else "") + (f"d{d}" if d > 1 else "")
                 if (n // 16) % (wt * r):
                     continue
-                y = fp4_mma.mma_linear(xs[0], *rot[0], p.gscale, config=cfg)
+                y = mma_linear(xs[0], *rot[0], p.gscale, config=cfg)
                 err = L.rel_err(y, xs[0].double() @ w64.T)
                 if not err < L.BOUND:
                     line.append(f"{label} BAD {err:.1e}")
                     continue
                 calls = [
-                    (lambda x=x, r=r, cfg=cfg, p=p: fp4_mma.mma_linear(x, *r, p.gscale, config=cfg))
+                    (lambda x=x, r=r, cfg=cfg, p=p: mma_linear(x, *r, p.gscale, config=cfg))
                     for x, r in zip(xs, rot, strict=True)
                 ]
                 t = L.time_calls(L.graph_calls(calls, m), L.replays_for(m))
@@ -119,24 +119,22 @@ def main() -> None:
                     best = (t, label)
             if best:
                 line.append(f"| best {best[1]} {best[0]:.1f} = {best[0] / floor:.2f}x floor")
-            if args.ckpt:  # the same configs on the checkpoint layout (kernels/fp4_mma_ckpt.py)
+            if args.ckpt:  # the same configs on the checkpoint layout (mma_linear.py)
                 best = None
                 for wt, w, u, r, d in cfgs:
                     if r > 1 or d > 1:  # the checkpoint-layout kernel has no R or DEPTH
                         continue
-                    nt = fp4_mma._config(n // 16, k // 64, m)[0]
+                    nt = gemv_config(n // 16, k // 64, m)[0]
                     cfg = (nt, wt, w, u)
                     pk, sc = p.nv[0]
-                    y = fp4_mma_ckpt.mma_ckpt_linear(
-                        xs[0], pk, sc.view(torch.uint8), p.gscale, config=cfg
-                    )
+                    y = mma_ckpt_linear(xs[0], pk, sc.view(torch.uint8), p.gscale, config=cfg)
                     err = L.rel_err(y, xs[0].double() @ w64.T)
                     if not err < L.BOUND:
                         line.append(f"ckpt {wt}x{w}x{u} BAD {err:.1e}")
                         continue
                     calls = [
                         (
-                            lambda x=x, r=r, cfg=cfg, p=p: fp4_mma_ckpt.mma_ckpt_linear(
+                            lambda x=x, r=r, cfg=cfg, p=p: mma_ckpt_linear(
                                 x, r[0], r[1].view(torch.uint8), p.gscale, config=cfg
                             )
                         )

@@ -6,11 +6,11 @@ Models (experts, top-k, hidden, intermediate): Qwen3-30B-A3B (128, 8, 2048, 768)
 
 * ``nvfp4``: what QuantMoE's triton backend runs on NVFP4 experts, the whole op (align +
   gate/up GEMM with fused SiLU + down GEMM + top-k reduction), on the experts repacked once into
-  the mma16x64 layout (kernels/fp4_mma_moe.py, same bytes): the mma.sync kernels with few tokens
+  the mma16x64 layout (kernels/mma_layout/, same bytes): the mma.sync kernels with few tokens
   per expert, the grouped tl.dot GEMM in between, dequantize + grouped GEMM with very many (the
   ``config`` column says which);
-* ``nvfp4 ckpt``: the kernels on the checkpoint layout (kernels/fused_moe.py with its own
-  heuristic: what ran before the repack, and what non-repackable layers still run);
+* ``nvfp4 ckpt``: the kernels on the checkpoint layout (kernels/checkpoint_layout/moe.py with its
+  own heuristic: what ran before the repack, and what non-repackable layers still run);
 * ``bf16``: the same experts dequantized to bf16, run with ``torch._grouped_mm`` on tokens
   sorted by expert (sort, gather, two grouped GEMMs, SiLU, weighted sum), i.e. what a user
   gets from an unquantized MoE; a per-expert loop (eager timing, it synchronizes) where this
@@ -63,18 +63,18 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from quantdispatch.backends.reference import ReferenceBackend
-from quantdispatch.kernels import fused_moe as fm
-from quantdispatch.kernels.fp4_mma_ckpt import MmaGemmConfig, MmaMoeConfig
-from quantdispatch.kernels.fp4_mma_moe import (
+from quantdispatch.kernels.checkpoint_layout import moe_plan as ckpt_plan
+from quantdispatch.kernels.checkpoint_layout.moe import fused_moe
+from quantdispatch.kernels.checkpoint_layout.moe_plan import MmaGemmConfig, MmaMoeConfig
+from quantdispatch.kernels.common.wgmma_guard import rs_wgmma_hazard
+from quantdispatch.kernels.mma_layout.moe_gemm import mma_layout_moe
+from quantdispatch.kernels.mma_layout.moe_plan import (
     MMA_MAX_TOKENS_PER_EXPERT,
     MoeGemmTile,
-    mma_layout_moe,
+    SmallMoeConfig,
     moe_layout_config,
-    repack_experts,
-    repack_experts_mx,
 )
-from quantdispatch.kernels.fp4_mma_moe_small import SmallMoeConfig
-from quantdispatch.kernels.wgmma_hazard import rs_wgmma_hazard
+from quantdispatch.kernels.mma_layout.moe_stacks import repack_experts, repack_experts_mx
 from quantdispatch.moe.activations import apply_activation
 
 MODELS: dict[str, tuple[int, int, int, int]] = {
@@ -279,7 +279,7 @@ class Layer:
                               config=config or self.config(x.shape[0]))  # fmt: skip
 
     def nvfp4_ckpt(self, x, ids, w, config=None):
-        return fm.fused_moe(x, ids, w, self.w13, self.w2, self.b13, self.b2, fmt=self.fmt,
+        return fused_moe(x, ids, w, self.w13, self.w2, self.b13, self.b2, fmt=self.fmt,
                             activation=self.act, params=list(self.params), meta=[0],
                             config=config)  # fmt: skip
 
@@ -341,10 +341,12 @@ def distinct_experts(ids: torch.Tensor) -> int:
 # ---- main ------------------------------------------------------------------------------------
 
 
-def config_dict(cfg: fm.MoeConfig | MmaMoeConfig | fm.DequantMoeConfig | MoeGemmTile) -> dict:
+def config_dict(
+    cfg: ckpt_plan.MoeConfig | MmaMoeConfig | ckpt_plan.DequantMoeConfig | MoeGemmTile,
+) -> dict:
     if isinstance(cfg, SmallMoeConfig):
         return {"kernel": "topk-sum", **vars(cfg)}
-    if isinstance(cfg, fm.DequantMoeConfig):
+    if isinstance(cfg, ckpt_plan.DequantMoeConfig):
         return {"kernel": "dequant+grouped_mm"}
     if isinstance(cfg, MoeGemmTile):
         return {"kernel": "gemm", **vars(cfg)}
@@ -387,7 +389,7 @@ def run_point(layer: Layer, name: str, m: int, gen, bw: float, graphs: bool) -> 
     cfg = layer.config(m)
     rows = []
     fmt = layer.fmt
-    ckpt_cfg = fm.moe_config(m, layer.top_k, layer.e, layer.i, layer.h, fmt, x0.device)
+    ckpt_cfg = ckpt_plan.moe_config(m, layer.top_k, layer.e, layer.i, layer.h, fmt, x0.device)
     for kern in [fmt, f"{fmt}_ckpt", "bf16"]:
         fn = {fmt: layer.nvfp4, f"{fmt}_ckpt": layer.nvfp4_ckpt, "bf16": layer.bf16}[kern]
         row = {"model": name, "M": m, "kernel": kern, "us": None, "rel_err": math.nan,
@@ -471,7 +473,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     return "\n".join(out) + "\n"
 
 
-# around the regime thresholds of kernels/fp4_mma_moe.py (tokens per expert in brackets)
+# around the regime thresholds of kernels/mma_layout/moe_plan.py (tokens per expert in brackets)
 SWEEP_POINTS = [("qwen3-30b-a3b", 16), ("qwen3-30b-a3b", 64), ("qwen3-30b-a3b", 128),  # 1, 4, 8
                 ("qwen3-30b-a3b", 256), ("qwen3-30b-a3b", 1024),  # 16, 64
                 ("mixtral-8x7b", 16), ("mixtral-8x7b", 32), ("mixtral-8x7b", 256),  # 4, 8, 64
@@ -491,7 +493,7 @@ def sweep_configs(m: int, top_k: int, e: int, i: int, h: int, only_small: bool =
     grouped GEMM tiles from 2 on, dequantize + grouped_mm from 256; the single-pair kernels also
     where the heuristic picks 8-pair blocks at <= 1 token per expert. ``only_small``: the
     single-pair kernels (and the pick) only."""
-    from quantdispatch.kernels.fp4_mma_ckpt import mma_moe_config
+    from quantdispatch.kernels.checkpoint_layout.moe_plan import mma_moe_config
 
     tpe = m * top_k / e
     out: list = []
@@ -512,7 +514,7 @@ def sweep_configs(m: int, top_k: int, e: int, i: int, h: int, only_small: bool =
         if only_small:
             return out
     if tpe <= 1 and not out:  # 8-pair blocks picked: the single-pair kernels as challengers
-        from quantdispatch.kernels.fp4_mma_moe_small import small_moe_config
+        from quantdispatch.kernels.mma_layout.moe_plan import small_moe_config
 
         tuned = mma_moe_config(m * top_k, e, i, h, direct=True, repacked=True).gemm1
         pick = small_moe_config(m, top_k, i, h, tuned.wk, tuned.unroll, pdl=True)
@@ -536,7 +538,7 @@ def sweep_configs(m: int, top_k: int, e: int, i: int, h: int, only_small: bool =
             out += [MoeGemmTile(bm, 64, 2, 4, 4), MoeGemmTile(bm, 64, 2, 4, 3),
                     MoeGemmTile(bm, 128, 2, 8, 3)]  # fmt: skip
     if tpe >= 256:  # dequantize + grouped_mm as a challenger below the plan's threshold too
-        out.append(fm.DequantMoeConfig())
+        out.append(ckpt_plan.DequantMoeConfig())
     return out
 
 
@@ -652,7 +654,7 @@ def main() -> None:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "triton": triton.__version__,
-        # register-operand wgmma launches settle each K step (kernels/wgmma_hazard.py)
+        # register-operand wgmma launches settle each K step (kernels/common/wgmma_guard.py)
         "rs_wgmma_settled": torch.cuda.is_available() and rs_wgmma_hazard(torch.device("cuda")),
         "date": date,
         "format": args.format,

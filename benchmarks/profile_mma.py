@@ -19,7 +19,15 @@ import math
 
 import torch
 
-from quantdispatch.kernels import fp4_mma, fp4_mma_ckpt, fp4_mma_gemm, fp4_mma_moe, fused_moe
+from quantdispatch.kernels.checkpoint_layout.mma_linear import mma_ckpt_linear
+from quantdispatch.kernels.checkpoint_layout.moe import fused_moe
+from quantdispatch.kernels.checkpoint_layout.moe_plan import MmaGemmConfig, MmaMoeConfig
+from quantdispatch.kernels.mma_layout.gemm import mma_gemm
+from quantdispatch.kernels.mma_layout.gemm_tiles import parse_tile
+from quantdispatch.kernels.mma_layout.gemv import mma_linear
+from quantdispatch.kernels.mma_layout.layout import repack
+from quantdispatch.kernels.mma_layout.moe_gemm import mma_layout_moe
+from quantdispatch.kernels.mma_layout.moe_stacks import repack_experts
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 
@@ -44,9 +52,7 @@ def main() -> None:
         moe_cfg = None
         if args.moe_split:
             g1, g2 = (tuple(int(v) for v in part.split("x")) for part in args.moe_split.split("/"))
-            moe_cfg = fp4_mma_ckpt.MmaMoeConfig(
-                1, fp4_mma_ckpt.MmaGemmConfig(1, *g1), fp4_mma_ckpt.MmaGemmConfig(1, *g2)
-            )
+            moe_cfg = MmaMoeConfig(1, MmaGemmConfig(1, *g1), MmaGemmConfig(1, *g2))
 
         def stack(n: int, k: int) -> list[torch.Tensor]:
             packed = torch.randint(0, 256, (e, n, k // 2), generator=g, device=dev).to(torch.uint8)
@@ -60,17 +66,17 @@ def main() -> None:
         tw = torch.full((args.m, top_k), 1 / top_k, device=dev)
 
         if args.kernel == "moe-repacked":
-            r13 = [*fp4_mma_moe.repack_experts(w13[0], w13[1].view(torch.uint8), x.dtype), w13[2]]
-            r2 = [*fp4_mma_moe.repack_experts(w2[0], w2[1].view(torch.uint8), x.dtype), w2[2]]
+            r13 = [*repack_experts(w13[0], w13[1].view(torch.uint8), x.dtype), w13[2]]
+            r2 = [*repack_experts(w2[0], w2[1].view(torch.uint8), x.dtype), w2[2]]
 
             def call() -> torch.Tensor:
-                return fp4_mma_moe.mma_layout_moe(x, ids, tw, r13, r2, None, None,
+                return mma_layout_moe(x, ids, tw, r13, r2, None, None,
                                                   activation="silu", params=[],
                                                   packed_for=x.dtype, config=moe_cfg)  # fmt: skip
         else:
 
             def call() -> torch.Tensor:
-                return fused_moe.fused_moe(x, ids, tw, w13, w2, None, None, fmt="nvfp4",
+                return fused_moe(x, ids, tw, w13, w2, None, None, fmt="nvfp4",
                                            activation="silu", params=[], meta=[0])  # fmt: skip
     else:
         n, k = SHAPES[args.shape]
@@ -79,20 +85,20 @@ def main() -> None:
         gs = torch.tensor(1e-2, device=dev)
         x = torch.randn(args.m, k, generator=g, device=dev).to(torch.bfloat16)
         if args.kernel == "mma":
-            words, scales = fp4_mma.repack(packed, bits, torch.bfloat16)
+            words, scales = repack(packed, bits, torch.bfloat16)
 
             def call() -> torch.Tensor:
-                return fp4_mma.mma_linear(x, words, scales, gs, config=cfg)
+                return mma_linear(x, words, scales, gs, config=cfg)
         elif args.kernel == "gemm":
-            words, scales = fp4_mma.repack(packed, bits, torch.bfloat16)
-            tile = fp4_mma_gemm.parse_tile(args.tile) if args.tile else None
+            words, scales = repack(packed, bits, torch.bfloat16)
+            tile = parse_tile(args.tile) if args.tile else None
 
             def call() -> torch.Tensor:
-                return fp4_mma_gemm.mma_gemm(x, words, scales, gs, tile=tile)
+                return mma_gemm(x, words, scales, gs, tile=tile)
         else:
 
             def call() -> torch.Tensor:
-                return fp4_mma_ckpt.mma_ckpt_linear(x, packed, bits, gs, config=cfg)
+                return mma_ckpt_linear(x, packed, bits, gs, config=cfg)
 
     for _ in range(args.calls):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

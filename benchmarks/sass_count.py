@@ -6,7 +6,7 @@ cuobjdump, target sm_90).
 
 Prints, per config, the instructions of the longest loop (the K loop) by opcode; divide by
 UNROLL for one 64-column chunk per warp. Used to tell issue-bound from memory-bound before
-spending device time (benchmarks/NOTES.md).
+spending device time (docs/design/mma-layout.md).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from quantdispatch.kernels import fp4_mma
+from quantdispatch.kernels.mma_layout import gemv
 
 SIGNATURE = {
     "x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*i16", "gs_ptr": "*fp32", "bias_ptr": "*fp32",
@@ -37,7 +37,7 @@ LINE = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);")
 def sass(nt: int, wt: int, wk: int, unroll: int, r: int, chunks: int = 64) -> str:
     consts = {"CHUNKS": chunks, "NT": nt, "WT": wt, "WK": wk, "UNROLL": unroll, "R": r,
               "BF16": True, "HAS_BIAS": False, "DEPTH": 1, "SPC": 32}  # fmt: skip
-    src = ASTSource(fn=fp4_mma._mma_gemv_kernel, signature=SIGNATURE, constexprs=consts)
+    src = ASTSource(fn=gemv._mma_gemv_kernel, signature=SIGNATURE, constexprs=consts)
     opts = {"num_warps": wt * wk, "num_stages": 1}
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")

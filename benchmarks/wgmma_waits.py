@@ -1,13 +1,13 @@
 """Static check of the register-operand wgmma hazard, no GPU needed (quantdispatch/kernels/
-wgmma_hazard.py says what it is): compile our Hopper tl.dot kernels for sm_90 with the installed
-Triton and list, per K loop, how many wgmmas take A from registers ("RS") and which
-``wgmma.wait_group`` counts the loop body has. An RS loop whose body waits only with a count
-above 0 lets the next step overwrite A registers of wgmmas still in flight.
+common/wgmma_guard.py says what it is): compile our Hopper tl.dot kernels for sm_90 with the
+installed Triton and list, per K loop, how many wgmmas take A from registers ("RS") and which
+``wgmma.wait_group`` counts the loop body has. An RS loop whose body waits only with a count above 0
+lets the next step overwrite A registers of wgmmas still in flight.
 
     python benchmarks/wgmma_waits.py                            # every kernel, 3 stages and 1
     PYTHONPATH=/tmp/triton36 python benchmarks/wgmma_waits.py   # another Triton (pip --target)
 
-The output is what benchmarks/NOTES.md (session 8) quotes for Triton 3.6 and 3.7.
+The output is what docs/design/wgmma-gemm.md quotes for Triton 3.6 and 3.7.
 """
 
 from __future__ import annotations
@@ -21,8 +21,10 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from quantdispatch.kernels import fp4_linear, fp4_mma_gemm, fp4_mma_moe, fp8_linear
-from quantdispatch.kernels.wgmma_hazard import UPSTREAM_FIX, triton_version
+from quantdispatch.kernels.checkpoint_layout import fp8 as fp8_linear
+from quantdispatch.kernels.checkpoint_layout import linear as fp4_linear
+from quantdispatch.kernels.common.wgmma_guard import UPSTREAM_FIX, triton_version
+from quantdispatch.kernels.mma_layout import gemm, moe_gemm
 
 LOOP = re.compile(r"Inner Loop Header.*?\n(.*?)@%p\d+ bra\s+\$L__BB\d+_\d+;", re.S)
 RS = re.compile(r"wgmma\.mma_async[^;]*?\{[^}]*\},\s*\{")  # A given as a register list
@@ -125,7 +127,7 @@ def loop_facts(kernel) -> list[dict]:
 
 def small_gemm(tma: bool, settle: bool, stages: int = 3, spc: int = 32):
     """The mid-M GEMM compiled for sm_90 at a small size (64x64 tiles, K = 512): what
-    tests/unit/test_wgmma_hazard.py inspects (spc 16: the MXFP4 layout's shared scale pairs)."""
+    tests/unit/test_wgmma_guard.py inspects (spc 16: the MXFP4 layout's shared scale pairs)."""
     ptrs = {"x_ptr": "*bf16", "gs_ptr": "*fp32", "bias_ptr": "*fp32", "out_ptr": "*bf16",
             "w_ptr": "*i32", "s_ptr": "*i16"}  # fmt: skip
     if tma:
@@ -133,7 +135,7 @@ def small_gemm(tma: bool, settle: bool, stages: int = 3, spc: int = 32):
     consts = dict(CHUNKS=8, PER_SPLIT=8, BLOCK_N=64, BLOCK_M=64, CK=2, SPLIT=1, BF16=True,
                   HAS_BIAS=False, DOT_F32=False, X_TMA=tma, SETTLE=settle, PDL=True,
                   SPC=spc)  # fmt: skip
-    return _compile(fp4_mma_gemm._mma_gemm_kernel, ptrs, consts, 4, stages)
+    return _compile(gemm._mma_gemm_kernel, ptrs, consts, 4, stages)
 
 
 def report(label: str, kernel) -> None:
@@ -164,14 +166,14 @@ def main() -> None:
             consts = dict(CHUNKS=64, PER_SPLIT=64, BLOCK_N=128, BLOCK_M=128, CK=2, SPLIT=1,
                           BF16=True, HAS_BIAS=False, DOT_F32=False, X_TMA=tma,
                           SETTLE=settle, PDL=True)  # fmt: skip
-            kernel = _compile(fp4_mma_gemm._mma_gemm_kernel, ptrs, consts, 8, stages)
+            kernel = _compile(gemm._mma_gemm_kernel, ptrs, consts, 8, stages)
             label = f"128x128x128w8s{stages}{'t' if tma else ''}{' +settle' if settle else ''}"
             report(f"mma16x64 GEMM {label}", kernel)
     moe = {**mma, "sorted_ptr": "*i32", "bexp_ptr": "*i32", "nvalid_ptr": "*i32", "tw_ptr": "*fp32"}
     for stages, settle in variants:
         consts = dict(CHUNKS=32, BLOCK_N=64, BLOCK_M=64, CK=2, GATE_UP=True, ACT=0,
                       HAS_BIAS=False, BF16=True, DOT_F32=False, SETTLE=settle)  # fmt: skip
-        kernel = _compile(fp4_mma_moe._moe_gemm_kernel, moe, consts, 4, stages)
+        kernel = _compile(moe_gemm._moe_gemm_kernel, moe, consts, 4, stages)
         report(f"MoE grouped GEMM 64x64x128w4s{stages}{' +settle' if settle else ''}", kernel)
     ckpt = {**bf16, "w_ptr": "*u8", "s_ptr": "*u8", "bias_ptr": "*bf16"}
     for swap in (True, False):

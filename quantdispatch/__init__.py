@@ -27,7 +27,7 @@ _EXPORTS = {
     "preset_profile": "quantdispatch.device",
     "PRESETS": "quantdispatch.device",
     "Settings": "quantdispatch.settings",
-    "load_settings": "quantdispatch.settings",
+    "load_settings": "quantdispatch.api",
     "Policy": "quantdispatch.policy",
     "load_policy": "quantdispatch.policy",
     "QuantLinear": "quantdispatch.layers",
@@ -38,13 +38,13 @@ _EXPORTS = {
 __all__ = ["__version__", *_EXPORTS]
 
 if TYPE_CHECKING:
-    from quantdispatch.api import select
+    from quantdispatch.api import load_settings, select
     from quantdispatch.device import PRESETS, DeviceProfile, device_profile, preset_profile, probe
     from quantdispatch.layers import QuantLinear, QuantMoE, load_linear
     from quantdispatch.policy import Policy, load_policy
     from quantdispatch.request import Request
     from quantdispatch.resolver import Candidate, Decision, resolve
-    from quantdispatch.settings import Settings, load_settings
+    from quantdispatch.settings import Settings
 
 
 def __getattr__(name: str) -> Any:

@@ -190,7 +190,7 @@ def _moe_layer(shape: tuple[int, int, int, int], profile: Any) -> dict:
             "the checkpoint layout and run the fused tl.dot kernels"
         )
     try:
-        from quantdispatch.kernels.fp4_mma_moe import MoeDeviceFacts, moe_kernel_ranges
+        from quantdispatch.kernels.mma_layout.moe_plan import MoeDeviceFacts, moe_kernel_ranges
     except ImportError as exc:  # no triton: no kernels to name
         return unrepacked(f"the kernels cannot be named here: {exc}")
     if profile.kind == "cuda" and not profile.simulated and profile.torch_cuda:
@@ -232,12 +232,11 @@ def _moe_layer_text(layer: dict, label: str) -> str:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from quantdispatch.api import select
+    from quantdispatch.api import current_settings, select
     from quantdispatch.device import device_profile
     from quantdispatch.formats import FORMATS, get_format
     from quantdispatch.policy import load_policy
     from quantdispatch.request import ACT_DTYPES, Op
-    from quantdispatch.settings import current_settings
 
     settings = current_settings()
     policy = load_policy(args.policy if args.policy else settings.policy)

@@ -11,9 +11,8 @@ from __future__ import annotations
 import torch
 
 from quantdispatch.backends import get_backend
-from quantdispatch.backends.base import as_op_tensors, op_view  # importable from here too
 
-__all__ = ["as_op_tensors", "linear", "moe", "op_view"]
+__all__ = ["linear", "moe"]
 
 NAMESPACE = "quantdispatch"
 

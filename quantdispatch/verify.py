@@ -54,13 +54,12 @@ def _weight(fmt: str, n: int, k: int, gen: torch.Generator):
 
 def verify(formats: Sequence[str] | None = None) -> list[VerifyResult]:
     """Check every runnable backend on this machine; returns one result per (backend, shape)."""
-    from quantdispatch.api import select
+    from quantdispatch.api import current_settings, load_settings, select
     from quantdispatch.backends import get_backend
     from quantdispatch.device import device_profile
     from quantdispatch.formats import FORMATS, get_format
     from quantdispatch.layers import QuantLinear
     from quantdispatch.request import ACT_DTYPES
-    from quantdispatch.settings import current_settings, load_settings
 
     if current_settings().device:
         raise BackendUnavailableError(

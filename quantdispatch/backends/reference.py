@@ -116,8 +116,8 @@ class ReferenceBackend(Backend):
 
     def weight_object(self, fmt: str, tensors: Sequence[torch.Tensor], meta: Sequence[int]) -> Any:
         """The canonical weight (Nvfp4Weight, ...) behind this backend's prepared tensors."""
+        from quantdispatch.backends.base import op_view
         from quantdispatch.formats import Fp8Weight, Mxfp4Weight, Nvfp4Weight
-        from quantdispatch.ops import op_view
 
         e4m3 = torch.float8_e4m3fn
         if fmt == "nvfp4":

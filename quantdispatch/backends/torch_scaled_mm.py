@@ -81,7 +81,7 @@ class TorchScaledMMBackend(Backend):
 
     def prepare(self, weight: object, request: Request) -> PreparedWeight:
         from quantdispatch.formats.fp8 import Fp8Weight
-        from quantdispatch.kernels.scaled_mm import prepare_fp8_scaled_mm
+        from quantdispatch.kernels.native.scaled_mm import prepare_fp8_scaled_mm
 
         if not isinstance(weight, Fp8Weight) or weight.block_size is not None:
             return super().prepare(weight, request)
@@ -105,8 +105,8 @@ class TorchScaledMMBackend(Backend):
     ) -> torch.Tensor:
         import torch
 
-        from quantdispatch.kernels.scaled_mm import fp8_scaled_mm_linear
-        from quantdispatch.ops import op_view
+        from quantdispatch.backends.base import op_view
+        from quantdispatch.kernels.native.scaled_mm import fp8_scaled_mm_linear
 
         weight = op_view(tensors[0], torch.float8_e4m3fn)
         input_scale = tensors[2] if len(tensors) > 2 else None

@@ -70,7 +70,7 @@ MMA_TILE_ROWS, MMA_CHUNK_COLS = 16, 64
 def gemm_eligible(n: int, k: int, capability: tuple[int, int] | None) -> bool:
     """Whether mid M runs the tl.dot GEMM (SM 9.x, where it was measured; others keep the mma
     kernel and dequantize + cuBLAS)."""
-    from quantdispatch.kernels.fp4_mma_gemm import mma_gemm_supported
+    from quantdispatch.kernels.mma_layout.gemm_tiles import mma_gemm_supported
 
     return capability is not None and capability[0] == 9 and mma_gemm_supported(n, k)
 
@@ -78,7 +78,7 @@ def gemm_eligible(n: int, k: int, capability: tuple[int, int] | None) -> bool:
 def _host_descriptors() -> bool:
     """Whether the mid-M GEMM can take its activation tiles by TMA (Triton 3.3+ installed)."""
     try:
-        from quantdispatch.kernels.fp4_mma_gemm import has_host_descriptors
+        from quantdispatch.kernels.mma_layout.gemm_tiles import has_host_descriptors
     except ImportError:  # no triton
         return False
     return has_host_descriptors()
@@ -88,7 +88,7 @@ def _rs_wgmma_note() -> str:
     """doctor's note while the installed Triton is not known to pipeline register-operand
     wgmma safely (kernels/wgmma_hazard.py)."""
     try:
-        from quantdispatch.kernels import wgmma_hazard as wh
+        from quantdispatch.kernels.common import wgmma_guard as wh
     except ImportError:  # no triton
         return ""
     safe_from = wh.VERIFIED_SAFE_FROM
@@ -152,7 +152,7 @@ def mma_layout_eligible(
     mma.sync), N a multiple of 16 and K of 64 (MXFP4 also needs its scales to span at most
     18 binades, checked when it repacks: kernels.fp4_mma.repack_mx). Other weights keep the
     checkpoint layout and the tl.dot kernels."""
-    from quantdispatch.kernels.fp4_mma import mma_supported_shape
+    from quantdispatch.kernels.mma_layout.layout import mma_supported_shape
 
     return (
         fmt in ("nvfp4", "mxfp4")
@@ -194,7 +194,7 @@ class TritonBackend(Backend):
 
     def variant(self, request: Request, profile: DeviceProfile) -> str | None:
         if request.format == "fp8" and request.op is Op.LINEAR:
-            from quantdispatch.kernels.configs import SMALL_M_MAX
+            from quantdispatch.kernels.common.configs import SMALL_M_MAX
 
             return (
                 "W8A16: a tl.dot kernel with K split inside each program or a tiled one, per "
@@ -209,12 +209,12 @@ class TritonBackend(Backend):
             if profile.capability is None or profile.capability < (8, 0):
                 return "fused tl.dot kernels on the checkpoint layout"
             try:
-                from quantdispatch.kernels import fp4_mma_moe
+                from quantdispatch.kernels.mma_layout import moe_plan
 
-                few = f"<= {fp4_mma_moe.MMA_MAX_TOKENS_PER_EXPERT}"
+                few = f"<= {moe_plan.MMA_MAX_TOKENS_PER_EXPERT}"
                 many = (
-                    f"{fp4_mma_moe.DEQUANT_MIN_TOKENS_PER_EXPERT}+ tokens per expert on "
-                    f"experts of 2^{fp4_mma_moe.DEQUANT_MIN_EXPERT_ELEMENTS.bit_length() - 1}+ "
+                    f"{moe_plan.DEQUANT_MIN_TOKENS_PER_EXPERT}+ tokens per expert on "
+                    f"experts of 2^{moe_plan.DEQUANT_MIN_EXPERT_ELEMENTS.bit_length() - 1}+ "
                     "elements"
                 )
             except ImportError:  # no triton here: say it without the numbers
@@ -295,7 +295,7 @@ class TritonBackend(Backend):
             device = weight.packed.device
             capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
             if mma_layout_eligible("nvfp4", n, k, request.act_dtype, capability):
-                from quantdispatch.kernels.fp4_mma import repack
+                from quantdispatch.kernels.mma_layout.layout import repack
 
                 words, scales = repack(
                     weight.packed, weight.block_scale.view(torch.uint8), request.act_dtype
@@ -333,7 +333,7 @@ class TritonBackend(Backend):
             capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
             if mma_layout_eligible("mxfp4", n, k, request.act_dtype, capability):
                 from quantdispatch.errors import WeightFormatError
-                from quantdispatch.kernels.fp4_mma import repack_mx
+                from quantdispatch.kernels.mma_layout.layout import repack_mx
 
                 try:
                     words, scales, global_scale = repack_mx(
@@ -350,7 +350,7 @@ class TritonBackend(Backend):
                         in_features=k,
                     )
             if request.act_dtype == torch.float16:
-                from quantdispatch.kernels.fp4_linear import rebase_mx_scales_for_fp16
+                from quantdispatch.formats.mxfp4 import rebase_mx_scales_for_fp16
 
                 codes, d = rebase_mx_scales_for_fp16(weight.packed, weight.block_scale)
                 if d:  # scales outside fp16's exact range: rebased, 2^d in the fp32 epilogue
@@ -396,11 +396,8 @@ class TritonBackend(Backend):
         everything else keeps the canonical stacks."""
         if request.format not in ("nvfp4", "mxfp4"):
             return self._canonical_moe(w13, w2, names, meta, request, gated=gated)
-        from quantdispatch.kernels.fp4_mma_moe import (
-            moe_layout_supported,
-            repack_experts,
-            repack_experts_mx,
-        )
+        from quantdispatch.kernels.mma_layout.moe_plan import moe_layout_supported
+        from quantdispatch.kernels.mma_layout.moe_stacks import repack_experts, repack_experts_mx
 
         device = w13[0].device
         capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
@@ -442,7 +439,7 @@ class TritonBackend(Backend):
         their scales instead: kernels.fp4_linear.rebase_mx_scales_for_fp16)."""
         if request.format == "mxfp4" and request.act_dtype == torch.float16:
             from quantdispatch.errors import WeightFormatError
-            from quantdispatch.kernels.fp4_linear import FP16_MX_EXPONENTS, mx_scale_range
+            from quantdispatch.formats.mxfp4 import FP16_MX_EXPONENTS, mx_scale_range
 
             low, high = FP16_MX_EXPONENTS
             for which, stack in (("w13", w13), ("w2", w2)):
@@ -479,10 +476,12 @@ class TritonBackend(Backend):
 
         The path depends only on M (a host-side shape), so nothing synchronizes.
         """
-        from quantdispatch.ops import op_view
+        from quantdispatch.backends.base import op_view
 
         if fmt in ("nvfp4", "mxfp4") and len(meta) == 2 and int(meta[0]) == MMA_LAYOUT_TAG:
-            from quantdispatch.kernels import fp4_mma
+            from quantdispatch.kernels.mma_layout.dequant import mma_dequant_rows
+            from quantdispatch.kernels.mma_layout.gemv import mma_linear
+            from quantdispatch.kernels.mma_layout.layout import TILE_N
 
             words, scales, global_scale = tensors[0], tensors[1], tensors[2]
             packed_for = torch.bfloat16 if int(meta[1]) else torch.float16
@@ -494,20 +493,20 @@ class TritonBackend(Backend):
                         f"pass {packed_for} activations (QuantLinear checks this itself)",
                     )
                 )
-            from quantdispatch.kernels.configs import device_info
+            from quantdispatch.kernels.common.configs import device_info
 
-            n = words.shape[0] * fp4_mma.TILE_N
+            n = words.shape[0] * TILE_N
             path = mma_path(x.shape[0], n, x.shape[1], device_info(x.device)[1])
             if path == "mma":
-                return fp4_mma.mma_linear(x, words, scales, global_scale, bias)
+                return mma_linear(x, words, scales, global_scale, bias)
             if path == "gemm":
-                from quantdispatch.kernels.fp4_mma_gemm import mma_gemm
+                from quantdispatch.kernels.mma_layout.gemm import mma_gemm
 
                 return mma_gemm(x, words, scales, global_scale, bias)
-            from quantdispatch.kernels.dequant_gemm import dequant_gemm
+            from quantdispatch.kernels.common.slabs import dequant_gemm
 
             def mma_rows(a: int, b: int, out: torch.Tensor) -> None:
-                fp4_mma.mma_dequant_rows(words, scales, global_scale, a, b, out)
+                mma_dequant_rows(words, scales, global_scale, a, b, out)
 
             return dequant_gemm(x, n, x.shape[1], mma_rows, bias)
         large = use_dequant_gemm(x.shape[0], tensors[0].shape[0], x.shape[1])
@@ -520,7 +519,8 @@ class TritonBackend(Backend):
             # applies 2^d, where dequantized fp16 slabs would need it inside cuBLAS (a host
             # scalar, and fp16 partial sums of 2^|d| times the output when d < 0).
             if large and not rebase:
-                from quantdispatch.kernels.dequant_gemm import dequant_fp4_rows, dequant_gemm
+                from quantdispatch.kernels.checkpoint_layout.dequant import dequant_fp4_rows
+                from quantdispatch.kernels.common.slabs import dequant_gemm
 
                 def rows(a: int, b: int, out: torch.Tensor) -> None:
                     dequant_fp4_rows(
@@ -528,7 +528,7 @@ class TritonBackend(Backend):
                     )
 
                 return dequant_gemm(x, packed.shape[0], packed.shape[1] * 2, rows, bias)
-            from quantdispatch.kernels.fp4_linear import fp4_linear
+            from quantdispatch.kernels.checkpoint_layout.linear import fp4_linear
 
             return fp4_linear(
                 x, packed, block_scale, global_scale, scale_format=scale_format, bias=bias
@@ -537,13 +537,14 @@ class TritonBackend(Backend):
             weight, scale = op_view(tensors[0], torch.uint8), tensors[1]
             block = (int(meta[0]), int(meta[1])) if len(meta) == 2 else None
             if large:
-                from quantdispatch.kernels.dequant_gemm import dequant_fp8_rows, dequant_gemm
+                from quantdispatch.kernels.checkpoint_layout.dequant import dequant_fp8_rows
+                from quantdispatch.kernels.common.slabs import dequant_gemm
 
                 def rows8(a: int, b: int, out: torch.Tensor) -> None:
                     dequant_fp8_rows(weight[a:b], scale, a, out, block_size=block)
 
                 return dequant_gemm(x, weight.shape[0], weight.shape[1], rows8, bias)
-            from quantdispatch.kernels.fp8_linear import fp8_weight_only_linear
+            from quantdispatch.kernels.checkpoint_layout.fp8 import fp8_weight_only_linear
 
             return fp8_weight_only_linear(x, weight, scale, block_size=block, bias=bias)
         return super().linear(x, tensors, bias, fmt, meta)
@@ -565,7 +566,7 @@ class TritonBackend(Backend):
         """Fused MoE on the stacked canonical expert tensors (see quantdispatch.moe), or on the
         repacked ones prepare_moe made (meta tag MMA_LAYOUT_TAG)."""
         if fmt in ("nvfp4", "mxfp4") and len(meta) == 2 and int(meta[0]) == MMA_LAYOUT_TAG:
-            from quantdispatch.kernels.fp4_mma_moe import mma_layout_moe
+            from quantdispatch.kernels.mma_layout.moe_gemm import mma_layout_moe
 
             return mma_layout_moe(
                 x,
@@ -579,7 +580,7 @@ class TritonBackend(Backend):
                 params=params,
                 packed_for=torch.bfloat16 if int(meta[1]) else torch.float16,
             )
-        from quantdispatch.kernels.fused_moe import fused_moe
+        from quantdispatch.kernels.checkpoint_layout.moe import fused_moe
 
         return fused_moe(
             x,

@@ -30,11 +30,14 @@ from quantdispatch.formats.e2m1 import (
 __all__ = [
     "E8M0_BIAS",
     "E8M0_NAN",
+    "FP16_MX_EXPONENTS",
     "MXFP4_GROUP_SIZE",
     "Mxfp4Weight",
     "dequantize_mxfp4",
     "e8m0_to_float",
+    "mx_scale_range",
     "quantize_mxfp4",
+    "rebase_mx_scales_for_fp16",
 ]
 
 MXFP4_GROUP_SIZE = 32
@@ -197,3 +200,55 @@ def dequantize_mxfp4(
     vals = decode_e2m1(packed, cd).reshape(n, -1, MXFP4_GROUP_SIZE)
     scale = e8m0_to_float(w.block_scale[sl]).to(cd)
     return (vals * scale.unsqueeze(-1)).reshape(n, w.in_features).to(dtype)
+
+
+#: fp16 holds every product e2m1 * 2^E exactly for block scales 2^E with E in this range
+#: (6 * 2^13 < 65504; 0.5 * 2^-23 = 2^-24 is fp16's smallest subnormal).
+FP16_MX_EXPONENTS = (-23, 13)
+
+
+def mx_scale_range(
+    packed: torch.Tensor, e8m0_u8: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The exponent range of the block scales 2^E that MXFP4 weights [..., N, K/2] / [..., N,
+    K/32] use: (smallest E, largest E) per leading index (0-d for one weight, [E] for an expert
+    stack), the mask of used blocks, the codes as int32; None when no block is used. A block
+    is used when it holds a non-zero code and a finite scale: all-zero blocks (codes +-0)
+    contribute nothing whatever their scale; NaN codes (255) are left for the caller's checks."""
+    groups = e8m0_u8.shape[-1]
+    magnitude = (packed.view(torch.uint8) & 0x77).reshape(*e8m0_u8.shape[:-1], groups, -1)
+    e = e8m0_u8.to(torch.int32)
+    used = (magnitude != 0).any(dim=-1) & (e != 255)
+    if not bool(used.any()):
+        return None
+    lo = torch.where(used, e, 1 << 20).amin(dim=(-2, -1)) - 127
+    hi = torch.where(used, e, -(1 << 20)).amax(dim=(-2, -1)) - 127
+    return lo, hi, used, e
+
+
+def rebase_mx_scales_for_fp16(
+    packed: torch.Tensor, e8m0_u8: torch.Tensor
+) -> tuple[torch.Tensor, int]:
+    """MXFP4 block scales for kernels that round the decoded weight to fp16 (the checkpoint
+    layout's tl.dot kernels): (codes, d) with codes = e - d, so that e2m1 * 2^(e - d - 127)
+    fits fp16, and 2^d applied to the fp32 accumulator instead.
+
+    d = 0 (the codes returned as they are) while every block with a non-zero code has its
+    scale in :data:`FP16_MX_EXPONENTS`, as in real checkpoints. Otherwise the largest scale
+    goes to 2^13 (6 * 2^13 < 65504); blocks more than 36 binades below it underflow (their
+    products are below 2^-36 of the largest ones); all-zero blocks get code 0. E8M0 scales reach
+    2^127, far outside fp16: without this a weight with scales of 2^14+ gave inf and tiny ones
+    flushed to zero, silently. One pass over the weight at load, on its device; NaN codes (255)
+    are kept for the caller's checks."""
+    found = mx_scale_range(packed, e8m0_u8)
+    if found is None:
+        return e8m0_u8, 0
+    lo, hi, used, e = found
+    low, high = FP16_MX_EXPONENTS
+    d = int(hi) - high
+    # inside the window, or the top already at 2^13 (the blocks below round, as in fp16)
+    if (int(lo) >= low and d <= 0) or d == 0:
+        return e8m0_u8, 0
+    shifted = torch.where(used, (e - d).clamp(0, 254), torch.zeros_like(e))
+    shifted = torch.where(e == 255, e, shifted)
+    return shifted.to(torch.uint8), d

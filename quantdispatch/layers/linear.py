@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
+import quantdispatch.ops  # noqa: F401  (registers torch.ops.quantdispatch.*)
+from quantdispatch.backends.base import as_op_tensors
 from quantdispatch.checkpoints import LoadedLinear, QuantWeight, merge_shards, read_linear
 from quantdispatch.errors import CheckpointError, ConfigurationError, format_error
 from quantdispatch.formats import Fp8Weight, quantize_fp8, quantize_mxfp4, quantize_nvfp4
@@ -27,7 +29,6 @@ from quantdispatch.layers.base import (
     resolve_quant_config,
     target_device,
 )
-from quantdispatch.ops import as_op_tensors  # also registers torch.ops.quantdispatch.*
 from quantdispatch.policy import Policy
 from quantdispatch.request import Request, Scheme, dtype_name, parse_act_dtype
 from quantdispatch.settings import Settings

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from quantdispatch import select
+from quantdispatch.api import load_settings
 from quantdispatch.formats import quantize_fp8, quantize_mxfp4, quantize_nvfp4
 from quantdispatch.layers import QuantLinear
-from quantdispatch.settings import load_settings
 
 pytestmark = pytest.mark.gpu
 
@@ -143,8 +143,8 @@ def test_reference_backend_on_gpu_keeps_memory_bounded():
 def test_fused_per_token_fp8_quantization_matches_the_torch_maths(m, k):
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("native FP8 (and this kernel) needs SM89+")
-    from quantdispatch.kernels.fp8_quant import quantize_per_token_fp8
-    from quantdispatch.kernels.scaled_mm import _quantize_per_token
+    from quantdispatch.kernels.native.fp8_quant import quantize_per_token_fp8
+    from quantdispatch.kernels.native.scaled_mm import _quantize_per_token
 
     x = (torch.randn(m, k, device=DEV) * 3).to(torch.bfloat16)
     x[0, 0] = 0.0

@@ -168,19 +168,19 @@ def test_many_tokens_per_expert_regimes(fmt):
     """8 experts, top 2, M = 4200 (1050 tokens per expert): on SM 9.0+ the checkpoint layout's
     heuristic (from 512 per expert) dequantizes each GEMM's experts and runs
     torch._grouped_mm; the repacked layer keeps its grouped GEMM for experts this small (it
-    dequantizes only 2^25+ element experts, whose forced regime test_fp4_mma_moe_gpu.py runs);
+    dequantizes only 2^25+ element experts, whose forced regime test_mma_layout_moe_gpu.py runs);
     checked against float64."""
-    from quantdispatch.kernels import fused_moe as fm
-    from quantdispatch.kernels.fp4_mma_moe import MoeGemmTile, moe_layout_config
+    from quantdispatch.kernels.checkpoint_layout import moe_plan
+    from quantdispatch.kernels.mma_layout.moe_plan import MoeGemmTile, moe_layout_config
 
     m = 4200
-    cfg = fm.moe_config(m, 2, 8, 1792, 1024, fmt, DEV)
+    cfg = moe_plan.moe_config(m, 2, 8, 1792, 1024, fmt, DEV)
     if torch.cuda.get_device_capability() >= (9, 0):
-        assert isinstance(cfg, fm.DequantMoeConfig), cfg
+        assert isinstance(cfg, moe_plan.DequantMoeConfig), cfg
         repacked = moe_layout_config(m, 2, 8, 1792, 1024, DEV)
         assert isinstance(repacked, MoeGemmTile), repacked
         big = moe_layout_config(3072, 2, 8, 14336, 4096, DEV)  # Mixtral, 768 per expert
-        assert isinstance(big, fm.DequantMoeConfig), big
+        assert isinstance(big, moe_plan.DequantMoeConfig), big
     layer, w13, w2, gen = layer_and_weights(fmt, 8, 2, 1024, 1792, seed=21, renormalize=True)
     x, logits = inputs(m, 1024, 8, gen, torch.bfloat16)
     ids, w = layer.route(logits)

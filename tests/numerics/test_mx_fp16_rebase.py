@@ -16,9 +16,8 @@ pytest.importorskip("triton", reason="the checkpoint-layout kernels are Triton k
 
 from quantdispatch.backends import get_backend
 from quantdispatch.backends.triton import MX_FP16_REBASE_TAG
-from quantdispatch.formats.mxfp4 import Mxfp4Weight
-from quantdispatch.kernels import dequant_gemm as dg
-from quantdispatch.kernels.fp4_linear import rebase_mx_scales_for_fp16
+from quantdispatch.formats.mxfp4 import Mxfp4Weight, rebase_mx_scales_for_fp16
+from quantdispatch.kernels.common import slabs
 from quantdispatch.request import Request
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
@@ -105,7 +104,7 @@ def test_triton_backend_fp16_matches_float64(monkeypatch, m, lo, hi):
         def no_slabs(*a, **kw):
             raise AssertionError("a rebased MXFP4 weight took the dequantized fp16 slabs")
 
-        monkeypatch.setattr(dg, "dequant_gemm", no_slabs)
+        monkeypatch.setattr(slabs, "dequant_gemm", no_slabs)
     n, k = 48, 128
     w = mx_weight(n, k, lo, hi, 4)
     backend = get_backend("triton")

@@ -145,7 +145,7 @@ def test_non_contiguous_input_and_fp16():
 
 
 def test_w4a4_emulation_quantizes_activations_like_a_native_kernel():
-    from quantdispatch.settings import load_settings
+    from quantdispatch.api import load_settings
 
     w = _nvfp4(32, 64, seed=12, input_scale=0.01)
     layer = QuantLinear(

@@ -212,7 +212,11 @@ def test_moe_ranges_are_the_plan(capsys):
     """The JSON ranges cover M = 1.. without gaps, and each names what moe_plan picks at both
     of its ends (an A100: no torch._grouped_mm below SM 9.0, so no dequantize range)."""
     pytest.importorskip("triton")
-    from quantdispatch.kernels.fp4_mma_moe import MoeDeviceFacts, describe_moe_config, moe_plan
+    from quantdispatch.kernels.mma_layout.moe_plan import (
+        MoeDeviceFacts,
+        describe_moe_config,
+        moe_plan,
+    )
 
     for device, cap in [("h200", (9, 0)), ("a100", (8, 0)), ("rtx4090", (8, 9))]:
         layer = _json(capsys, "--device", device, "--op", "moe", "--moe", "8,2,4096,14336")[

@@ -344,7 +344,7 @@ def test_without_a_shape_triton_states_the_rules_by_weight_size(preset, fmt, say
 
 def test_triton_says_when_the_installed_triton_makes_the_gemm_wait_each_step(monkeypatch):
     pytest.importorskip("triton")
-    from quantdispatch.kernels import wgmma_hazard
+    from quantdispatch.kernels.common import wgmma_guard as wgmma_hazard
 
     request = Request.make("nvfp4", "linear", "bf16", "weight_only", n=4096, k=4096)
     profile = preset_profile("h200")

@@ -1,0 +1,305 @@
+"""Steps 2-4 of a MoE call on the checkpoint layout: the tl.dot grouped GEMMs and the top-k sum.
+
+2. **Gate/up GEMM** per (block, N tile): rows of x gathered by token, the packed weights of the
+   block's expert decoded in registers (integer-op decoders of :mod:`..common.decode`), two fp32
+   accumulators (gate and up tiles), per-expert global scale / FP8 scale and bias in fp32, the
+   activation fused, the intermediate stored in x.dtype in sorted order.
+3. **Down GEMM** per (block, N tile) on that intermediate; fp32 epilogue applies scale, bias and
+   the pair's routing weight and writes one row per (token, slot) pair.
+4. **Reduce** (:func:`moe_reduce`, shared with the mma16x64 layout): out[t] = the fp32 sum of its
+   valid slots' rows (deterministic: no atomics), cast to x.dtype. Slots with ids outside
+   [0, E) are skipped, so their rows are never read.
+
+K and N need not be multiples of the tiles (masked K tail, clamped N rows). The launcher is
+:func:`.moe.fused_moe`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from quantdispatch.kernels.common.activation import apply_activation
+from quantdispatch.kernels.common.decode import (
+    e2m1_pair_to_16bit,
+    e2m1_pair_to_f32,
+    e4m3_to_f32,
+    e4m3_to_f32_scaled_finite,
+    e8m0_to_f32_scaled,
+)
+
+__all__ = ["moe_gemm1_kernel", "moe_gemm2_kernel", "moe_reduce"]
+
+
+@triton.jit
+def _load_w(w_ptrs, s_ptrs, rem, FMT: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr,
+            BK: tl.constexpr, EVEN_K: tl.constexpr, DEQ16: tl.constexpr,
+            BF16: tl.constexpr):  # fmt: skip
+    """One [BN, BK] weight tile, every value exact.
+
+    NVFP4 on a GPU (DEQ16): codes and block scales decoded straight to x's 16-bit type
+    (integer ops and bitcasts, :func:`..common.decode.e2m1_pair_to_16bit`), one 16-bit multiply per
+    weight giving e2m1 * scale * 2^-8 (<= 6 significant bits: no rounding); the kernels undo
+    the 2^-8 in the fp32 epilogue (:func:`_fp4_fold`). Otherwise (MXFP4, NVFP4 on the
+    interpreter, whose 16-bit subnormals are unreliable): fp32 e2m1 * scale. FP8: the fp32
+    e4m3 value.
+    """
+    if FMT == 2:
+        offs_k = tl.arange(0, BK)
+        b = tl.load(w_ptrs) if EVEN_K else tl.load(w_ptrs, mask=offs_k[None, :] < rem, other=0)
+        w = e4m3_to_f32(b)
+    else:
+        offs_kh = tl.arange(0, BK // 2)
+        offs_g = tl.arange(0, BK // GROUP)
+        if EVEN_K:
+            p = tl.load(w_ptrs)
+            sb = tl.load(s_ptrs)
+        else:
+            p = tl.load(w_ptrs, mask=offs_kh[None, :] < rem // 2, other=0)
+            sb = tl.load(s_ptrs, mask=offs_g[None, :] < rem // GROUP, other=0)
+        if DEQ16:
+            lo, hi = e2m1_pair_to_16bit(p, BF16)  # bf16: e2m1 * 2^-126, fp16: e2m1 * 2^-14
+            if BF16:  # e4m3 * 2^-8 * 2^126
+                s = (e4m3_to_f32_scaled_finite(sb) * 8.507059173023462e37).to(tl.bfloat16)
+            else:  # e4m3 * 2^-8 * 2^14
+                s = (e4m3_to_f32_scaled_finite(sb) * 16384.0).to(tl.float16)
+        else:
+            lo, hi = e2m1_pair_to_f32(p)  # e2m1 * 2^-14
+            if FMT == 1:
+                s = e8m0_to_f32_scaled(sb, 14)  # 2^(s-127) * 2^14
+            else:
+                s = e4m3_to_f32_scaled_finite(sb) * 4194304.0  # e4m3 * 2^-8 * 2^22
+        w = tl.reshape(tl.join(lo, hi), (BN, BK // GROUP, GROUP)) * s[:, :, None]
+        w = tl.reshape(w, (BN, BK))
+    return w
+
+
+@triton.jit
+def _fp4_fold(gs_ptr, e64, DEQ16: tl.constexpr):
+    """NVFP4 epilogue factor: the expert's global scale (x 2^8 after a 16-bit decode)."""
+    g = tl.load(gs_ptr + e64)
+    if DEQ16:
+        g = g * 256.0
+    return g
+
+
+@triton.jit
+def _mma(x, w, acc, DOT_F32: tl.constexpr):
+    """acc += x @ w.T; fp32 inputs on the interpreter (its 16-bit dot is not exact)."""
+    if DOT_F32:
+        acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
+    return acc
+
+
+@triton.jit
+def _w_ptrs(w_base, s_base, rows, stride_wn, stride_sn, FMT: tl.constexpr, GROUP: tl.constexpr,
+            BK: tl.constexpr):  # fmt: skip
+    """Pointers to the first K step of ``rows`` (weights, and fp4 block scales)."""
+    if FMT == 2:
+        w_ptrs = w_base + rows[:, None] * stride_wn + tl.arange(0, BK)[None, :]
+        s_ptrs = s_base + rows * 0
+    else:
+        w_ptrs = w_base + rows[:, None] * stride_wn + tl.arange(0, BK // 2)[None, :]
+        s_ptrs = s_base + rows[:, None] * stride_sn + tl.arange(0, BK // GROUP)[None, :]
+    return w_ptrs, s_ptrs
+
+
+@triton.jit
+def _block_rows(b, ids_ptr, sorted_ptr, bexp_ptr, nvalid_ptr, T, E, BM: tl.constexpr,
+                DIRECT: tl.constexpr):  # fmt: skip
+    """(skip, expert, pair index per row, row in use, intermediate row) of block ``b``."""
+    offs_r = tl.arange(0, BM)
+    if DIRECT:
+        e = tl.load(ids_ptr + b).to(tl.int32)
+        skip = (e < 0) | (e >= E)
+        pair = b + offs_r * 0
+        row_ok = offs_r == 0
+        a_row = pair
+    else:
+        skip = b >= tl.load(nvalid_ptr)
+        e = tl.load(bexp_ptr + b)  # b < max_blocks: in bounds, garbage when skipped
+        pair = tl.load(sorted_ptr + b * BM + offs_r)
+        row_ok = pair < T
+        a_row = b * BM + offs_r
+    return skip, e, pair, row_ok, a_row
+
+
+@triton.jit(do_not_specialize=["T"])
+def moe_gemm1_kernel(
+    x_ptr, ids_ptr, sorted_ptr, bexp_ptr, nvalid_ptr,
+    w_ptr, s_ptr, gs_ptr, bias_ptr, a_ptr,
+    T, N, K, E, top_k,
+    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_be, stride_am,
+    alpha, limit,
+    FMT: tl.constexpr, GROUP: tl.constexpr, SCALE_KIND: tl.constexpr,
+    BLOCK_SN: tl.constexpr, BLOCK_SK: tl.constexpr,
+    GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, DEQ16: tl.constexpr, BF16: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    """A[row, n] = act(x[tok] @ gate_e[n].T, x[tok] @ up_e[n].T) for one block and N tile."""
+    b = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    skip, e, pair, row_ok, a_row = _block_rows(
+        b, ids_ptr, sorted_ptr, bexp_ptr, nvalid_ptr, T, E, BM, DIRECT
+    )
+    if skip:
+        return
+    e64 = e.to(tl.int64)
+    tok = tl.where(row_ok, pair // top_k, 0).to(tl.int64)
+    offs_k = tl.arange(0, BK)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    rn = tl.minimum(offs_n, N - 1).to(tl.int64)
+    x_ptrs = x_ptr + tok[:, None] * stride_xm + offs_k[None, :]
+    w_base = w_ptr + e64 * stride_we
+    s_base = s_ptr + e64 * stride_se
+    wg_ptrs, sg_ptrs = _w_ptrs(w_base, s_base, rn, stride_wn, stride_sn, FMT, GROUP, BK)
+    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+    if GATED:
+        wu_ptrs, su_ptrs = _w_ptrs(w_base, s_base, rn + N, stride_wn, stride_sn, FMT, GROUP, BK)
+        acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    else:
+        acc_u = acc_g
+    WSTEP: tl.constexpr = BK if FMT == 2 else BK // 2
+    SSTEP: tl.constexpr = 0 if FMT == 2 else BK // GROUP
+    for k0 in range(0, K, BK):
+        rem = K - k0
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
+        else:
+            x = tl.load(x_ptrs, mask=row_ok[:, None] & (offs_k[None, :] < rem), other=0.0)
+        wg = _load_w(wg_ptrs, sg_ptrs, rem, FMT, GROUP, BN, BK, EVEN_K, DEQ16, BF16)
+        if SCALE_KIND == 2:  # fp8 block scales: scale each K step's partial product
+            sblk = s_base + (k0 // BLOCK_SK) * stride_sk
+            pg = _mma(x, wg, tl.zeros((BM, BN), dtype=tl.float32), DOT_F32)
+            acc_g += pg * tl.load(sblk + (rn // BLOCK_SN) * stride_sn)[None, :]
+        else:
+            acc_g = _mma(x, wg, acc_g, DOT_F32)
+        if GATED:
+            wu = _load_w(wu_ptrs, su_ptrs, rem, FMT, GROUP, BN, BK, EVEN_K, DEQ16, BF16)
+            if SCALE_KIND == 2:
+                pu = _mma(x, wu, tl.zeros((BM, BN), dtype=tl.float32), DOT_F32)
+                acc_u += pu * tl.load(sblk + ((rn + N) // BLOCK_SN) * stride_sn)[None, :]
+            else:
+                acc_u = _mma(x, wu, acc_u, DOT_F32)
+            wu_ptrs += WSTEP
+            su_ptrs += SSTEP
+        x_ptrs += BK
+        wg_ptrs += WSTEP
+        sg_ptrs += SSTEP
+
+    if FMT == 0:
+        gs = _fp4_fold(gs_ptr, e64, DEQ16)
+        acc_g = acc_g * gs
+        acc_u = acc_u * gs
+    elif FMT == 2:
+        if SCALE_KIND == 0:
+            s0 = tl.load(s_base)
+            acc_g = acc_g * s0
+            acc_u = acc_u * s0
+        elif SCALE_KIND == 1:
+            acc_g = acc_g * tl.load(s_base + rn * stride_sn)[None, :]
+            if GATED:
+                acc_u = acc_u * tl.load(s_base + (rn + N) * stride_sn)[None, :]
+    if HAS_BIAS:
+        acc_g = acc_g + tl.load(bias_ptr + e64 * stride_be + rn)[None, :]
+        if GATED:
+            acc_u = acc_u + tl.load(bias_ptr + e64 * stride_be + rn + N)[None, :]
+    h = apply_activation(acc_g, acc_u, alpha, limit, ACT)
+    a_ptrs = a_ptr + a_row.to(tl.int64)[:, None] * stride_am + offs_n[None, :]
+    tl.store(a_ptrs, h.to(a_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n[None, :] < N))
+
+
+@triton.jit(do_not_specialize=["T"])
+def moe_gemm2_kernel(
+    a_ptr, ids_ptr, sorted_ptr, bexp_ptr, nvalid_ptr, tw_ptr,
+    w_ptr, s_ptr, gs_ptr, bias_ptr, y_ptr,
+    T, N, K, E,
+    stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_be, stride_ym,
+    FMT: tl.constexpr, GROUP: tl.constexpr, SCALE_KIND: tl.constexpr,
+    BLOCK_SN: tl.constexpr, BLOCK_SK: tl.constexpr,
+    HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
+    DEQ16: tl.constexpr, BF16: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    """Y[pair, n] = w[pair] * (A[row] @ down_e[n].T * scale + bias) for one block and N tile."""
+    b = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    skip, e, pair, row_ok, a_row = _block_rows(
+        b, ids_ptr, sorted_ptr, bexp_ptr, nvalid_ptr, T, E, BM, DIRECT
+    )
+    if skip:
+        return
+    e64 = e.to(tl.int64)
+    offs_k = tl.arange(0, BK)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    rn = tl.minimum(offs_n, N - 1).to(tl.int64)
+    a_ptrs = a_ptr + a_row.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
+    w_base = w_ptr + e64 * stride_we
+    s_base = s_ptr + e64 * stride_se
+    w_ptrs, s_ptrs = _w_ptrs(w_base, s_base, rn, stride_wn, stride_sn, FMT, GROUP, BK)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    WSTEP: tl.constexpr = BK if FMT == 2 else BK // 2
+    SSTEP: tl.constexpr = 0 if FMT == 2 else BK // GROUP
+    for k0 in range(0, K, BK):
+        rem = K - k0
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+        else:
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & (offs_k[None, :] < rem), other=0.0)
+        w = _load_w(w_ptrs, s_ptrs, rem, FMT, GROUP, BN, BK, EVEN_K, DEQ16, BF16)
+        if SCALE_KIND == 2:
+            part = _mma(a, w, tl.zeros((BM, BN), dtype=tl.float32), DOT_F32)
+            sblk = s_base + (k0 // BLOCK_SK) * stride_sk
+            acc += part * tl.load(sblk + (rn // BLOCK_SN) * stride_sn)[None, :]
+        else:
+            acc = _mma(a, w, acc, DOT_F32)
+        a_ptrs += BK
+        w_ptrs += WSTEP
+        s_ptrs += SSTEP
+
+    if FMT == 0:
+        acc = acc * _fp4_fold(gs_ptr, e64, DEQ16)
+    elif FMT == 2:
+        if SCALE_KIND == 0:
+            acc = acc * tl.load(s_base)
+        elif SCALE_KIND == 1:
+            acc = acc * tl.load(s_base + rn * stride_sn)[None, :]
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + e64 * stride_be + rn)[None, :]
+    pair64 = tl.where(row_ok, pair, 0).to(tl.int64)
+    acc = acc * tl.load(tw_ptr + pair64, mask=row_ok, other=0.0)[:, None]
+    y_ptrs = y_ptr + pair64[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n[None, :] < N))
+
+
+@triton.jit
+def _moe_reduce_kernel(y_ptr, ids_ptr, out_ptr, N, E, top_k, stride_ym, stride_om,
+                       TOPK_P: tl.constexpr, BN: tl.constexpr):  # fmt: skip
+    t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    j = tl.arange(0, TOPK_P)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    jm = j < top_k
+    ids = tl.load(ids_ptr + t * top_k + j, mask=jm, other=-1)
+    ok = jm & (ids >= 0) & (ids < E)
+    rows = (t * top_k + j).to(tl.int64)
+    v = tl.load(y_ptr + rows[:, None] * stride_ym + offs_n[None, :],
+                mask=ok[:, None] & (offs_n[None, :] < N), other=0.0)  # fmt: skip
+    s = tl.sum(v.to(tl.float32), axis=0)
+    tl.store(out_ptr + t.to(tl.int64) * stride_om + offs_n, s.to(out_ptr.dtype.element_ty),
+             mask=offs_n < N)  # fmt: skip
+
+
+def moe_reduce(y: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, experts: int) -> None:
+    """out[t] = the sum of token t's valid slot rows of y (step 4)."""
+    m, hidden = out.shape
+    top_k = ids.shape[1]
+    bnr = min(1024, triton.next_power_of_2(hidden))
+    _moe_reduce_kernel[(m, triton.cdiv(hidden, bnr))](
+        y, ids, out, hidden, experts, top_k, y.stride(0), out.stride(0),
+        TOPK_P=triton.next_power_of_2(max(top_k, 2)), BN=bnr, num_warps=4,
+    )  # fmt: skip

@@ -1,0 +1,176 @@
+"""The mma16x64 layout dequantized to 16-bit rows: the slabs of the large-M path (cuBLAS after
+it) and the expert stacks of the MoE's dequantize path. Each thread decodes one lane's 32
+weights with the GEMV kernel's own PTX, rescales them in fp32 by 2^8 * global scale (one
+rounding to 16-bit), and writes 2 x 32 contiguous bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from quantdispatch.kernels.common.ptx import decode_chunk, load_w
+from quantdispatch.kernels.mma_layout.layout import TILE_N, scale_pairs
+
+__all__ = ["mma_dequant_rows"]
+
+
+def _rescale_asm(bf16: bool) -> str:
+    """16 A registers (16-bit pairs, e2m1 * scale * 2^-8) -> the same pairs times ``$32``
+    (fp32, 2^8 * global scale), rounded once to 16-bit. $0..$15 out, $16..$31 in."""
+    body = ["{", ".reg .f32 %lo, %hi;", ".reg .b16 %l16, %h16;"]
+    for i in range(16):
+        src, dst = f"${16 + i}", f"${i}"
+        if bf16:
+            body += [
+                f"shl.b32 %lo, {src}, 16;",
+                f"and.b32 %hi, {src}, 0xFFFF0000;",
+                "mul.rn.f32 %lo, %lo, $32;",
+                "mul.rn.f32 %hi, %hi, $32;",
+                f"cvt.rn.bf16x2.f32 {dst}, %hi, %lo;",
+            ]
+        else:
+            body += [
+                f"mov.b32 {{%l16, %h16}}, {src};",
+                "cvt.f32.f16 %lo, %l16;",
+                "cvt.f32.f16 %hi, %h16;",
+                "mul.rn.f32 %lo, %lo, $32;",
+                "mul.rn.f32 %hi, %hi, $32;",
+                f"cvt.rn.f16x2.f32 {dst}, %hi, %lo;",
+            ]
+    body.append("}")
+    return "\n".join(body)
+
+
+_RESCALE_BF16 = tl.constexpr(_rescale_asm(True))
+_RESCALE_F16 = tl.constexpr(_rescale_asm(False))
+_RESCALE_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 16 + ["r"] * 16 + ["f"]))
+# row g: registers 0, 2, 4, ..., 14 in column order; row g + 8: 1, 3, ..., 15
+_STORE_ROWS_CONSTRAINTS = tl.constexpr("=r,l,l," + ",".join(["r"] * 16))
+_STORE_ROWS_ASM = tl.constexpr(
+    "st.global.v4.b32 [$1], {$3, $5, $7, $9};\n"
+    "st.global.v4.b32 [$1+16], {$11, $13, $15, $17};\n"
+    "st.global.v4.b32 [$2], {$4, $6, $8, $10};\n"
+    "st.global.v4.b32 [$2+16], {$12, $14, $16, $18};\n"
+    "mov.b32 $0, 0;"
+)
+
+
+@triton.jit
+def _mma_dequant_kernel(
+    w_ptr,
+    s_ptr,
+    gs_ptr,
+    out_ptr,
+    tile0,
+    stride_o,
+    CHUNKS: tl.constexpr,
+    WARPS: tl.constexpr,
+    BF16: tl.constexpr,
+    SPC: tl.constexpr = 32,
+):
+    """Dequantize tiles tile0.. of the mma layout into 16-bit rows (the large-M path's slab):
+    each thread decodes one lane's 32 weights with the GEMV kernel's own PTX, rescales them in
+    fp32 by 2^8 * global scale, and writes 2 x 32 contiguous bytes (rows g and g + 8)."""
+    tile = tile0 + tl.program_id(1)
+    idx = tl.arange(0, 32 * WARPS)
+    lane = idx % 32
+    c = tl.program_id(0) * WARPS + idx // 32
+    ok = c < CHUNKS
+    cc = tl.minimum(c, CHUNKS - 1)
+    w = w_ptr + (tile.to(tl.int64) * CHUNKS + cc) * 128 + lane * 4
+    s_lane = lane if SPC == 32 else lane // 2  # MXFP4: lanes 2i and 2i + 1 share scale pair i
+    s = s_ptr + (tile.to(tl.int64) * CHUNKS + cc) * SPC + s_lane
+    # chunks past the end (last program) re-decode the last chunk and store the same values
+    q0, q1, q2, q3, u = load_w(w, s, ok, True)
+    a = decode_chunk(q0, q1, q2, q3, u, BF16)
+    factor = tl.load(gs_ptr) * 256.0 + tl.zeros((32 * WARPS,), dtype=tl.float32)
+    r = tl.inline_asm_elementwise(
+        _RESCALE_BF16 if BF16 else _RESCALE_F16,
+        _RESCALE_CONSTRAINTS,
+        [
+            a[0],
+            a[1],
+            a[2],
+            a[3],
+            a[4],
+            a[5],
+            a[6],
+            a[7],
+            a[8],
+            a[9],
+            a[10],
+            a[11],
+            a[12],
+            a[13],
+            a[14],
+            a[15],
+            factor,
+        ],
+        dtype=(tl.int32,) * 16,
+        is_pure=True,
+        pack=1,
+    )
+    row = (tile - tile0) * 16 + lane // 4
+    col = cc * 64 + 16 * (lane % 4)
+    p_lo = out_ptr + row.to(tl.int64) * stride_o + col
+    p_hi = p_lo + 8 * stride_o
+    tl.inline_asm_elementwise(
+        _STORE_ROWS_ASM,
+        _STORE_ROWS_CONSTRAINTS,
+        [
+            p_lo,
+            p_hi,
+            r[0],
+            r[1],
+            r[2],
+            r[3],
+            r[4],
+            r[5],
+            r[6],
+            r[7],
+            r[8],
+            r[9],
+            r[10],
+            r[11],
+            r[12],
+            r[13],
+            r[14],
+            r[15],
+        ],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+def mma_dequant_rows(
+    words: torch.Tensor,
+    scales: torch.Tensor,
+    global_scale: torch.Tensor,
+    row_a: int,
+    row_b: int,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Rows ``row_a .. row_b`` (multiples of 16) of the weight, dequantized into ``out``
+    [row_b - row_a, K] (bf16 or fp16, the dtype the layout was packed for)."""
+    if row_a % TILE_N or row_b % TILE_N:
+        raise ValueError(f"rows {row_a}..{row_b} are not whole {TILE_N}-row tiles")
+    chunks = words.shape[1]
+    warps = 4
+    grid = (triton.cdiv(chunks, warps), (row_b - row_a) // TILE_N)
+    _mma_dequant_kernel[grid](
+        words,
+        scales.view(torch.int16),
+        global_scale,
+        out,
+        row_a // TILE_N,
+        out.stride(0),
+        CHUNKS=chunks,
+        WARPS=warps,
+        BF16=out.dtype == torch.bfloat16,
+        SPC=scale_pairs(scales),
+        num_warps=warps,
+    )
+    return out

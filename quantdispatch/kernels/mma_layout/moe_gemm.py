@@ -1,0 +1,352 @@
+"""NVFP4 and MXFP4 MoE experts in the ``mma16x64`` layout: every regime on one repacked copy.
+
+Why: the MoE kernels on the checkpoint layout (:mod:`..checkpoint_layout.moe_mma`,
+:mod:`..checkpoint_layout.moe`) decode each weight with more instructions than the repacked
+linear kernels (15 vs 11 integer ops per 8 codes, activation permutes, byte-wise scales), and at
+few tokens per expert they are issue bound, so the same mma.sync design streams faster from the
+repacked layout (docs/design/moe.md). With the tl.dot GEMM that decodes the repacked layout
+(:mod:`.gemm`) every regime can read the repacked copy, and it holds the same bytes (no second
+copy). The regime is chosen in :mod:`.moe_plan`:
+
+* single (token, slot) pairs (4 x pairs <= E: decode): the mma.sync gate/up tiles of
+  :mod:`..checkpoint_layout.moe_mma` and a down kernel that also sums the top-k slots
+  (:mod:`.moe_pairs`: two launches instead of three);
+* few tokens per expert: the mma.sync gate/up + down kernels of
+  :mod:`..checkpoint_layout.moe_mma` in their REPACKED mode (gate and up tiles of a warp share
+  the activation fragments, activation fused) on 8-pair blocks;
+* mid: a grouped GEMM (:func:`_moe_gemm_kernel`): expert-sorted blocks of ``block_m`` pairs
+  (:func:`..checkpoint_layout.moe_align.moe_align`) times 64-row weight tiles, the weight decoded
+  into the wgmma A operand as in :mod:`.gemm` (swap AB: weight rows x tokens). Gate/up programs run
+  the gate tile and the up tile on the same activation tile (one shared-memory tile feeds both dots)
+  and fuse the activation; they write the intermediate with its columns already in the MMA K order,
+  so the down GEMM reads it as is (the tokens' own activations are permuted once per call,
+  :func:`.activation_order.kappa_order`);
+* very many (SM 9.0+ with ``torch._grouped_mm``): each GEMM's experts dequantized to 16-bit
+  by the layout's own dequant kernel, then ``torch._grouped_mm`` (as for the checkpoint layout).
+
+Stacked tensors: ``words`` int32 [E, N/16, K/64, 32, 4], ``scales`` uint8 [E, N/16, K/64, 32, 2]
+(:func:`.moe_stacks.repack_experts`; N = 2I for w13, gate tiles then up tiles), ``global_scale``
+fp32 [E]. MXFP4 (:func:`.moe_stacks.repack_experts_mx`): scales [E, N/16, K/64, 16, 2], one pair
+per group of 32 read by two lanes, and each expert's scales relative to its own largest (its
+global scale).
+The layout places codes for one 16-bit activation dtype (bf16 or fp16), fixed at repack.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from quantdispatch.errors import InputError, WeightFormatError, format_error
+from quantdispatch.kernels.checkpoint_layout.moe_align import moe_align
+from quantdispatch.kernels.checkpoint_layout.moe_gemm import moe_reduce
+from quantdispatch.kernels.checkpoint_layout.moe_mma import run_mma_moe
+from quantdispatch.kernels.checkpoint_layout.moe_plan import (
+    DequantMoeConfig,
+    MmaMoeConfig,
+    grouped_mm_capable,
+)
+from quantdispatch.kernels.common import checks
+from quantdispatch.kernels.common.activation import apply_activation
+from quantdispatch.kernels.common.checks import check_moe_call, interpreting
+from quantdispatch.kernels.common.pdl import pdl_capable
+from quantdispatch.kernels.common.slabs import run_dequant_moe
+from quantdispatch.kernels.common.wgmma_guard import rs_wgmma_hazard, settle
+from quantdispatch.kernels.mma_layout.activation_order import kappa_order
+from quantdispatch.kernels.mma_layout.layout import CHUNK_K, TILE_N
+from quantdispatch.kernels.mma_layout.moe_pairs import small_moe
+from quantdispatch.kernels.mma_layout.moe_plan import (
+    MoeGemmTile,
+    SmallMoeConfig,
+    moe_layout_config,
+)
+from quantdispatch.kernels.mma_layout.moe_stacks import dequant_experts
+from quantdispatch.kernels.mma_layout.tile_decode import weight_tile
+from quantdispatch.moe.activations import get_activation
+
+__all__ = ["mma_layout_moe"]
+
+
+def _tile_warps(tile: MoeGemmTile, block_n: int) -> int:
+    """Warps for one GEMM of ``tile`` run ``block_n`` rows wide: the tile's warps scale with
+    the rows when a GEMM whose N the tile's width does not divide falls back to 64-row tiles
+    (8 warps on 64 rows would split the tokens between two warpgroups that decode the same
+    weights, which was much slower for gpt-oss-20b, N = 2880: docs/design/moe.md)."""
+    return max(4, tile.warps * block_n // tile.block_n)
+
+
+@triton.jit
+def _tile_pointers(w_ptr, s_ptr, e64, stride_we, stride_se, tile0,
+                   CHUNKS: tl.constexpr, BT: tl.constexpr, CK: tl.constexpr,
+                   SPC: tl.constexpr):  # fmt: skip
+    """Word and scale pointers of BT 16-row tiles from ``tile0`` of expert e, first K step
+    (SPC 16, MXFP4: int32 pointers to both scale pairs of a row group, as in
+    :func:`.gemm._mma_gemm_kernel`)."""
+    t = tl.arange(0, BT)[:, None, None, None, None]
+    c = tl.arange(0, CK)[None, :, None, None, None]
+    g = tl.arange(0, 8)[None, None, :, None, None]
+    q = tl.arange(0, 4)[None, None, None, :, None]  # t of the layout: the lane in its quad
+    j = tl.arange(0, 4)[None, None, None, None, :]
+    base = (tile0 + t).to(tl.int64) * CHUNKS + c
+    w_ptrs = w_ptr + e64 * stride_we + base * 128 + g * 16 + q * 4 + j
+    if SPC == 32:
+        s_ptrs = s_ptr + e64 * stride_se + base * 32 + g * 4 + q
+    else:
+        s32 = s_ptr.to(tl.pointer_type(tl.int32))
+        s_ptrs = s32 + e64 * (stride_se // 2) + base * (SPC // 2) + g
+    return w_ptrs, s_ptrs
+
+
+@triton.jit(do_not_specialize=["T"])
+def _moe_gemm_kernel(
+    x_ptr, sorted_ptr, bexp_ptr, nvalid_ptr, tw_ptr,
+    w_ptr, s_ptr, gs_ptr, bias_ptr, out_ptr,
+    T, top_k, n_blocks, up_tiles,
+    stride_xm, stride_we, stride_se, stride_be, stride_om,
+    alpha, limit,
+    CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, CK: tl.constexpr,
+    GATE_UP: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, BF16: tl.constexpr,
+    DOT_F32: tl.constexpr, SETTLE: tl.constexpr, SPC: tl.constexpr = 32,
+):  # fmt: skip
+    """One [BLOCK_N weight rows, BLOCK_M pairs] tile of one expert-sorted block.
+
+    Program ids run the blocks fastest, so the blocks of one expert (adjacent after the
+    alignment) read the same weight tile back to back (from L2 after the first). GATE_UP: x
+    rows are tokens (``pair // top_k``) of the K-ordered x, the gate tile (rows from
+    ``pid_n * BLOCK_N``) and the up tile (``up_tiles`` 16-row tiles further) share each
+    activation tile, and the activation is stored to row ``b * BLOCK_M + slot`` of the
+    intermediate at the MMA K-order column of each output column. Down: x rows are those
+    intermediate rows; out row = pair, times the pair's routing weight. SETTLE: read the
+    accumulators in every step (:func:`..common.wgmma_guard.settle`; the Triton < 3.7 wgmma bug)."""
+    pid = tl.program_id(0)
+    b = pid % n_blocks
+    pid_n = pid // n_blocks
+    if b >= tl.load(nvalid_ptr):
+        return
+    e64 = tl.load(bexp_ptr + b).to(tl.int64)
+    BT: tl.constexpr = BLOCK_N // 16
+    BK: tl.constexpr = 64 * CK
+    EVEN: tl.constexpr = CHUNKS % CK == 0
+    K: tl.constexpr = CHUNKS * 64
+    slot = tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + b * BLOCK_M + slot)
+    m_ok = pair < T
+    x_row = tl.where(m_ok, pair // top_k, 0) if GATE_UP else b * BLOCK_M + slot
+    k = tl.arange(0, BK)
+    x_ptrs = x_ptr + x_row.to(tl.int64)[:, None] * stride_xm + k[None, :]
+    w_ptrs, s_ptrs = _tile_pointers(w_ptr, s_ptr, e64, stride_we, stride_se, pid_n * BT,
+                                    CHUNKS, BT, CK, SPC)  # fmt: skip
+    up_w = up_tiles * (CHUNKS * 128)  # < 2^31: (I / 16) * (H / 64) * 128 = I * H / 8
+    S_STEP: tl.constexpr = 32 if SPC == 32 else SPC // 2  # scale pointer units per chunk
+    MX: tl.constexpr = SPC != 32
+    up_s = up_tiles * (CHUNKS * S_STEP)
+    c = tl.arange(0, CK)[None, :, None, None, None]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for c0 in range(0, CHUNKS, CK):
+        if EVEN:
+            x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+        else:
+            x = tl.load(x_ptrs, mask=m_ok[:, None] & (c0 * 64 + k < K)[None, :], other=0.0)
+        xt = tl.trans(x.to(tl.float32)) if DOT_F32 else tl.trans(x)
+        w = weight_tile(w_ptrs, s_ptrs, c0 + c < CHUNKS, CK, BF16, DOT_F32, EVEN, MX)
+        acc = tl.dot(w, xt, acc, input_precision="ieee") if DOT_F32 else tl.dot(w, xt, acc)
+        if GATE_UP:
+            wu = weight_tile(w_ptrs + up_w, s_ptrs + up_s, c0 + c < CHUNKS, CK, BF16, DOT_F32,
+                              EVEN, MX)  # fmt: skip
+            if DOT_F32:
+                acc_up = tl.dot(wu, xt, acc_up, input_precision="ieee")
+            else:
+                acc_up = tl.dot(wu, xt, acc_up)
+        if SETTLE:  # the next decode must not overwrite A registers of wgmmas in flight
+            acc = settle(acc)
+            if GATE_UP:
+                acc_up = settle(acc_up)
+        w_ptrs += CK * 128
+        s_ptrs += CK * S_STEP
+        x_ptrs += BK
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    factor = tl.load(gs_ptr + e64) * 256.0
+    if GATE_UP:
+        g = acc * factor
+        u = acc_up * factor
+        if HAS_BIAS:
+            bias = bias_ptr + e64 * stride_be
+            g += tl.load(bias + offs_n)[:, None]
+            u += tl.load(bias + up_tiles * 16 + offs_n)[:, None]
+        h = apply_activation(g, u, alpha, limit, ACT)
+        # column n = 64 c + 16 t + 4 j + 2 cc + h goes to 64 c + 16 j + 8 cc + 2 t + h
+        r = offs_n % 64
+        col = offs_n - r + 16 * ((r // 4) % 4) + 8 * ((r // 2) % 2) + 2 * (r // 16) + r % 2
+        a_row = (b * BLOCK_M + slot).to(tl.int64)
+        out = out_ptr + a_row[None, :] * stride_om + col[:, None]
+        tl.store(out, h.to(out_ptr.dtype.element_ty), mask=m_ok[None, :])
+    else:
+        y = acc * factor
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + e64 * stride_be + offs_n)[:, None]
+        p64 = tl.where(m_ok, pair, 0).to(tl.int64)
+        y = y * tl.load(tw_ptr + p64, mask=m_ok, other=0.0)[None, :]
+        out = out_ptr + p64[None, :] * stride_om + offs_n[:, None]
+        tl.store(out, y.to(out_ptr.dtype.element_ty), mask=m_ok[None, :])
+
+
+def _fail(what: str, rule: str, fix: str, exc: type[Exception] = WeightFormatError) -> None:
+    raise exc(format_error(f"mma16x64 MoE: {what}", rule, fix))
+
+
+def _check_stack(w: Sequence[torch.Tensor], which: str) -> tuple[int, int, int]:
+    """(E, N, K) of one stacked repacked weight, checked."""
+    if len(w) != 3:
+        _fail(f"{which} has {len(w)} tensors", "words, scales and global scales", "")
+    words, scales, gs = w
+    if words.dtype != torch.int32 or words.dim() != 5 or tuple(words.shape[3:]) != (32, 4):
+        _fail(
+            f"{which} words are {words.dtype} {tuple(words.shape)}",
+            "repacked expert words are int32 [E, N/16, K/64, 32, 4]",
+            "build them with moe_stacks.repack_experts (QuantMoE does)",
+        )
+    e, tiles, chunks = words.shape[:3]
+    pairs = scales.shape[3] if scales.dim() == 5 else 0
+    if (
+        scales.dtype != torch.uint8
+        or tuple(scales.shape) != (e, tiles, chunks, pairs, 2)
+        or (pairs not in (32, 16))
+    ):
+        _fail(
+            f"{which} scales are {scales.dtype} {tuple(scales.shape)}",
+            f"repacked expert scales are uint8 [{e}, {tiles}, {chunks}, 32, 2] (NVFP4) or "
+            f"[{e}, {tiles}, {chunks}, 16, 2] (MXFP4)",
+            "pass the scales repack_experts / repack_experts_mx returned with these words",
+        )
+    if gs.dtype != torch.float32 or tuple(gs.shape) != (e,):
+        _fail(f"{which} global scales are {gs.dtype} {tuple(gs.shape)}", f"float32 [{e}]", "")
+    if not (words.is_contiguous() and scales.is_contiguous()):
+        _fail(f"{which} is not contiguous", "repacked stacks are contiguous", "call .contiguous()")
+    return e, tiles * TILE_N, chunks * CHUNK_K
+
+
+def mma_layout_moe(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: Sequence[torch.Tensor],
+    w2: Sequence[torch.Tensor],
+    w13_bias: torch.Tensor | None,
+    w2_bias: torch.Tensor | None,
+    *,
+    activation: str,
+    params: Sequence[float],
+    packed_for: torch.dtype,
+    config: SmallMoeConfig | MmaMoeConfig | MoeGemmTile | DequantMoeConfig | None = None,
+) -> torch.Tensor:
+    """Routed experts on repacked stacks: [M, H] in x.dtype. ``topk_ids`` hold local expert ids
+    (others contribute nothing), ``topk_weights`` (float32) are final. ``config`` overrides the
+    regime choice (tests and tuning only)."""
+    spec = get_activation(activation)
+    if not spec.gated:
+        _fail(
+            f"activation {activation!r}",
+            "the repacked MoE kernels run gated activations",
+            "keep the checkpoint layout (QuantMoE does for non-gated layers)",
+            InputError,
+        )
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype != packed_for:
+        got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+        _fail(
+            f"x is {got}",
+            f"x is [M, H] in {packed_for} (the layout places codes for one 16-bit dtype)",
+            f"pass {packed_for} activations",
+            InputError,
+        )
+    e, n13, hidden = _check_stack(w13, "w13")
+    e2, n2, inter = _check_stack(w2, "w2")
+    if e2 != e or n13 != 2 * inter or n2 != hidden or x.shape[1] != hidden:
+        _fail(
+            f"w13 is [E={e}, N={n13}, K={hidden}], w2 [E={e2}, N={n2}, K={inter}], x "
+            f"{tuple(x.shape)}",
+            "w13 is [E, 2I, H], w2 [E, H, I] and x [M, H]",
+            "pass the weights that belong to this layer",
+        )
+    m = x.shape[0]
+    top_k = check_moe_call(x, topk_ids, topk_weights, e, n13, n2, w13_bias, w2_bias, w13[0], w2[0])
+    out = checks.empty((m, hidden), x.dtype, x.device)
+    if m == 0:
+        return out
+    x = x if x.is_contiguous() else x.contiguous()
+    ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
+    tw = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
+    alpha, limit = 0.0, 0.0
+    if spec.name == "swiglu_oai":
+        alpha, limit = (tuple(params) or spec.default_params)[:2]
+    cfg = config or moe_layout_config(m, top_k, e, inter, hidden, x.device)
+    pairs = m * top_k
+    if isinstance(cfg, DequantMoeConfig):
+        if not grouped_mm_capable(x.device):
+            _fail(f"a dequantize config on {x.device}", "needs torch._grouped_mm on SM 9.0+",
+                  "leave config=None", InputError)  # fmt: skip
+        run_dequant_moe(
+            x, ids, tw, e,
+            lambda: dequant_experts(*w13, x.dtype), lambda: dequant_experts(*w2, x.dtype),
+            w13_bias, w2_bias, spec.code, True, alpha, limit, out,
+        )  # fmt: skip
+        return out
+    if isinstance(cfg, SmallMoeConfig):
+        if interpreting() or x.device.type != "cuda":
+            _fail(f"config {cfg.label()} off a CUDA GPU", "the single-pair kernels are PTX",
+                  "use a GEMM config (MoeGemmTile) under the interpreter", InputError)  # fmt: skip
+        if cfg.pdl and not pdl_capable(x.device):
+            _fail(f"config {cfg.label()} on {x.device}",
+                  "a programmatic dependent launch needs SM 9.0+ and Triton's grid dependency "
+                  "control", "use pdl=False", InputError)  # fmt: skip
+        small_moe(x, ids, tw, tuple(w13), tuple(w2), w13_bias, w2_bias, spec.code,  # type: ignore[arg-type]
+                  alpha, limit, cfg, out, inter)  # fmt: skip
+        return out
+    if isinstance(cfg, MmaMoeConfig):
+        if interpreting() or x.device.type != "cuda":
+            _fail("an mma.sync config off a CUDA GPU", "the mma kernels are PTX",
+                  "use a GEMM config (MoeGemmTile) under the interpreter", InputError)  # fmt: skip
+        run_mma_moe(x, ids, tw, tuple(w13), tuple(w2), w13_bias, w2_bias, spec.code,  # type: ignore[arg-type]
+                 alpha, limit, cfg, out, inter)  # fmt: skip
+        return out
+    if not isinstance(cfg, MoeGemmTile) or cfg.block_m % 16 or cfg.block_n % 64:
+        _fail(f"config {cfg!r}", "MoeGemmTile with block_m a multiple of 16, block_n of 64",
+              "leave config=None", InputError)  # fmt: skip
+    bm = cfg.block_m
+    sorted_ids, block_expert, num_blocks = moe_align(ids, e, bm)
+    n_blocks = block_expert.shape[0]
+    a = checks.empty((n_blocks * bm, inter), x.dtype, x.device)
+    y = checks.empty((pairs, hidden), x.dtype, x.device)
+    common = dict(
+        sorted_ptr=sorted_ids, bexp_ptr=block_expert, nvalid_ptr=num_blocks, tw_ptr=tw,
+        T=pairs, top_k=top_k, n_blocks=n_blocks, alpha=float(alpha), limit=float(limit),
+        BLOCK_M=bm, CK=cfg.chunks, ACT=spec.code, BF16=x.dtype == torch.bfloat16,
+        DOT_F32=interpreting(), num_stages=cfg.stages,
+        SETTLE=rs_wgmma_hazard(x.device) and not interpreting(),  # the weight is wgmma's A
+        SPC=w13[1].shape[3],  # 32 NVFP4, 16 MXFP4 scale pairs per tile and chunk
+    )  # fmt: skip
+    bn13 = cfg.block_n if inter % cfg.block_n == 0 else 64
+    w, s, g = w13[0], w13[1].view(torch.int16), w13[2]  # scale pairs as one 16-bit load
+    _moe_gemm_kernel[(n_blocks * (inter // bn13),)](
+        x_ptr=kappa_order(x), w_ptr=w, s_ptr=s, gs_ptr=g,
+        bias_ptr=w13_bias if w13_bias is not None else g, out_ptr=a, up_tiles=inter // TILE_N,
+        stride_xm=hidden, stride_we=w.stride(0), stride_se=s.stride(0),
+        stride_be=w13_bias.stride(0) if w13_bias is not None else 0, stride_om=a.stride(0),
+        CHUNKS=hidden // CHUNK_K, BLOCK_N=bn13, GATE_UP=True, HAS_BIAS=w13_bias is not None,
+        num_warps=_tile_warps(cfg, bn13), **common,
+    )  # fmt: skip
+    bn2 = cfg.block_n if hidden % cfg.block_n == 0 else 64
+    w, s, g = w2[0], w2[1].view(torch.int16), w2[2]
+    _moe_gemm_kernel[(n_blocks * (hidden // bn2),)](
+        x_ptr=a, w_ptr=w, s_ptr=s, gs_ptr=g,
+        bias_ptr=w2_bias if w2_bias is not None else g, out_ptr=y, up_tiles=0,
+        stride_xm=a.stride(0), stride_we=w.stride(0), stride_se=s.stride(0),
+        stride_be=w2_bias.stride(0) if w2_bias is not None else 0, stride_om=y.stride(0),
+        CHUNKS=inter // CHUNK_K, BLOCK_N=bn2, GATE_UP=False, HAS_BIAS=w2_bias is not None,
+        num_warps=_tile_warps(cfg, bn2), **common,
+    )  # fmt: skip
+    moe_reduce(y, ids, out, e)
+    return out

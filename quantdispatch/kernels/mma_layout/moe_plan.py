@@ -1,0 +1,379 @@
+"""The regime of a MoE call on repacked (mma16x64) experts, from the static sizes only (graphs
+and compile see no data dependence): single (token, slot) pairs (:class:`SmallMoeConfig`, the
+kernels of :mod:`.moe_pairs`), the mma.sync kernels on 8-pair blocks or single pairs
+(:class:`..checkpoint_layout.moe_plan.MmaMoeConfig`), the grouped GEMM (:class:`MoeGemmTile`,
+:mod:`.moe_gemm`), or dequantize + ``torch._grouped_mm``; the device facts it takes, and the
+words doctor prints for each. No triton import at module level.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from quantdispatch.kernels.checkpoint_layout.moe_plan import (
+    DequantMoeConfig,
+    MmaMoeConfig,
+    grouped_mm_capable,
+    mma_moe_config,
+)
+from quantdispatch.kernels.mma_layout.layout import CHUNK_K, TILE_N
+
+__all__ = [
+    "DEQUANT_MAX_BUFFER_BYTES",
+    "DEQUANT_MIN_EXPERT_ELEMENTS",
+    "DEQUANT_MIN_TOKENS_PER_EXPERT",
+    "DIRECT_MAX_EXPERT_ELEMENTS",
+    "DIRECT_MAX_TOKENS_PER_EXPERT",
+    "DOWN_MIN_WARPS",
+    "GATE_UP_WIDE_MAX_PROGRAMS",
+    "GATE_UP_WIDE_MIN_CHUNKS_PDL",
+    "MMA_MAX_TOKENS_PER_EXPERT",
+    "PREFETCH_MAX_BYTES",
+    "MoeDeviceFacts",
+    "MoeGemmTile",
+    "SmallMoeConfig",
+    "describe_moe_config",
+    "moe_kernel_ranges",
+    "moe_layout_config",
+    "moe_layout_supported",
+    "moe_plan",
+    "small_moe_config",
+    "small_units",
+]
+
+
+#: Up to this many tokens per expert (M * top_k / E) the mma.sync kernels run; above, the
+#: grouped GEMM (its blocks are at least 16 pairs: with fewer tokens per expert most of each
+#: wgmma would be padding).
+MMA_MAX_TOKENS_PER_EXPERT = 4
+#: From this many tokens per expert (SM 9.0+), dequantize + torch._grouped_mm, for experts of at
+#: least DEQUANT_MIN_EXPERT_ELEMENTS (I x H): on the H200 the crossover for Mixtral-8x7B
+#: (14336 x 4096) lies between 640 and 768 per expert; for smaller experts (Qwen3-30B-A3B,
+#: gpt-oss-20b) the grouped GEMM wins at 512..1024, as torch._grouped_mm over many small experts
+#: is slow itself (benchmarks/results/moe-sweep-h200-*-crossover.json, docs/design/moe.md). The
+#: checkpoint layout's kernels keep their own cut-off
+#: (:data:`..checkpoint_layout.moe_plan.DEQUANT_MIN_TOKENS_PER_EXPERT`; not re-measured).
+DEQUANT_MIN_TOKENS_PER_EXPERT = 768
+DEQUANT_MIN_EXPERT_ELEMENTS = 2**25
+#: ... as long as the transient 16-bit copy of one GEMM's experts stays below this (bytes).
+DEQUANT_MAX_BUFFER_BYTES = 4 * 2**30
+#: Small experts (I x H at most DIRECT_MAX_EXPERT_ELEMENTS) run one mma block per (token, slot)
+#: pair, no expert sort, up to this many tokens per expert: their blocks of 8 pairs would mostly
+#: hold one pair, and the sort is a large part of a small expert's time. Bigger experts keep the
+#: blocks (H200: benchmarks/results/ksplit-probe-h200-*-few*.log, docs/design/moe.md).
+DIRECT_MAX_TOKENS_PER_EXPERT = 0.5
+DIRECT_MAX_EXPERT_ELEMENTS = 1 << 22
+
+
+def moe_layout_supported(
+    inter: int, hidden: int, gated: bool, capability: tuple[int, int] | None
+) -> bool:
+    """Whether NVFP4 experts are repacked: a gated activation (the kernels pair gate and up
+    tiles), SM 8.0+ (bf16 mma.sync), I and H multiples of 64 (whole 64-row GEMM tiles)."""
+    return (
+        gated
+        and capability is not None
+        and capability >= (8, 0)
+        and inter > 0
+        and hidden > 0
+        and inter % 64 == 0
+        and hidden % 64 == 0
+    )
+
+
+@dataclass(frozen=True)
+class MoeGemmTile:
+    """Grouped GEMM tile: pairs per block, weight rows per program, K chunks (of 64) per step,
+    warps, pipeline stages."""
+
+    block_m: int
+    block_n: int = 64
+    chunks: int = 2
+    warps: int = 4
+    stages: int = 4
+
+    def shared_bytes(self, gate_up: bool = True) -> int:
+        """Shared memory the pipelined loop needs, an upper bound: per stage the activation
+        tile (block_m x 64 chunks x 2 B) and the words (32 B per weight row and chunk) and
+        scale pairs (4 B) of one weight tile, two for gate/up. (Triton 3.9 compiled for sm_90
+        / sm_86 uses 36-96 / 24-64 KB for the four tiles of :func:`moe_layout_config`, this
+        says 39-150: it does not always stage the words.)"""
+        tiles = 2 if gate_up else 1
+        per_stage = self.block_m * 128 * self.chunks + tiles * self.block_n * self.chunks * 36
+        return self.stages * per_stage
+
+    def label(self) -> str:
+        return f"gemm BM{self.block_m} {self.block_n}x{64 * self.chunks}w{self.warps}s{self.stages}"
+
+
+#: Opt-in shared memory per block (bytes) by compute capability where torch does not report it:
+#: 163 KB on A100 / Orin, 227 KB on Hopper and datacenter Blackwell, 99 KB on the others (RTX
+#: 30 / 40 / 50 series, L40S, A10).
+_SHARED_BY_CAPABILITY = {(8, 0): 163 * 1024, (8, 7): 163 * 1024, (9, 0): 227 * 1024,
+                         (10, 0): 227 * 1024, (10, 3): 227 * 1024}  # fmt: skip
+_SHARED_DEFAULT = 99 * 1024
+#: Kept free for what the estimate does not count (epilogue layout conversions, barriers).
+_SHARED_MARGIN = 8 * 1024
+
+
+def _max_shared_memory(device: torch.device) -> int:
+    """Shared memory one program may use on ``device`` (bytes; no limit off the GPU)."""
+    if device.type != "cuda":
+        return 227 * 1024
+    props = torch.cuda.get_device_properties(device)
+    optin = getattr(props, "shared_memory_per_block_optin", None)
+    if optin:
+        return int(optin)
+    return _SHARED_BY_CAPABILITY.get((props.major, props.minor), _SHARED_DEFAULT)
+
+
+def _fit_shared(tile: MoeGemmTile, limit: int) -> MoeGemmTile:
+    """``tile``, or the largest smaller one whose pipeline fits ``limit`` bytes by the upper
+    bound of :meth:`MoeGemmTile.shared_bytes` (the 128-pair tile's is ~150 KB: kept on A100 /
+    H100, the 64-pair tile on a 99 KB RTX or L40S, none of which was measured)."""
+    smaller = [MoeGemmTile(64, stages=3), MoeGemmTile(32, stages=3), MoeGemmTile(16, stages=3)]
+    for t in [tile, *smaller]:
+        if t.block_m <= tile.block_m and t.shared_bytes() + _SHARED_MARGIN <= limit:
+            return t
+    return MoeGemmTile(16, stages=2)
+
+
+@functools.cache
+def _fixed_facts(device: torch.device) -> tuple[bool, int]:
+    """(torch._grouped_mm runs there, shared memory per program) of one device, asked once."""
+    return grouped_mm_capable(device), _max_shared_memory(device)
+
+
+@dataclass(frozen=True)
+class MoeDeviceFacts:
+    """What the MoE regime takes from the GPU besides the sizes: whether torch._grouped_mm
+    runs there (SM 9.0+), the shared memory one program may use, and whether the down kernel is
+    a programmatic dependent launch. ``of`` asks the device; ``for_capability`` answers from a
+    compute capability alone (doctor's simulated GPUs)."""
+
+    grouped_mm: bool
+    shared_bytes: int
+    pdl: bool
+
+    @classmethod
+    def of(cls, device: torch.device) -> MoeDeviceFacts:
+        """Per call (each forward without a config): the fixed facts come from a per-device
+        cache; PDL is asked each time (``QUANTDISPATCH_PDL`` may change)."""
+        from quantdispatch.kernels.common.pdl import pdl_capable
+
+        grouped_mm, shared_bytes = _fixed_facts(device)
+        return cls(grouped_mm, shared_bytes, pdl_capable(device))
+
+    @classmethod
+    def for_capability(cls, capability: tuple[int, int]) -> MoeDeviceFacts:
+        from quantdispatch.kernels.common.pdl import HAS_GDC, pdl_enabled
+
+        hopper = capability >= (9, 0)
+        return cls(
+            hopper and hasattr(torch, "_grouped_mm"),
+            _SHARED_BY_CAPABILITY.get(capability, _SHARED_DEFAULT),
+            hopper and HAS_GDC and pdl_enabled(),
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# single pairs (:mod:`.moe_pairs`)
+
+
+@dataclass(frozen=True)
+class SmallMoeConfig:
+    """Warps and chunks in flight per warp of the gate/up programs (one 16-row tile each, K
+    split over the warps) and of the down programs (one 16-row output tile of one token)."""
+
+    warps: int = 4
+    unroll: int = 2
+    warps_down: int = 8
+    unroll_down: int = 2
+    #: SM 9.0+: launch the down kernel as a programmatic dependent launch, so its programs start
+    #: while the gate/up programs run and wait for the intermediate only where they read it.
+    pdl: bool = False
+    #: with ``pdl``: leading chunks (64 columns of I) of every (slot, output tile) the down
+    #: programs prefetch into L2 before they wait (their weights do not depend on gate/up).
+    prefetch: int = 0
+
+    def label(self) -> str:
+        early = f" pdl pf{self.prefetch}" if self.pdl else ""
+        return f"topk-sum w{self.warps}u{self.unroll}/w{self.warps_down}u{self.unroll_down}{early}"
+
+
+def small_units(m: int, top_k: int, inter: int, hidden: int) -> tuple[int, int]:
+    """(gate/up programs, down programs): (pairs x I/16, tokens x H/16)."""
+    return m * top_k * (inter // 16), m * (hidden // 16)
+
+
+#: Down programs get warps until they hold at least this many warps in all (memory parallelism
+#: of the output-tile-parallel kernel; at most 16 per program).
+DOWN_MIN_WARPS = 3072
+#: Up to this many gate/up programs (pairs x I/16), 8 warps with one chunk in flight each: a
+#: grid this small holds too few warps per SM for the per-pair kernel's tuning.
+GATE_UP_WIDE_MAX_PROGRAMS = 1024
+#: ... but with the down kernel launched as a programmatic dependent (SM 9.0+), only where K
+#: (the hidden size) has at least this many chunks: 8 per warp.
+GATE_UP_WIDE_MIN_CHUNKS_PDL = 64
+#: With a programmatic dependent launch the down programs prefetch at most this many bytes of
+#: their weights into L2 while gate/up runs (L2 is 50 MB on the H100 / H200, more on newer
+#: GPUs; gate/up streams its own weights through it at the same time).
+PREFETCH_MAX_BYTES = 16 << 20
+#: Bytes of one chunk (16 rows x 64 columns) of repacked weights: 4-bit codes, a byte of scale
+#: per 16 of them (512 + 64).
+CHUNK_BYTES = TILE_N * CHUNK_K // 2 + TILE_N * CHUNK_K // 16
+#: The L2 prefetch pays only on long down loops: from this many chunks of I (I >= 2560), the
+#: first eighth of them (measured on the H200, see :func:`small_moe_config`).
+PREFETCH_MIN_CHUNKS = 40
+
+
+def small_moe_config(
+    m: int, top_k: int, inter: int, hidden: int, warps: int, unroll: int, pdl: bool = False
+) -> SmallMoeConfig:
+    """Gate/up: ``warps`` x ``unroll`` (the per-pair kernel's tuning for the same programs,
+    :func:`..checkpoint_layout.moe_plan.mma_moe_config`), or 8 x 1 for grids of at most
+    GATE_UP_WIDE_MAX_PROGRAMS. Down: the fewest of 4 / 8 / 16 warps per program that give the
+    grid DOWN_MIN_WARPS warps, two chunks in flight. Gate/up 8 x 1 pays where the grid is small
+    (bigger grids keep the tuning); with ``pdl`` only from GATE_UP_WIDE_MIN_CHUNKS_PDL chunks of
+    K. From the H200 sweeps (benchmarks/results/moe-sweep-h200-*-small*.json, *-s15.json,
+    docs/design/moe.md).
+
+    ``pdl`` (SM 9.0+): the down kernel as a programmatic dependent launch, its first chunks
+    loaded before it waits for gate/up; an L2 prefetch of the first eighth of the chunks of
+    every (slot, output tile) only where I has PREFETCH_MIN_CHUNKS chunks: it paid for Mixtral
+    and gpt-oss (45 chunks) on the H200, not for Qwen3 (12) or DeepSeek-V3 (32); prefetching a
+    quarter or all of them did worse (benchmarks/results/moe-sweep-h200-*-topk-pdl-*.json,
+    moe-mxfp4-sweep-h200-*.json)."""
+    if m * top_k * (inter // 16) <= GATE_UP_WIDE_MAX_PROGRAMS and (
+        not pdl or hidden // 64 >= GATE_UP_WIDE_MIN_CHUNKS_PDL
+    ):
+        warps, unroll = 8, 1
+    programs = m * (hidden // 16)
+    down = 4
+    while down < 16 and programs * down < DOWN_MIN_WARPS:
+        down *= 2
+    prefetch = 0
+    if pdl and inter // 64 >= PREFETCH_MIN_CHUNKS:  # an eighth, within PREFETCH_MAX_BYTES
+        per_chunk = m * top_k * (hidden // 16) * CHUNK_BYTES
+        prefetch = min(inter // 64 // 8, PREFETCH_MAX_BYTES // per_chunk)
+    return SmallMoeConfig(warps, unroll, down, 2, pdl, prefetch)
+
+
+# --------------------------------------------------------------------------------------------
+# the regime
+
+
+def moe_layout_config(
+    m: int,
+    top_k: int,
+    experts: int,
+    inter: int,
+    hidden: int,
+    device: torch.device,
+    *,
+    allow_dequant: bool = True,
+) -> SmallMoeConfig | MmaMoeConfig | MoeGemmTile | DequantMoeConfig:
+    """:func:`moe_plan` for ``device``."""
+    facts = MoeDeviceFacts.of(device)
+    return moe_plan(m, top_k, experts, inter, hidden, facts, allow_dequant=allow_dequant)
+
+
+def moe_plan(
+    m: int,
+    top_k: int,
+    experts: int,
+    inter: int,
+    hidden: int,
+    facts: MoeDeviceFacts,
+    *,
+    allow_dequant: bool = True,
+) -> SmallMoeConfig | MmaMoeConfig | MoeGemmTile | DequantMoeConfig:
+    """The regime from the static sizes only (graphs and compile see no data dependence).
+
+    Tokens per expert ``tpe = M * top_k / E``: <= MMA_MAX_TOKENS_PER_EXPERT the mma.sync
+    kernels (single pairs when 4 * pairs <= E, with the top-k sum in the down kernel,
+    :func:`small_moe_config`; small experts up to
+    DIRECT_MAX_TOKENS_PER_EXPERT one block per pair; else 8-pair blocks); >=
+    DEQUANT_MIN_TOKENS_PER_EXPERT on SM 9.0+ dequantize + grouped_mm for experts of
+    DEQUANT_MIN_EXPERT_ELEMENTS+ (Mixtral's; smaller experts keep the GEMM); else the grouped
+    GEMM, with blocks of 16 / 32 / 64 pairs (64-row weight tiles, 4 warps) and above 96 tokens
+    per expert 128 pairs on 128-row tiles (8 warps; 64-row tiles and 4 warps where 128 does
+    not divide I or H, e.g. gpt-oss's 2880). From the H200 sweep
+    (benchmarks/results/moe-sweep-h200-*.json, docs/design/moe.md): at 4 per expert the mma
+    kernels win; at 8 it is mixed and the GEMM wins the sum; 16 per expert: 32-pair blocks; 32:
+    64; 256: 128. Three stages beat four. With the accumulators settled each K step (SM 9.x,
+    :mod:`..common.wgmma_guard`; moe-sweep-h200-*-settled.json) the same tiles won at 8, 16, 32,
+    64 and 256 per expert, and 128 pairs on 128-row tiles already at 128 (at 64 per expert 64
+    still wins), hence the switch above 96. A tile whose pipeline does not fit the GPU's shared
+    memory gives way to a smaller one (:func:`_fit_shared`)."""
+    pairs = m * top_k
+    tpe = pairs / max(experts, 1)
+    buffer = experts * max(2 * inter * hidden, hidden * inter) * 2
+    if (
+        allow_dequant
+        and tpe >= DEQUANT_MIN_TOKENS_PER_EXPERT
+        and inter * hidden >= DEQUANT_MIN_EXPERT_ELEMENTS
+        and buffer <= DEQUANT_MAX_BUFFER_BYTES
+        and facts.grouped_mm
+    ):
+        return DequantMoeConfig()
+    if tpe <= MMA_MAX_TOKENS_PER_EXPERT:
+        single = 4 * pairs <= experts  # the top-k sum inside the down kernel
+        small = tpe <= DIRECT_MAX_TOKENS_PER_EXPERT and inter * hidden <= DIRECT_MAX_EXPERT_ELEMENTS
+        direct = single or small  # one block per pair, no expert sort
+        cfg = mma_moe_config(pairs, experts, inter, hidden, direct=direct, repacked=True)
+        if single:  # moe_pairs, its gate/up tuned as the per-pair mma kernels
+            return small_moe_config(
+                m, top_k, inter, hidden, cfg.gemm1.wk, cfg.gemm1.unroll, facts.pdl
+            )
+        return cfg
+    if tpe <= 12:
+        tile = MoeGemmTile(16, stages=3)
+    elif tpe <= 24:
+        tile = MoeGemmTile(32, stages=3)
+    elif tpe <= 96:
+        tile = MoeGemmTile(64, stages=3)
+    elif inter % 128 or hidden % 128:  # 128-row tiles would not divide N: 64 rows, 4 warps
+        tile = MoeGemmTile(128, block_n=64, warps=4, stages=3)
+    else:
+        tile = MoeGemmTile(128, block_n=128, warps=8, stages=3)
+    return _fit_shared(tile, facts.shared_bytes)
+
+
+def describe_moe_config(cfg: SmallMoeConfig | MmaMoeConfig | MoeGemmTile | DequantMoeConfig) -> str:
+    """doctor's words for one regime and its launch parameters."""
+    if isinstance(cfg, SmallMoeConfig):
+        return (
+            "single (token, slot) pairs: mma.sync gate/up, then a down kernel that also sums "
+            f"the top-k slots ({cfg.label()})"
+        )
+    if isinstance(cfg, MmaMoeConfig):
+        g1, g2 = cfg.gemm1, cfg.gemm2
+        what = "one per (token, slot) pair" if cfg.direct else f"blocks of {cfg.block_m} pairs"
+        return (
+            f"mma.sync kernels, {what} (gate/up / down: K split {g1.wk} / {g2.wk} ways, "
+            f"{g1.unroll} / {g2.unroll} chunks in flight, {g1.wt} / {g2.wt} tiles a warp)"
+        )
+    if isinstance(cfg, MoeGemmTile):
+        return f"grouped tl.dot GEMM decoding the repacked experts ({cfg.label()})"
+    return "experts dequantized per GEMM + torch._grouped_mm"
+
+
+def moe_kernel_ranges(
+    top_k: int, experts: int, inter: int, hidden: int, facts: MoeDeviceFacts,
+    max_m: int = 1 << 16,
+) -> list[tuple[int, int, str]]:  # fmt: skip
+    """(first M, last M, words) for every run of M in 1..max_m that gets the same config from
+    :func:`moe_plan`; the last run ends at ``max_m`` (and goes on beyond it)."""
+    ranges: list[tuple[int, int, str]] = []
+    start, prev = 1, moe_plan(1, top_k, experts, inter, hidden, facts)
+    for m in range(2, max_m + 1):
+        cfg = moe_plan(m, top_k, experts, inter, hidden, facts)
+        if cfg != prev:
+            ranges.append((start, m - 1, describe_moe_config(prev)))
+            start, prev = m, cfg
+    ranges.append((start, max_m, describe_moe_config(prev)))
+    return ranges

@@ -1,0 +1,253 @@
+"""The checkpoint-layout mma.sync NVFP4 kernels (quantdispatch.kernels.checkpoint_layout.moe_mma)
+on a real GPU, against float64. Linear: real shapes, M = 1 .. 100, both 16-bit types, bias, zero /
+subnormal / 448 block scales, every config shape with uneven K splits, strided activations,
+CUDA graphs. MoE: every path (direct pairs, 8- and 16-pair sorted blocks), uneven K splits,
+gpt-oss's clamped SwiGLU with biases, expert-parallel ids, poisoned buffers, CUDA graphs.
+
+    python3 -m pytest tests/gpu/test_checkpoint_layout_mma_gpu.py -q
+
+Bounds: linear as test_linear_kernels_gpu.py's ``check``; MoE as test_moe_gpu.py (three
+roundings)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quantdispatch.errors import InputError
+from quantdispatch.kernels.checkpoint_layout import moe as fm
+from quantdispatch.kernels.checkpoint_layout import moe_plan
+from quantdispatch.kernels.checkpoint_layout.mma_linear import mma_ckpt_linear
+from quantdispatch.kernels.checkpoint_layout.moe_plan import MmaGemmConfig, MmaMoeConfig
+from quantdispatch.kernels.common import checks
+from tests.gpu.test_linear_kernels_gpu import check, fp4_w64, gen, nvfp4_weights
+from tests.gpu.test_moe_gpu import BOUND, DEV, moe64, rel, stacks
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _needs_sm80():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("the mma kernels need an SM 8.0+ GPU")
+
+
+# ---- linear -----------------------------------------------------------------------------------
+
+LLAMA = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+OTHER = [(4096, 2048), (2048, 768), (2880, 2880), (48, 192)]  # Qwen3, gpt-oss, tiny (N != K)
+MS = [1, 2, 7, 8, 9, 16, 33, 64, 65, 100]
+
+
+@pytest.fixture
+def nan_empty(monkeypatch):
+    """Every torch.empty NaN-filled: an output element the kernel does not write fails."""
+    real = torch.empty
+
+    def empty(*shape, **kw):
+        out = real(*shape, **kw)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+def linear_weights(n, kk, seed, zero_blocks=True):
+    g = gen(seed)
+    packed, sbits, gs = nvfp4_weights(n, kk, g)  # rows 0-7 subnormal scales, 8-15 448
+    if zero_blocks:
+        sbits[16:24, 1] = 0  # zero-scale blocks (their codes stay random)
+    return g, packed, sbits, gs, fp4_w64(packed, sbits, 16, False, 2.5e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("shape", LLAMA + OTHER, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_linear_real_shapes(nan_empty, shape, dtype):
+    n, kk = shape
+    g, packed, sbits, gs, w64 = linear_weights(n, kk, n + kk)
+    bias = torch.randn(n, generator=g, device=DEV)
+    for m in MS:
+        x = torch.randn(m, kk, generator=g, device=DEV).to(dtype)
+        check(mma_ckpt_linear(x, packed, sbits, gs), x.double() @ w64.T, dtype)
+        out = mma_ckpt_linear(x, packed, sbits, gs, bias)
+        check(out, x.double() @ w64.T + bias.double(), dtype)
+
+
+@pytest.mark.parametrize(
+    "cfg", [(1, 1, 1, 1), (1, 1, 4, 4), (2, 2, 8, 2), (8, 4, 2, 1), (4, 1, 2, 4), (2, 8, 1, 2)]
+)
+def test_linear_every_config_and_uneven_k_split(nan_empty, cfg):
+    n, kk = 2048, 2880 + 64  # 46 chunks
+    g, packed, sbits, gs, w64 = linear_weights(n, kk, 5)
+    for m in (1, 5, 8 * cfg[0] + 3):
+        x = torch.randn(m, kk, generator=g, device=DEV).to(torch.bfloat16)
+        out = mma_ckpt_linear(x, packed, sbits, gs, config=cfg)
+        check(out, x.double() @ w64.T, torch.bfloat16)
+
+
+def test_linear_strided_activations_and_unsupported_weights(nan_empty):
+    n, kk = 4096, 4096
+    g, packed, sbits, gs, w64 = linear_weights(n, kk, 6)
+    big = torch.randn(5, kk + 3, generator=g, device=DEV).to(torch.bfloat16)
+    for x in (big[:, :kk], big[:, 1 : kk + 1], big.view(-1)[1 : 1 + 4 * kk].view(4, kk)):
+        check(mma_ckpt_linear(x, packed, sbits, gs), x.double() @ w64.T, torch.bfloat16)
+    with pytest.raises(ValueError, match="16x64 tiles"):
+        mma_ckpt_linear(big[:, :kk], packed[:, 8:], sbits[:, 1:], gs)
+
+
+def test_linear_cuda_graph_replay_equals_eager():
+    n, kk = 4096, 4096
+    g, packed, sbits, gs, _ = linear_weights(n, kk, 8)
+    for m in (1, 16, 64):
+        static_x = torch.randn(m, kk, generator=g, device=DEV).to(torch.bfloat16)
+        mma_ckpt_linear(static_x, packed, sbits, gs)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = mma_ckpt_linear(static_x, packed, sbits, gs)
+        for _ in range(2):
+            static_x.copy_(torch.randn(m, kk, generator=g, device=DEV).to(torch.bfloat16))
+            gs.mul_(1.5)  # the global scale is read on the device
+            graph.replay()
+            assert torch.equal(static_out, mma_ckpt_linear(static_x, packed, sbits, gs))
+
+
+# ---- MoE --------------------------------------------------------------------------------------
+
+
+def weights(e, h, i, seed):
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    return stacks("nvfp4", e, 2 * i, h, gen), stacks("nvfp4", e, h, i, gen), gen
+
+
+def routing(m, e, top_k, gen, dtype, h):
+    x = torch.randn(m, h, generator=gen, device=DEV).to(dtype)
+    logits = torch.randn(m, e, generator=gen, device=DEV)
+    w, ids = torch.softmax(logits, -1).topk(top_k, -1)
+    return x, ids.to(torch.int32), (w / w.sum(-1, keepdim=True)).float()
+
+
+def run(x, ids, w, w13, w2, cfg=None, b13=None, b2=None, activation="silu", params=()):
+    return fm.fused_moe(x, ids, w, w13, w2, b13, b2, fmt="nvfp4", activation=activation,
+                        params=list(params), meta=[0], config=cfg)  # fmt: skip
+
+
+def gemm(wt=1, wk=4, unroll=2):
+    return MmaGemmConfig(wt, wk, unroll)
+
+
+CONFIGS = [
+    MmaMoeConfig(1, gemm(1, 8, 2), gemm(1, 4, 1), direct=True),
+    MmaMoeConfig(1, gemm(1, 2, 1), gemm(2, 1, 2), direct=False),
+    MmaMoeConfig(2, gemm(1, 4, 2), gemm(1, 8, 2), direct=False),
+    MmaMoeConfig(2, gemm(2, 2, 1), gemm(1, 2, 2), direct=False),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"d{int(c.direct)}nt{c.nt}")
+@pytest.mark.parametrize("m", [1, 3, 37])
+def test_every_path_matches_float64(m, cfg, dtype):
+    """Qwen3-like experts at reduced width (I = 384: 6 chunks, K splits that do not divide)."""
+    e, top_k, h, i = 64, 8, 1024, 384
+    w13, w2, gen = weights(e, h, i, seed=m)
+    x, ids, w = routing(m, e, top_k, gen, dtype, h)
+    out = run(x, ids, w, w13, w2, cfg)
+    assert rel(out, moe64("nvfp4", x, ids, w, w13, w2)) < BOUND[dtype]
+
+
+def test_heuristic_takes_the_mma_kernels_for_few_tokens_per_expert():
+    cfg = moe_plan.moe_config(4, 8, 128, 768, 2048, "nvfp4", DEV)
+    assert isinstance(cfg, MmaMoeConfig)
+    assert not isinstance(moe_plan.moe_config(4096, 8, 128, 768, 2048, "nvfp4", DEV), MmaMoeConfig)
+    assert not isinstance(moe_plan.moe_config(4, 8, 128, 768, 2048, "mxfp4", DEV), MmaMoeConfig)
+
+
+def test_real_sizes_match_the_tl_dot_kernels():
+    """Mixtral (8 experts, top 2, 4096 x 14336) and DeepSeek-V3 (256, top 8, 7168 x 2048) expert
+    shapes at M = 1 and 16: the mma path against float64 (on 2 experts' worth of tokens)."""
+    for e, top_k, h, i, m in ((8, 2, 4096, 14336, 1), (8, 2, 4096, 14336, 16),
+                              (32, 8, 7168, 2048, 4)):  # fmt: skip
+        w13, w2, gen = weights(e, h, i, seed=h + m)
+        x, ids, w = routing(m, e, top_k, gen, torch.bfloat16, h)
+        cfg = moe_plan.moe_config(m, top_k, e, i, h, "nvfp4", DEV)
+        assert isinstance(cfg, MmaMoeConfig), cfg
+        out = run(x, ids, w, w13, w2)
+        assert rel(out, moe64("nvfp4", x, ids, w, w13, w2)) < BOUND[torch.bfloat16]
+
+
+def test_gpt_oss_clamped_swiglu_with_biases():
+    """H = I = 2880 (45 chunks: odd), biases on both GEMMs, alpha 1.702 and limit 7."""
+    e, top_k, h, i = 32, 4, 2880, 2880
+    w13, w2, gen = weights(e, h, i, seed=5)
+    b13 = torch.randn(e, 2 * i, generator=gen, device=DEV)
+    b2 = torch.randn(e, h, generator=gen, device=DEV)
+    for m, cfg in ((1, None), (6, None), (6, CONFIGS[2])):
+        x, ids, w = routing(m, e, top_k, gen, torch.bfloat16, h)
+        out = run(x, ids, w, w13, w2, cfg, b13, b2, "swiglu_oai", (1.702, 7.0))
+        ref = moe64("nvfp4", x, ids, w, w13, w2, b13, b2, "swiglu_oai", (1.702, 7.0))
+        assert rel(out, ref) < BOUND[torch.bfloat16]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS[:3], ids=lambda c: f"d{int(c.direct)}nt{c.nt}")
+def test_expert_parallel_ids_and_one_hot_expert(cfg):
+    """Ids another rank holds (-1, >= E) contribute nothing; all tokens on one expert."""
+    e, top_k, h, i = 16, 4, 512, 256
+    w13, w2, gen = weights(e, h, i, seed=9)
+    x, ids, w = routing(12, e, top_k, gen, torch.bfloat16, h)
+    ids[0, 0], ids[3, 2], ids[5, 1] = -1, e, e + 7
+    keep = (ids >= 0) & (ids < e)
+    ref = moe64("nvfp4", x, torch.where(keep, ids, 0), w * keep, w13, w2)
+    assert rel(run(x, ids, w, w13, w2, cfg), ref) < BOUND[torch.bfloat16]
+    same = torch.full_like(ids, 3)
+    assert rel(run(x, same, w, w13, w2, cfg), moe64("nvfp4", x, same, w, w13, w2)) < 1.5e-2
+
+
+def test_poisoned_buffers_and_misaligned_activations(monkeypatch):
+    e, top_k, h, i = 16, 4, 512, 256
+    w13, w2, gen = weights(e, h, i, seed=10)
+    x, ids, w = routing(9, e, top_k, gen, torch.bfloat16, h)
+    want = run(x, ids, w, w13, w2, CONFIGS[1])
+
+    def poisoned(shape, dtype, device):
+        t = torch.empty(shape, dtype=dtype, device=device)
+        return t.fill_(float("nan")) if dtype.is_floating_point else t.fill_(-7)
+
+    monkeypatch.setattr(checks, "empty", poisoned)
+    assert torch.equal(run(x, ids, w, w13, w2, CONFIGS[1]), want)
+    monkeypatch.undo()
+    big = torch.zeros(9, h + 3, dtype=x.dtype, device=DEV)
+    big[:, 3:] = x
+    assert torch.equal(run(big[:, 3:], ids, w, w13, w2, CONFIGS[1]), want)
+
+
+def test_unaligned_weights_fall_back_and_a_forced_config_says_why():
+    e, top_k, h, i = 8, 2, 512, 256
+    w13, w2, gen = weights(e, h, i, seed=11)
+    x, ids, w = routing(2, e, top_k, gen, torch.bfloat16, h)
+    want = run(x, ids, w, w13, w2)
+    wide = torch.zeros(e, 2 * i, h // 2 + 8, dtype=torch.uint8, device=DEV)
+    wide[:, :, 8:] = w13[0]
+    shifted = [wide[:, :, 8:], w13[1], w13[2]]  # rows 8-byte aligned only: tl.dot kernels
+    out = run(x, ids, w, shifted, w2)
+    assert rel(out, moe64("nvfp4", x, ids, w, w13, w2)) < BOUND[torch.bfloat16]
+    assert rel(out, want.double()) < 1e-2
+    with pytest.raises(InputError, match="mma kernels need"):
+        run(x, ids, w, shifted, w2, CONFIGS[0])
+
+
+def test_cuda_graph_replay_equals_eager():
+    e, top_k, h, i = 64, 8, 1024, 384
+    w13, w2, gen = weights(e, h, i, seed=12)
+    for m in (1, 16):
+        x, ids, w = routing(m, e, top_k, gen, torch.bfloat16, h)
+        run(x, ids, w, w13, w2)  # compile outside the capture
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = run(x, ids, w, w13, w2)
+        x2, ids2, w2_ = routing(m, e, top_k, gen, torch.bfloat16, h)
+        x.copy_(x2)
+        ids.copy_(ids2)
+        w.copy_(w2_)
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, run(x2, ids2, w2_, w13, w2))
