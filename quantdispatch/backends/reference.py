@@ -4,9 +4,9 @@ y = x @ dequant(W).T with fp32 accumulation. The weight is dequantized ``CHUNK_E
 (rows of K) at a time, so no full copy of a large weight ever exists: the extra memory of a call
 is bounded by about ``4 * CHUNK_ELEMENTS * 4`` bytes (dequantization temporaries in fp32) plus
 the fp32 copy of the activations and the output. Weight-only semantics by default; with
-``emulate_activations`` a W4A4 (W8A8) checkpoint's activations are quantized to FP4 (FP8) and
-back first, which is what a native Blackwell (Hopper) kernel computes: the contract native
-backends are compared with.
+``emulate_activations`` a W4A4 (W8A8) checkpoint's activations are quantized to FP4 (FP8) as a
+native Blackwell (Hopper) kernel does (W4A4: both operands' e2m1 * block-scale products summed in
+fp32, then the two per-tensor scales), the contract native backends are compared with.
 """
 
 from __future__ import annotations
@@ -143,13 +143,11 @@ class ReferenceBackend(Backend):
         fmt: str,
         meta: Sequence[int],
     ) -> torch.Tensor:
-        from quantdispatch.formats import fake_quantize_nvfp4_activations as fq_nvfp4
-
         weight = self.weight_object(fmt, tensors, meta)
         emulate = bool(meta and meta[0])
         if emulate and fmt == "nvfp4":
-            x = fq_nvfp4(x, weight.input_scale)
-        elif emulate and fmt == "fp8":
+            return _w4a4_matmul(x, weight, bias).to(x.dtype)
+        if emulate and fmt == "fp8":
             x = fake_quantize_fp8_activations(x, weight.input_scale)
         return _chunked_matmul(x.to(torch.float32), weight, fmt, bias).to(x.dtype)
 
@@ -194,6 +192,26 @@ class ReferenceBackend(Backend):
                 0, token_idx, y * topk_weights[token_idx, slot].to(torch.float32)[:, None]
             )
         return out.to(x.dtype)
+
+
+def _w4a4_matmul(x: torch.Tensor, weight: Any, bias: torch.Tensor | None) -> torch.Tensor:
+    """The native W4A4 computation: x quantized by the native rule, e2m1 * block_scale of both
+    operands multiplied (exact products, fp32 sums), then alpha = input_scale * global_scale."""
+    from quantdispatch.formats import Nvfp4Weight
+    from quantdispatch.formats.nvfp4_act import (
+        dequantize_nvfp4_activations,
+        gemm_alpha,
+        quantize_nvfp4_activations,
+    )
+
+    q = quantize_nvfp4_activations(x, input_scale=weight.input_scale, check_finite=False)
+    unit = torch.ones((), dtype=torch.float32, device=weight.global_scale.device)
+    w_unscaled = _trusted(
+        Nvfp4Weight, packed=weight.packed, block_scale=weight.block_scale, global_scale=unit
+    )
+    acc = _chunked_matmul(dequantize_nvfp4_activations(q, scaled=False), w_unscaled, "nvfp4", None)
+    out = acc * gemm_alpha(q.scale.decode, weight.global_scale)
+    return out if bias is None else out + bias.to(torch.float32)
 
 
 def _chunked_matmul(

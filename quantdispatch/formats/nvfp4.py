@@ -31,9 +31,13 @@ from quantdispatch.formats.e2m1 import (
     _require_ndim,
     _require_tensor,
     decode_e2m1,
-    e2m1_values,
     encode_e2m1,
     pack_e2m1,
+)
+from quantdispatch.formats.nvfp4_act import (
+    ACT_DTYPES,
+    dequantize_nvfp4_activations,
+    quantize_nvfp4_activations,
 )
 
 __all__ = [
@@ -285,11 +289,11 @@ def dequantize_nvfp4(
 def fake_quantize_nvfp4_activations(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
     """What a W4A4 kernel does to activations, quantized and dequantized back (same dtype as x).
 
-    Per 16 elements along K: block scale = block_amax / (6 * input_scale) cast to e4m3 with the
-    same clamp as the weights, codes by encode_e2m1, then dequantized. This is the reference
-    contract for W4A4 backends. (Hardware quantizers may flush a block whose scale underflows
-    e4m3 to zero instead of clamping it at 2**-9; that only touches blocks with
-    amax < 6 * input_scale * 2**-10, whose values are below the FP4 resolution anyway.)
+    ``input_scale`` is the multiplier (ModelOpt convention). The quantization is the native
+    kernels' rule, :func:`quantdispatch.formats.nvfp4_act.quantize_nvfp4_activations` (block
+    scale rounded to e4m3 without a lower clamp, so a block whose scale rounds to 0 becomes
+    zeros); the result is e2m1 * block_scale * input_scale in float32, cast to x's dtype
+    (float64 input is quantized from its float32 rounding).
     """
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.ndim < 1:
         got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
@@ -315,13 +319,11 @@ def fake_quantize_nvfp4_activations(x: torch.Tensor, input_scale: torch.Tensor) 
             InputError,
         )
     s = _positive_scalar(input_scale, "input_scale", strict_dtype=False).to(x.device)
-    xf = x.detach().to(torch.float32)
-    blocks = xf.unflatten(-1, (k // NVFP4_GROUP_SIZE, NVFP4_GROUP_SIZE))
-    bs = _block_scales_e4m3(blocks.abs().amax(dim=-1), s)
-    codes = _encode_blocks(blocks, bs, s)
-    vals = e2m1_values(torch.float32, x.device)[codes.long()]
-    out = (vals * bs.to(torch.float32).unsqueeze(-1)) * s
-    return out.flatten(-2).to(x.dtype)
+    x2 = x.detach().reshape(-1, k)
+    if x2.dtype not in ACT_DTYPES:
+        x2 = x2.to(torch.float32)
+    q = quantize_nvfp4_activations(x2, input_scale=s, check_finite=False)
+    return dequantize_nvfp4_activations(q).reshape(x.shape).to(x.dtype)
 
 
 def global_scale_from_compressed_tensors(weight_global_scale: torch.Tensor) -> torch.Tensor:

@@ -358,15 +358,21 @@ def test_rows_chunks_equal_full_dequant(rows: slice) -> None:
 def test_fake_quantize_nvfp4_activations_reference() -> None:
     g = torch.Generator().manual_seed(7)
     x = (torch.randn(2, 3, 48, generator=g, dtype=F64) * 3).to(torch.float32)
-    x[0, 0, :16] *= 1e-6  # a block with a subnormal (clamped) scale
+    x[0, 0, :16] *= 1e-6  # a block whose scale rounds to 0 (the native rule has no clamp)
+    x[0, 1, :16] *= 3e-5  # a block with a subnormal scale
     s = torch.tensor(x.abs().max().item() / 2688.0, dtype=torch.float32)
     out = fake_quantize_nvfp4_activations(x, s)
     assert out.dtype == x.dtype and out.shape == x.shape
 
+    # Native rule (vLLM scaled_fp4_quant): scale = fl32(S * fl32(amax * fl32(1/6))), S = 1/s,
+    # rounded to e4m3 without a lower clamp; the zero-scale block comes back as zeros.
     sd = s.to(F64)
     blocks = x.to(F64).unflatten(-1, (3, 16))
-    v = f32(blocks.abs().amax(-1) / f32(6.0 * sd))
-    bs = ref_round_e4m3(v.clamp(2.0**-9, 448.0))
+    v = f32(f32(1.0 / sd) * f32(blocks.abs().amax(-1) * f32(torch.tensor(1.0 / 6.0, dtype=F64))))
+    bs = ref_round_e4m3(v.clamp(max=448.0))
+    assert bs[0, 0, 0] == 0 and 0 < bs[0, 1, 0] < 2.0**-6
+    assert not out[0, 0, :16].any()
+    bs = torch.where(bs == 0, torch.ones_like(bs), bs)  # keep the checks below finite
     step = (bs * sd).unsqueeze(-1)
     xs = blocks / step
     # out = fl32(q * step): recover the E2M1 value q, then check it is a nearest one of x/step
