@@ -16,7 +16,7 @@ dropped (fp16 bits 14..7: 5 exponent bits, 3 mantissa bits). With fp16 activatio
 shifts that byte back into an fp16 (exact for every e4m3 value). With bf16 it moves the byte's
 top bit to the bf16 exponent's top bit, which is right only when that bit is 1, i.e. when
 s * 2^7 * f >= 2. So for bf16, f is the largest power of two keeping the largest scale
-<= 448 * 2^7 and values still below 2 become 0 (they are below 2^-14.8 of the largest).
+<= 448 * 2^7 and values still below 2 become 0 (they are below ~2^-14 of the largest).
 The per-tensor scale becomes g * 2^(B - 7) / f with B = 14 (fp16) or 126 (bf16).
 
 Everything here works on the canonical tensors of quantdispatch.formats and never touches a

@@ -25,7 +25,7 @@ from quantdispatch.backends.marlin_contract import (
     pad_rows_cols,
     permute_scales,
 )
-from quantdispatch.backends.marlin_providers import Contract, Schema
+from quantdispatch.backends.marlin_table import Contract, Schema
 
 __all__ = ["align_tokens", "block_size_for", "prepare_stack", "run_moe"]
 

@@ -1,11 +1,11 @@
-"""Which Marlin kernels this process can call: providers, their versions, and the contract table.
+"""Which Marlin kernels this process can call: providers, their versions, their contract row.
 
 A provider is a compiled library that registers Marlin ops with torch: vLLM's extension
 (``torch.ops._C.marlin_gemm`` / ``gptq_marlin_repack``, MoE ``torch.ops._moe_C.
 moe_wna16_marlin_gemm``) or sgl-kernel's (``torch.ops.sgl_kernel.gptq_marlin_gemm``). A
-provider is usable only at a version listed in ``CONTRACTS``: the weight preparation
-(marlin_contract.py) and the kernel are one versioned contract, and the table says which
-versions the preparation was established for (docs/design/marlin.md has the sources).
+provider is usable only at a version listed in ``CONTRACTS`` (marlin_table.py): the weight
+preparation (marlin_contract.py) and the kernel are one versioned contract, and the table says
+which versions the preparation was established for (docs/design/marlin.md has the sources).
 
 Detection is lazy and cheap: package metadata and the library file, never an import of the
 engine. The library is loaded (``torch.ops.load_library``) only when a weight is prepared.
@@ -23,11 +23,11 @@ import importlib.util
 import re
 import threading
 from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
 
 import torch
 
+from quantdispatch.backends.marlin_table import CONTRACTS, REFUSED, SCHEMA_ARGS, Contract, Schema
 from quantdispatch.errors import BackendUnavailableError, ConfigurationError, format_error
 
 __all__ = [
@@ -42,152 +42,9 @@ __all__ = [
     "load_library",
     "register",
     "reset",
+    "schema_mismatch",
     "statuses",
 ]
-
-
-class Schema(Enum):
-    """How a provider's GEMM op takes its arguments (the op's registered schema)."""
-
-    MARLIN_GEMM = "marlin_gemm"
-    """vLLM 0.30+: marlin_gemm without g_idx / perm / is_k_full; repack without perm."""
-    MARLIN_GEMM_GIDX = "marlin_gemm+g_idx"
-    """vLLM 0.22-0.29: marlin_gemm with g_idx, perm, is_k_full; repack with perm."""
-    GPTQ_MARLIN_GEMM = "gptq_marlin_gemm"
-    """sgl-kernel and vLLM before the rename: no bias, no activation scales."""
-
-
-_HEAD = "a c_or_none b_q_weight b_bias_or_none b_scales a_scales global_scale b_zeros_or_none"
-_GIDX = "g_idx_or_none perm_or_none"
-_ROUTE = "sorted_token_ids expert_ids num_tokens_past_padded topk_weights moe_block_size top_k"
-_ROUTE += " mul_topk_weights b_type_id"
-_SIZES = "size_m size_n size_k"
-_TAIL = "use_atomic_add use_fp32_reduce is_zp_float"
-_AUTO = "thread_k thread_n blocks_per_sm"
-
-#: Argument names of each op's registered schema, per Schema (checked before the first call).
-SCHEMA_ARGS: dict[Schema, dict[str, list[str]]] = {
-    Schema.MARLIN_GEMM: {
-        "gemm": f"{_HEAD} workspace b_type_id {_SIZES} {_TAIL}".split(),
-        "repack": ["b_q_weight", "size_k", "size_n", "num_bits", "is_a_8bit"],
-        "moe": f"{_HEAD} workspace {_ROUTE} {_SIZES} {_TAIL} {_AUTO}".split(),
-    },
-    Schema.MARLIN_GEMM_GIDX: {
-        "gemm": f"{_HEAD} {_GIDX} workspace b_type_id {_SIZES} is_k_full {_TAIL}".split(),
-        "repack": ["b_q_weight", "perm", "size_k", "size_n", "num_bits", "is_a_8bit"],
-        "moe": f"{_HEAD} {_GIDX} workspace {_ROUTE} {_SIZES} is_full_k {_TAIL} {_AUTO}".split(),
-    },
-    Schema.GPTQ_MARLIN_GEMM: {
-        "gemm": (
-            "a c_or_none b_q_weight b_scales global_scale_or_none b_zeros_or_none "
-            f"{_GIDX} workspace b_q_type_id {_SIZES} is_k_full {_TAIL}"
-        ).split(),
-        "repack": ["b_q_weight", "perm", "size_k", "size_n", "num_bits"],
-    },
-}
-
-
-@dataclass(frozen=True)
-class Contract:
-    """One row of the table: a provider's version range and what our preparation binds to."""
-
-    key: str
-    provider: str
-    min_version: tuple[int, int, int]
-    below_version: tuple[int, int, int]
-    schema: Schema
-    ops: dict[str, tuple[str, str]]
-    """role ("gemm", "repack", "moe") -> (torch.ops namespace, op name)."""
-    libraries: dict[str, tuple[str, ...]]
-    """namespace -> library file names that register it, in the package directory."""
-    kernels: frozenset[tuple[str, str]]
-    """(format, activation dtype) pairs the library has kernels for."""
-    preparation: str
-    """The marlin_contract.py rules this row was established with."""
-    source: str
-    gpu_verified: str | None = None
-    """Where the pair was checked against float64 on a GPU; None: established from sources."""
-
-    def covers(self, version: tuple[int, int, int]) -> bool:
-        return self.min_version <= version < self.below_version
-
-    def range_text(self) -> str:
-        lo = ".".join(map(str, self.min_version))
-        hi = ".".join(map(str, self.below_version))
-        return f"{self.provider} >={lo},<{hi}"
-
-    def op(self, role: str):  # -> torch._ops.OpOverloadPacket
-        ns, name = self.ops[role]
-        return getattr(getattr(torch.ops, ns), name)
-
-
-_VLLM_KERNELS = frozenset({("nvfp4", "bf16"), ("nvfp4", "fp16"), ("mxfp4", "bf16")})
-_VLLM_SOURCE = (
-    "vLLM wheels 0.22.0-0.33.0: op schemas in _C*/_moe_C* libraries; vllm/model_executor/"
-    "layers/quantization/utils/marlin_utils{,_fp4}.py; csrc/.../marlin/dequant.h"
-)
-
-CONTRACTS: tuple[Contract, ...] = (
-    Contract(
-        key="vllm-0.30",
-        provider="vllm",
-        min_version=(0, 30, 0),
-        below_version=(0, 34, 0),
-        schema=Schema.MARLIN_GEMM,
-        ops={
-            "gemm": ("_C", "marlin_gemm"),
-            "repack": ("_C", "gptq_marlin_repack"),
-            "moe": ("_moe_C", "moe_wna16_marlin_gemm"),
-        },
-        libraries={
-            "_C": ("_C_stable_libtorch.abi3.so",),
-            "_moe_C": ("_moe_C_stable_libtorch.abi3.so",),
-        },
-        kernels=_VLLM_KERNELS,
-        preparation="s0e5m3-floor-flush",
-        source=_VLLM_SOURCE,
-    ),
-    Contract(
-        key="vllm-0.22",
-        provider="vllm",
-        min_version=(0, 22, 0),
-        below_version=(0, 30, 0),
-        schema=Schema.MARLIN_GEMM_GIDX,
-        ops={
-            "gemm": ("_C", "marlin_gemm"),
-            "repack": ("_C", "gptq_marlin_repack"),
-            "moe": ("_moe_C", "moe_wna16_marlin_gemm"),
-        },
-        libraries={
-            "_C": ("_C_stable_libtorch.abi3.so", "_C.abi3.so"),
-            "_moe_C": ("_moe_C_stable_libtorch.abi3.so", "_moe_C.abi3.so"),
-        },
-        kernels=_VLLM_KERNELS,
-        preparation="s0e5m3-floor-flush",
-        source=_VLLM_SOURCE,
-    ),
-)
-
-#: Versions known and refused, with the reason (checked after CONTRACTS).
-REFUSED: dict[str, tuple[tuple[tuple[int, int, int], tuple[int, int, int], str], ...]] = {
-    "vllm": (
-        (
-            (0, 0, 0),
-            (0, 22, 0),
-            "older than the table: its Marlin op is gptq_marlin_gemm and its NVFP4 scale "
-            "preparation predates the bf16 small-scale fixes (vLLM #34577, #37502)",
-        ),
-    ),
-    "sgl-kernel": (
-        (
-            (0, 0, 0),
-            (999, 0, 0),
-            "its precompiled gptq_marlin_gemm reads FP4 scales with the older layout (scale "
-            "stride prob_n/8, halved for FP4) that SGLang replaced in its JIT copy (sglang "
-            "#19652); no sgl-kernel release matches a preparation in the table",
-        ),
-    ),
-}
 
 
 @dataclass(frozen=True)
@@ -449,7 +306,17 @@ def load_library(path: str | Path, *, provider: str = "vllm", version: str) -> P
         raise ConfigurationError(
             format_error(f"no library at {p}", "load_library takes a .so file", "check the path")
         )
-    torch.ops.load_library(str(p))
+    try:
+        torch.ops.load_library(str(p))
+    except OSError as exc:
+        raise BackendUnavailableError(
+            format_error(
+                f"{provider} {version}: torch.ops.load_library({str(p)!r}) failed ({exc})",
+                "the library must match this torch (stable-ABI builds: torch 2.10+) and the "
+                "CUDA runtime it links (vLLM 0.33.0: libcudart.so.13)",
+                "use the provider build made for this machine's torch and CUDA",
+            )
+        ) from exc
     register(provider, version, source="load_library", path=p)
     return next(s for s in statuses() if s.name == provider)
 
