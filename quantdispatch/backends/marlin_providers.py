@@ -37,7 +37,6 @@ __all__ = [
     "ProviderStatus",
     "Schema",
     "active",
-    "contract_by_key",
     "ensure_loaded",
     "load_library",
     "register",
@@ -231,13 +230,6 @@ def active() -> ProviderStatus | None:
         if status.usable:
             return status
     return None
-
-
-def contract_by_key(key: str) -> Contract:
-    for row in CONTRACTS:
-        if row.key == key:
-            return row
-    raise KeyError(key)
 
 
 def ensure_loaded(status: ProviderStatus, roles: tuple[str, ...] = ("gemm", "repack")) -> None:
