@@ -1,31 +1,72 @@
-"""sgl-kernel's Marlin weight-only GEMM (FP4 weights dequantized in registers, 16-bit activations).
+"""Marlin: FP4 weights dequantized in registers inside an engine's own compiled GEMM.
 
-Facts (FORMATS.md): SM75+ with fp16 activations, SM80+ with bf16; NVFP4 group size exactly 16;
-needs (K % 128 == 0 and N % 64 == 0) or (K % 64 == 0 and N % 128 == 0). The weight preparation
-(tile repack, scale permutation, e4m3 re-encoding) and the kernel are one versioned contract:
-the anchors show a newer preparation fed to an older kernel gives garbage. Until quantdispatch
-binds a pinned sgl-kernel version and tests that contract on a GPU, this backend explains itself
-but does not run.
+The kernels are the provider's (vLLM's extension; see marlin_providers.py for detection and
+the version table); the preparation is ours (marlin_contract.py), keyed to the provider
+versions it was established for, except the tile repack of the codes, which is the
+provider's compiled ``gptq_marlin_repack``. Facts (docs/design/marlin.md): SM 7.5+ with fp16
+activations, SM 8.0+ with bf16; NVFP4 with bf16 or fp16, MXFP4 with bf16 only (vLLM builds
+no fp16 MXFP4 kernel); N, K padded with zeros to (N % 64, K % 128) or (N % 128, K % 64) and
+the output sliced, so tensor-parallel shards (720 x 2880, ...) run. MoE: the provider's
+grouped Marlin GEMM for both expert GEMMs (marlin_moe.py); routing and its weights are ours.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from quantdispatch.backends.base import Backend
+import torch
+
+from quantdispatch.backends import marlin_providers as providers
+from quantdispatch.backends.base import Backend, PreparedMoe, PreparedWeight
+from quantdispatch.backends.marlin_contract import (
+    FLOAT4_E2M1F_ID,
+    moe_padded_intermediate,
+    padded_shape,
+    prepare_linear,
+)
+from quantdispatch.errors import BackendUnavailableError, InputError, format_error
 from quantdispatch.request import Op, Request
 
 if TYPE_CHECKING:
     from quantdispatch.device import DeviceProfile
 
+__all__ = ["MarlinBackend"]
+
+_GROUP = {"nvfp4": 16, "mxfp4": 32}
+_ACT = {torch.bfloat16: 0, torch.float16: 1}
+_ACT_OF = {v: k for k, v in _ACT.items()}
+
+
+def _contract_index(key: str) -> int:
+    return [c.key for c in providers.CONTRACTS].index(key)
+
+
+def _workspace(device: torch.device) -> torch.Tensor:
+    """Zeroed int32 locks, one per thread block the kernel may launch (SMs x 4); the kernel
+    leaves them zero after each call, so a layer keeps its own."""
+    sms = (
+        torch.cuda.get_device_properties(device).multi_processor_count
+        if device.type == "cuda"
+        else 1
+    )
+    return torch.zeros(sms * 4, dtype=torch.int32, device=device)
+
 
 class MarlinBackend(Backend):
     name = "marlin"
-    title = "sgl-kernel Marlin weight-only GEMM (FP4 weights, 16-bit activations)"
-    supports = {"nvfp4": frozenset({Op.LINEAR}), "mxfp4": frozenset({Op.LINEAR})}
-    implemented = {}
-    provider = "sgl-kernel"
+    title = (
+        "Marlin weight-only GEMM from the engine's own library (FP4 weights, 16-bit activations)"
+    )
+    supports = {"nvfp4": frozenset({Op.LINEAR, Op.MOE}), "mxfp4": frozenset({Op.LINEAR, Op.MOE})}
+    implemented = {
+        "nvfp4": frozenset({Op.LINEAR, Op.MOE}),
+        "mxfp4": frozenset({Op.LINEAR, Op.MOE}),
+    }
+    provider = None  # detected by marlin_providers (package metadata or load_library)
     weight_only = True
+
+    # -- facts --------------------------------------------------------------------------------
 
     def device_reasons(self, request: Request, profile: DeviceProfile) -> list[str]:
         gpu = self.gpu_reasons(profile)
@@ -34,12 +75,259 @@ class MarlinBackend(Backend):
         return self.min_sm_reasons(profile, request, fp16_min=(7, 5), bf16_min=(8, 0))
 
     def shape_reasons(self, request: Request) -> list[str]:
+        k = request.k
+        group = _GROUP.get(request.format, 16)
+        if request.op is Op.MOE:
+            if k is not None and moe_padded_intermediate(1, k) is None:
+                return [f"hidden size H={k} is not a multiple of 64 (Marlin MoE tiles need it)"]
+            return []
+        if k is not None and k % group:
+            return [f"K={k} is not a multiple of the {request.format} group size {group}"]
+        return []
+
+    def unsupported_reasons(self, request: Request, profile: DeviceProfile) -> list[str]:
+        reasons = super().unsupported_reasons(request, profile)
+        if reasons and reasons[0].startswith(f"{self.name} does not compute"):
+            return reasons
+        return reasons + self.provider_reasons(request)
+
+    def provider_reasons(self, request: Request) -> list[str]:
+        """Why no provider in this process runs ``request`` (empty when one does)."""
+        pair = (request.format, request.act_name)
+        if not any(pair in row.kernels for row in providers.CONTRACTS):
+            return [
+                f"no Marlin provider has {request.format} kernels for {request.act_name} "
+                "activations (vLLM builds MXFP4 Marlin for bf16 only); use bf16"
+            ]
+        status = providers.active()
+        if status is None:
+            found = "; ".join(s.describe() for s in providers.statuses())
+            return [f"no usable Marlin provider ({found})"]
+        assert status.contract is not None
+        if pair not in status.contract.kernels:
+            return [
+                f"{status.name} {status.version} has no {request.format} Marlin kernel for "
+                f"{request.act_name} activations"
+            ]
+        if request.op is Op.MOE and not status.offers("moe"):
+            ns, op = status.contract.ops.get("moe", ("?", "?"))
+            return [
+                f"{status.name} {status.version}: {ns}::{op} is not registered (load the MoE "
+                f"library too: {', '.join(status.contract.libraries.get(ns, ()))})"
+            ]
+        return []
+
+    def variant(self, request: Request, profile: DeviceProfile) -> str | None:
+        status = providers.active()
+        if status is None or status.contract is None:
+            return None
+        row = status.contract
+        ns, op = row.ops["moe" if request.op is Op.MOE else "gemm"]
+        parts = [f"{status.name} {status.version} {ns}::{op}"]
         n, k = request.n, request.k
-        if n is None or k is None:
-            return []
-        if (k % 128 == 0 and n % 64 == 0) or (k % 64 == 0 and n % 128 == 0):
-            return []
-        return [
-            f"shape N={n} K={k} does not fit Marlin's tiles (needs K%128==0 and N%64==0, or "
-            "K%64==0 and N%128==0; tensor-parallel shards often break this)"
-        ]
+        if request.op is Op.LINEAR and n and k and request.format in _GROUP:
+            np_, kp = padded_shape(n, k, _GROUP[request.format])
+            grown = [f"{d} {a}->{b}" for d, a, b in (("N", n, np_), ("K", k, kp)) if a != b]
+            if grown:
+                parts.append(f"pads {', '.join(grown)} with zeros to Marlin's tiles")
+        if request.op is Op.MOE and n and k:
+            ip = moe_padded_intermediate(n, k)
+            if ip is not None and ip != n:
+                parts.append(f"pads I {n}->{ip} to Marlin's tiles")
+        parts.append(row.gpu_verified or "contract from provider sources, not yet GPU-verified")
+        return "; ".join(parts)
+
+    # -- life cycle ---------------------------------------------------------------------------
+
+    def _provider(self, roles: tuple[str, ...]) -> providers.ProviderStatus:
+        status = providers.active()
+        if status is None:
+            found = "; ".join(s.describe() for s in providers.statuses())
+            raise BackendUnavailableError(
+                format_error(
+                    f"no usable Marlin provider ({found})",
+                    "the marlin backend runs a provider's compiled kernels",
+                    "install vLLM from the contract table or call "
+                    "quantdispatch.backends.marlin_providers.load_library(...)",
+                )
+            )
+        providers.ensure_loaded(status, roles)
+        return status
+
+    def _repack(self, row: providers.Contract):
+        op = row.op("repack")
+        schema = row.schema
+
+        def repack(words: torch.Tensor, size_k: int, size_n: int) -> torch.Tensor:
+            if schema is providers.Schema.MARLIN_GEMM:
+                return op(words, size_k, size_n, 4, False)
+            perm = torch.empty(0, dtype=torch.int32, device=words.device)
+            if schema is providers.Schema.MARLIN_GEMM_GIDX:
+                return op(words, perm, size_k, size_n, 4, False)
+            return op(words, perm, size_k, size_n, 4)
+
+        return repack
+
+    def prepare(self, weight: object, request: Request) -> PreparedWeight:
+        from quantdispatch.formats import Mxfp4Weight, Nvfp4Weight
+
+        if not isinstance(weight, (Nvfp4Weight, Mxfp4Weight)):
+            return super().prepare(weight, request)
+        status = self._provider(("gemm", "repack"))
+        assert status.contract is not None
+        fmt = request.format
+        act = request.act_dtype
+        g = weight.global_scale if isinstance(weight, Nvfp4Weight) else None
+        t = prepare_linear(
+            fmt, weight.packed, weight.block_scale, g, act, self._repack(status.contract)
+        )
+        n, k = weight.shape
+        names = ["marlin_qweight", "marlin_scales"]
+        tensors = [t.qweight, t.scales]
+        if t.global_scale is not None:
+            names.append("marlin_global_scale")
+            tensors.append(t.global_scale)
+        names.append("marlin_workspace")
+        tensors.append(_workspace(weight.packed.device))
+        meta = (_contract_index(status.contract.key), _ACT[act], n, k, t.n_pad, t.k_pad)
+        return PreparedWeight(tuple(names), tuple(tensors), meta, out_features=n, in_features=k)
+
+    def linear(
+        self,
+        x: torch.Tensor,
+        tensors: Sequence[torch.Tensor],
+        bias: torch.Tensor | None,
+        fmt: str,
+        meta: Sequence[int],
+    ) -> torch.Tensor:
+        row = providers.CONTRACTS[int(meta[0])]
+        n, k, n_pad, k_pad = (int(v) for v in meta[2:6])
+        if x.dtype != _ACT_OF[int(meta[1])]:
+            raise InputError(
+                format_error(
+                    f"input is {x.dtype} but the Marlin weight was prepared for "
+                    f"{_ACT_OF[int(meta[1])]}",
+                    "Marlin's NVFP4 scale encoding depends on the activation dtype",
+                    "call the layer with the activation dtype it was built for",
+                )
+            )
+        if x.shape[0] == 0:
+            return x.new_empty((0, n))
+        a = x if k_pad == k else torch.nn.functional.pad(x, (0, k_pad - k))
+        if a.stride(-1) != 1 or a.stride(0) % 8 or a.data_ptr() % 16:
+            a = a.contiguous()
+        scale_dtype = torch.float8_e4m3fn if fmt == "nvfp4" else torch.float8_e8m0fnu
+        scales = tensors[1] if tensors[1].dtype == scale_dtype else tensors[1].view(scale_dtype)
+        g = tensors[2] if fmt == "nvfp4" else None
+        out = _gemm(row, a, tensors[0], scales, g, tensors[-1], n_pad, k_pad)
+        if n_pad != n:
+            out = out[:, :n]
+        if bias is not None:
+            out = (out.float() + bias.float()).to(x.dtype)
+        return out.contiguous()
+
+    def prepare_moe(
+        self,
+        w13: Sequence[torch.Tensor],
+        w2: Sequence[torch.Tensor],
+        names: Sequence[str],
+        meta: Sequence[int],
+        request: Request,
+        *,
+        gated: bool,
+    ) -> PreparedMoe:
+        from quantdispatch.backends.marlin_moe import prepare_stack
+
+        status = self._provider(("gemm", "repack", "moe"))
+        assert status.contract is not None
+        fmt, act = request.format, request.act_dtype
+        shards = 2 if gated else 1
+        hidden = w2[0].shape[1]
+        inter = w13[0].shape[1] // shards
+        inter_pad = moe_padded_intermediate(inter, hidden)
+        if inter_pad is None:
+            raise BackendUnavailableError(
+                format_error(
+                    f"hidden size H={hidden} is not a multiple of 64",
+                    "Marlin MoE tiles need H % 64 == 0",
+                    "use the triton or reference backend for this layer",
+                )
+            )
+        repack = self._repack(status.contract)
+        s13 = prepare_stack(fmt, w13, act, repack, rows=inter_pad, k_pad=hidden, shards=shards)
+        s2 = prepare_stack(fmt, w2, act, repack, rows=hidden, k_pad=inter_pad, shards=1)
+        device = w13[0].device
+        s13.append(_workspace(device))
+        s2.append(_workspace(device))
+        out_names = ["marlin_qweight", "marlin_scales"]
+        out_names += ["marlin_global_scale"] if fmt == "nvfp4" else []
+        meta_out = (_contract_index(status.contract.key), _ACT[act], inter, inter_pad, int(gated))
+        return PreparedMoe((*out_names, "marlin_workspace"), tuple(s13), tuple(s2), meta_out)
+
+    def moe(
+        self,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        w13: Sequence[torch.Tensor],
+        w2: Sequence[torch.Tensor],
+        w13_bias: torch.Tensor | None,
+        w2_bias: torch.Tensor | None,
+        fmt: str,
+        activation: str,
+        params: Sequence[float],
+        meta: Sequence[int],
+    ) -> torch.Tensor:
+        from quantdispatch.backends.marlin_moe import run_moe
+
+        row = providers.CONTRACTS[int(meta[0])]
+        scale_dtype = torch.float8_e4m3fn if fmt == "nvfp4" else torch.float8_e8m0fnu
+
+        def fix(stack: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+            out = list(stack)
+            out[1] = out[1] if out[1].dtype == scale_dtype else out[1].view(scale_dtype)
+            return out
+
+        if x.shape[0] == 0:
+            return x.new_empty(x.shape)
+        return run_moe(
+            row,
+            x,
+            topk_ids,
+            topk_weights,
+            fix(w13),
+            fix(w2),
+            w13_bias,
+            w2_bias,
+            activation,
+            params,
+            inter=int(meta[2]),
+            inter_pad=int(meta[3]),
+            gated=bool(meta[4]),
+        )
+
+
+def _gemm(
+    row: providers.Contract,
+    a: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    global_scale: torch.Tensor | None,
+    workspace: torch.Tensor,
+    n_pad: int,
+    k_pad: int,
+) -> torch.Tensor:
+    """One provider GEMM call, arguments in the order its schema takes them."""
+    op = row.op("gemm")
+    m = a.shape[0]
+    sizes = (FLOAT4_E2M1F_ID, m, n_pad, k_pad)
+    flags = (False, True, False)  # no atomic add, fp32 reduce, no float zero points
+    if row.schema is providers.Schema.MARLIN_GEMM:
+        return op(
+            a, None, qweight, None, scales, None, global_scale, None, workspace, *sizes, *flags
+        )
+    if row.schema is providers.Schema.MARLIN_GEMM_GIDX:
+        head = (a, None, qweight, None, scales, None, global_scale, None, None, None, workspace)
+        return op(*head, *sizes, True, *flags)
+    head = (a, None, qweight, scales, global_scale, None, None, None, workspace)
+    return op(*head, *sizes, True, *flags)
