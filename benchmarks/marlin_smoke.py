@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from quantdispatch.api import load_settings
 from quantdispatch.backends import marlin_providers
 from quantdispatch.formats import (
     dequantize_mxfp4,
@@ -28,9 +29,7 @@ from quantdispatch.formats import (
     quantize_mxfp4,
     quantize_nvfp4,
 )
-from quantdispatch.layers import QuantLinear
-from quantdispatch.moe import QuantMoE
-from quantdispatch.settings import load_settings
+from quantdispatch.layers import QuantLinear, QuantMoE
 
 ROOT = Path(__file__).resolve().parents[1]
 BOUND = {torch.bfloat16: 1e-2, torch.float16: 4e-3}

@@ -165,15 +165,22 @@ def _resolve_forced(
         rule = "a forced backend never falls back silently"
         fix = f"unset it to let the policy choose ({hint})"
         computes = backend.supports.get(request.format, frozenset())
-        if forced.op is None and computes and request.op not in computes:
-            # The per-format form caught an op of the format that its backend does not compute.
+        if forced.op is None:
+            # The per-format form reaches every op of the format; say so and name the narrower
+            # per-op variables, since the user may have meant one op only.
             fmt, op = request.format, request.op.value
-            rule += f"; {by} applies to every op of {fmt}, so it also caught {op}"
-            narrow = ", ".join(f"{force_variable(fmt, o)}={name}" for o in sorted(computes))
+            if request.op not in computes:
+                rule += f"; {by} applies to every op of {fmt}, so it also caught {op}"
+            else:
+                rule += f"; {by} applies to every op of {fmt}, {op} included"
+            narrow = ", ".join(
+                f"{force_variable(fmt, o)}={name}" for o in sorted(computes) if o != request.op
+            )
             fix = (
                 f"set {force_variable(fmt, op)}=<backend> (a per-op force wins for its op; "
-                f"settings key '{fmt}:{op}'; {hint}), or force per op only: {narrow}"
+                f"settings key '{fmt}:{op}'; {hint})"
             )
+            fix += f", or force {name} only per op: {narrow}" if narrow else ", or unset it"
         raise BackendUnavailableError(
             format_error(
                 f"{by} forces backend {name!r}, which cannot run {request.describe()} on "

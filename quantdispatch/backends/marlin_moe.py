@@ -166,7 +166,7 @@ def run_moe(
     """out[t] = sum_k w[t, k] * expert_{id[t, k]}(x[t]) with both expert GEMMs on Marlin.
 
     ``w13`` / ``w2``: (qweight, scales[, global], workspace) from :func:`prepare_stack`."""
-    from quantdispatch.moe_math import apply_activation
+    from quantdispatch.moe.activations import apply_activation
 
     m, hidden = x.shape
     top_k = topk_ids.shape[1]

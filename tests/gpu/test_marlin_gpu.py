@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from quantdispatch.api import load_settings
 from quantdispatch.backends import marlin_providers
 from quantdispatch.formats import (
     dequantize_mxfp4,
@@ -29,10 +30,8 @@ from quantdispatch.formats import (
     quantize_mxfp4,
     quantize_nvfp4,
 )
-from quantdispatch.layers import QuantLinear
-from quantdispatch.moe import QuantMoE
+from quantdispatch.layers import QuantLinear, QuantMoE
 from quantdispatch.resolver import _resolve
-from quantdispatch.settings import load_settings
 
 pytestmark = pytest.mark.gpu
 

@@ -21,13 +21,12 @@ from ref64 import (
     rel_err,
 )
 
+from quantdispatch.api import load_settings
 from quantdispatch.backends import marlin_contract, marlin_providers
 from quantdispatch.backends.marlin import MarlinBackend
 from quantdispatch.formats import Mxfp4Weight, Nvfp4Weight
-from quantdispatch.layers import QuantLinear
-from quantdispatch.moe import QuantMoE
+from quantdispatch.layers import QuantLinear, QuantMoE
 from quantdispatch.resolver import _resolve
-from quantdispatch.settings import load_settings
 
 BOUND = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 

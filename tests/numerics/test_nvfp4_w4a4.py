@@ -82,8 +82,8 @@ def _weight(n, k, seed, gs=0.0173, input_scale=0.004):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_reference_w4a4_emulation_matches_float64(dtype):
+    from quantdispatch.api import load_settings
     from quantdispatch.layers import QuantLinear
-    from quantdispatch.settings import load_settings
 
     n, k = 48, 96
     w = _weight(n, k, seed=11)

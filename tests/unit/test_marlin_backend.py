@@ -11,6 +11,7 @@ import torch
 from marlin_fake import OLD_GEMM_SCHEMA, fake_ops
 
 from quantdispatch import select
+from quantdispatch.api import load_settings
 from quantdispatch.backends import marlin_providers as mp
 from quantdispatch.backends.marlin_contract import (
     FLOAT4_E2M1F_ID,
@@ -21,7 +22,6 @@ from quantdispatch.backends.marlin_contract import (
 )
 from quantdispatch.errors import BackendUnavailableError, ConfigurationError
 from quantdispatch.resolver import _resolve
-from quantdispatch.settings import load_settings
 
 NO_ENV = load_settings({})
 

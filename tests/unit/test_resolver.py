@@ -188,15 +188,19 @@ def test_sglang_switch_that_caught_moe_names_the_per_op_fix():
     with pytest.raises(BackendUnavailableError) as e:
         select("nvfp4", "moe", device="h100", settings=s)
     msg = str(e.value)
-    assert "SGLANG_FORCE_NVFP4_MARLIN=1 applies to every op of nvfp4, so it also caught moe" in msg
+    assert "SGLANG_FORCE_NVFP4_MARLIN=1 applies to every op of nvfp4, moe included" in msg
     assert "QUANTDISPATCH_BACKEND_NVFP4_MOE=<backend>" in msg
+    assert "QUANTDISPATCH_BACKEND_NVFP4_LINEAR=marlin" in msg
 
 
-def test_per_format_force_that_cannot_run_an_op_it_computes_keeps_the_plain_message():
+def test_per_format_force_that_cannot_run_an_op_it_computes_names_the_per_op_form():
     s = load_settings({"QUANTDISPATCH_BACKEND_NVFP4": "cutlass"})
     with pytest.raises(BackendUnavailableError) as e:
         select("nvfp4", device="h100", settings=s)
-    assert "every op" not in str(e.value) and "unset it to let the policy choose" in str(e.value)
+    msg = str(e.value)
+    assert "QUANTDISPATCH_BACKEND_NVFP4=cutlass applies to every op of nvfp4, linear included" in msg
+    assert "unset it to let the policy choose" not in msg
+    assert "QUANTDISPATCH_BACKEND_NVFP4_LINEAR=<backend>" in msg
 
 
 def test_per_op_force_that_cannot_run_says_so_without_the_per_op_hint():
