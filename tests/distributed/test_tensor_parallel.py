@@ -16,6 +16,7 @@ from tp_checkpoints import (
     experts,
     gpt_oss_experts,
     linear_layer,
+    stack64,
     weight64,
 )
 
@@ -33,7 +34,7 @@ from quantdispatch.checkpoints import (
     split_range,
 )
 from quantdispatch.errors import CheckpointError, ConfigurationError, WeightFormatError
-from quantdispatch.formats import Fp8Weight, Mxfp4Weight, Nvfp4Weight
+from quantdispatch.formats import Fp8Weight, Nvfp4Weight
 
 P = "model.layers.0.mlp.proj"
 X = torch.randn(3, 448, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
@@ -212,23 +213,6 @@ def test_gate_up_and_down_pair_with_align(world, tmp_path):
 # -- MoE ------------------------------------------------------------------------------------------
 
 
-def _expert_weights(fmt, stacks, block, e):
-    t = [s[e] for s in stacks]
-    if fmt == "nvfp4":
-        return Nvfp4Weight(t[0], t[1], t[2])
-    if fmt == "mxfp4":
-        return Mxfp4Weight(t[0], t[1])
-    return Fp8Weight(t[0], t[1], block_size=block)
-
-
-def _stack64(shard, which):
-    stacks = shard.w13 if which == "w13" else shard.w2
-    e = stacks[0].shape[0]
-    return torch.stack(
-        [weight64(_expert_weights(shard.format, stacks, shard.fp8_block_size, i)) for i in range(e)]
-    )
-
-
 def _moe(shard, **kw):
     return QuantMoE(
         w13=shard.w13,
@@ -260,7 +244,7 @@ def test_moe_tensor_and_expert_parallel_shards(kind, tmp_path):
     ref_layer = QuantMoE.from_checkpoint(sd, "L.mlp", cfg, num_experts=e, top_k=top_k, device="cpu")
     y_full = _moe(full, top_k=top_k, num_experts=e)(x, logits)
     assert torch.equal(y_full, ref_layer(x, logits))
-    w13, w2 = _stack64(full, "w13"), _stack64(full, "w2")
+    w13, w2 = stack64(full, "w13"), stack64(full, "w2")
     for tp, ep in ((3, 1), (4, 1), (2, 2)):
         total = torch.zeros(3, hidden, dtype=torch.float64)
         for ep_rank in range(ep):
@@ -275,8 +259,8 @@ def test_moe_tensor_and_expert_parallel_shards(kind, tmp_path):
                 assert (a, b) == moe_intermediate_range(inter, s.format, r, tp, fp8_block=block)
                 assert a % unit == 0 and s.expert_ids == tuple(ids)
                 rows = torch.tensor([*range(a, b), *range(inter + a, inter + b)])
-                assert torch.equal(_stack64(s, "w13"), w13[ids][:, rows]), (tp, ep, r)
-                assert torch.equal(_stack64(s, "w2"), w2[ids][:, :, a:b])
+                assert torch.equal(stack64(s, "w13"), w13[ids][:, rows]), (tp, ep, r)
+                assert torch.equal(stack64(s, "w2"), w2[ids][:, :, a:b])
                 total += _moe(s, top_k=top_k, num_experts=e)(x, logits).double()
         err = float((total - y_full.double()).norm() / y_full.double().norm())
         assert err < 2**-7, (tp, ep, err)
@@ -296,7 +280,7 @@ def test_gpt_oss_fused_experts_shards(tp, tmp_path):
     ref_layer = QuantMoE.from_checkpoint(sd, "L.mlp", cfg, device="cpu", **kw)
     assert torch.equal(y_full, ref_layer(x, logits))
     nbytes = sum(t.numel() * t.element_size() for t in sd.values())
-    w13, w2 = _stack64(full, "w13"), _stack64(full, "w2")
+    w13, w2 = stack64(full, "w13"), stack64(full, "w2")
     total = torch.zeros(3, hidden, dtype=torch.float64)
     for ids in ([4, 0, 1], [2, 3]):  # expert parallel: two ranks, runs 4 | 0-1 and 2-3
         for r in range(tp):
@@ -309,8 +293,8 @@ def test_gpt_oss_fused_experts_shards(tp, tmp_path):
             share = len(ids) / e * (b - a) / inter
             assert lazy.bytes_read - before <= nbytes * share + (r == 0) * 2 * hidden * len(ids)
             rows = torch.tensor([*range(a, b), *range(inter + a, inter + b)])
-            assert torch.equal(_stack64(s, "w13"), w13[ids][:, rows])
-            assert torch.equal(_stack64(s, "w2"), w2[ids][:, :, a:b])
+            assert torch.equal(stack64(s, "w13"), w13[ids][:, rows])
+            assert torch.equal(stack64(s, "w2"), w2[ids][:, :, a:b])
             assert torch.equal(s.w13_bias, full.w13_bias[ids][:, rows])
             assert (s.w2_bias is None) == (r != 0)
             total += _moe(s, **kw)(x, logits).double()

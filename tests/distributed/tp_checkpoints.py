@@ -7,7 +7,14 @@ from __future__ import annotations
 
 import torch
 
-from quantdispatch.formats import dequantize_fp8, dequantize_mxfp4, dequantize_nvfp4
+from quantdispatch.formats import (
+    Fp8Weight,
+    Mxfp4Weight,
+    Nvfp4Weight,
+    dequantize_fp8,
+    dequantize_mxfp4,
+    dequantize_nvfp4,
+)
 
 
 def codes(n: int, k: int, g: torch.Generator) -> torch.Tensor:
@@ -121,8 +128,6 @@ def gpt_oss_experts(prefix: str, e: int, h: int, inter: int, g: torch.Generator)
 
 def weight64(w) -> torch.Tensor:
     """A canonical weight in float64."""
-    from quantdispatch.formats import Fp8Weight, Mxfp4Weight
-
     if isinstance(w, Fp8Weight):
         return dequantize_fp8(w, dtype=torch.float64)
     if isinstance(w, Mxfp4Weight):
@@ -132,13 +137,30 @@ def weight64(w) -> torch.Tensor:
 
 def canonical_tensors(w) -> list[torch.Tensor]:
     """The canonical weight's tensors, to compare bit for bit."""
-    from quantdispatch.formats import Fp8Weight, Mxfp4Weight
-
     if isinstance(w, Fp8Weight):
         return [w.weight.view(torch.uint8), w.scale]
     if isinstance(w, Mxfp4Weight):
         return [w.packed, w.block_scale]
     return [w.packed, w.block_scale.view(torch.uint8), w.global_scale]
+
+
+def expert_weight(fmt, stacks, block, e):
+    """Expert e of stacked canonical tensors as a canonical weight."""
+    t = [s[e] for s in stacks]
+    if fmt == "nvfp4":
+        return Nvfp4Weight(t[0], t[1], t[2])
+    if fmt == "mxfp4":
+        return Mxfp4Weight(t[0], t[1])
+    return Fp8Weight(t[0], t[1], block_size=block)
+
+
+def stack64(shard, which):
+    stacks = shard.w13 if which == "w13" else shard.w2
+    """A shard's stacked experts in float64: [E, N, K]."""
+    e = stacks[0].shape[0]
+    return torch.stack(
+        [weight64(expert_weight(shard.format, stacks, shard.fp8_block_size, i)) for i in range(e)]
+    )
 
 
 def silu_glu64(h: torch.Tensor) -> torch.Tensor:
