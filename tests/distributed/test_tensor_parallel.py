@@ -266,6 +266,22 @@ def test_moe_tensor_and_expert_parallel_shards(kind, tmp_path):
         assert err < 2**-7, (tp, ep, err)
 
 
+def test_non_gated_experts_split_up_and_down(tmp_path):
+    e, hidden, inter = 3, 64, 96
+    sd = experts("ct-mxfp4", "L.mlp", e, hidden, inter, torch.Generator().manual_seed(12))
+    lazy = _lazy(sd, tmp_path)
+    kw = dict(top_k=2, num_experts=e, activation="relu2")
+    x = X[:, :hidden].contiguous()
+    logits = torch.randn(3, e, generator=torch.Generator().manual_seed(13))
+    y_full = QuantMoE.from_checkpoint(sd, "L.mlp", device="cpu", **kw)(x, logits).double()
+    total = torch.zeros_like(y_full)
+    for r in range(3):  # I = 3 groups of 32
+        s = read_moe_shard(lazy, "L.mlp", num_experts=e, gated=False, tp_rank=r, tp_size=3)
+        assert s.w13[0].shape[1] == 32 and s.w2[0].shape[2] * 2 == 32
+        total += _moe(s, **kw)(x, logits).double()
+    assert float((total - y_full).norm() / y_full.norm()) < 2**-7
+
+
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_gpt_oss_fused_experts_shards(tp, tmp_path):
     e, hidden, inter = 5, 64, 160  # I = 5 groups of 32: uneven over 2 and 4 ranks
