@@ -9,8 +9,8 @@ Per-tensor scales stay whole, and gate/up merge under one scale exactly as the w
 does, so a shard is the matching slice of the whole layer's stacks and the sum over all ranks
 (EP x TP) of their outputs is the whole layer.
 
-The result is what ``QuantMoE(w13=..., w2=..., format=...)`` takes (see quantdispatch's MoE
-layer for the stacked layouts). Only the rank's slices are read from a SafetensorsStateDict.
+The result is what ``QuantMoE(w13=..., w2=..., format=...)`` takes (stacked layouts:
+``expert_stacks``). Only the rank's slices are read from a SafetensorsStateDict.
 """
 
 from __future__ import annotations

@@ -66,7 +66,6 @@ class SafetensorsStateDict(Mapping[str, torch.Tensor]):
                 )
             )
         self._where: dict[str, Path] = {}
-        self._open = safe_open
         self._handles: dict[Path, Any] = {}
         self.bytes_read = 0
         for f in files:
@@ -78,7 +77,9 @@ class SafetensorsStateDict(Mapping[str, torch.Tensor]):
         f = self._where[key]
         h = self._handles.get(f)
         if h is None:
-            h = self._handles[f] = self._open(str(f), framework="pt")
+            from safetensors import safe_open
+
+            h = self._handles[f] = safe_open(str(f), framework="pt")
         return h
 
     def __getitem__(self, key: str) -> torch.Tensor:
@@ -108,7 +109,7 @@ class SafetensorsStateDict(Mapping[str, torch.Tensor]):
         return t
 
     def __getstate__(self) -> dict[str, Any]:
-        # open file handles stay with this process; a copy (another rank) opens its own
+        # open file handles stay with this process; a copy (a rank's process) opens its own
         return {**self.__dict__, "_handles": {}}
 
     def __iter__(self) -> Iterator[str]:

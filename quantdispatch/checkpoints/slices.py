@@ -223,7 +223,7 @@ class LayerSlice(Mapping[str, torch.Tensor]):
         k = self._geo.k if self._cols is None else self._cols[1] - self._cols[0]
         return n, k
 
-    def _index(self, name: str, ndim: int) -> tuple[int, int, int] | None:
+    def _index(self, name: str) -> tuple[int, int, int] | None:
         """(row unit, column unit, which leading dims are cut) of a tensor, None if whole."""
         g = self._geo
         if name in ("bias", "_bias"):
@@ -252,7 +252,7 @@ class LayerSlice(Mapping[str, torch.Tensor]):
                 return torch.tensor(self.shape, dtype=t.dtype)
             return t  # inconsistent: the reader names it
         shape, _ = tensor_info(self._base, key)
-        how = self._index(name, len(shape))
+        how = self._index(name)
         if how is None or not shape:
             return self._base[key]
         row_unit, col_unit, dims = how

@@ -5,6 +5,8 @@ processes (torch.distributed, gloo): test_tensor_parallel_dist.py."""
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -106,6 +108,9 @@ def test_only_the_slice_is_read(tmp_path):
             bias = 2 * n // 4 if parallel == "column" else (2 * n if r == 0 else 0)
             assert got == share + bias + 8, (parallel, r, got)
             assert got < file_bytes / 3.9
+    # a copy for another process opens its own file handles
+    copy = pickle.loads(pickle.dumps(lazy))
+    assert torch.equal(copy[f"{P}.weight_scale_2"], sd[f"{P}.weight_scale_2"])
 
 
 def _qkv(kind, hq, hkv, d, hidden, g, *, bias=True):
