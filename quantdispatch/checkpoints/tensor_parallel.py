@@ -277,7 +277,7 @@ def read_linear_shard(
             tp_size,
             g.group,
             what=f"K of {p} ({g.label})",
-            unit_name="scale group",
+            unit_name="column" if g.group == 1 else "scale group",
             partial_last=g.format == "fp8",
         )
         view = LayerSlice(state_dict, p, g, cols=(a, b), bias=tp_rank == 0)
@@ -293,12 +293,13 @@ def read_linear_shard(
                     "pass e.g. [q_heads*head_dim, kv_heads*head_dim, kv_heads*head_dim]",
                 )
             )
-        unit = math.lcm(g.row_block, align)
+        unit = g.row_block if heads else math.lcm(g.row_block, align)
         ranges = column_ranges(seg, tp_rank, tp_size, heads=heads, unit=unit)
         starts = [sum(seg[:i]) for i in range(len(seg))]
         rows = [(s + a, s + b) for s, (a, b) in zip(starts, ranges, strict=True)]
         return read_linear(LayerSlice(state_dict, p, g, rows=rows), p, q, device=device)
-    unit = math.lcm(max(g.row_block for g in geos), align)
+    unit = max(g.row_block for g in geos)
+    unit = unit if heads else math.lcm(unit, align)
     ranges = column_ranges([g.n for g in geos], tp_rank, tp_size, heads=heads, unit=unit)
     parts = [
         read_linear(LayerSlice(state_dict, p, g, rows=[r]), p, q, device=device)
@@ -324,6 +325,7 @@ def linear_shard_shapes(
     check_tp(0, tp_size)
     group = _GROUP.get(format, fp8_block[1] if fp8_block else 1)
     label = format.upper() if format in _GROUP else "FP8"
+    unit_name = "column" if group == 1 else "scale group"
     if format in _GROUP and k % group:
         raise WeightFormatError(
             format_error(
@@ -341,7 +343,7 @@ def linear_shard_shapes(
                 tp_size,
                 group,
                 what=f"K ({label})",
-                unit_name="scale group",
+                unit_name=unit_name,
                 partial_last=format == "fp8",
             )
             out.append((n, b - a))
@@ -355,7 +357,8 @@ def linear_shard_shapes(
                 "fix the segments",
             )
         )
-    unit = math.lcm(fp8_block[0] if fp8_block else 1, align)
+    unit = fp8_block[0] if fp8_block else 1
+    unit = unit if heads else math.lcm(unit, align)
     return [
         (sum(b - a for a, b in column_ranges(parts, r, tp_size, heads=heads, unit=unit)), k)
         for r in range(tp_size)
