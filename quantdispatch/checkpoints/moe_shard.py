@@ -27,7 +27,12 @@ from quantdispatch.checkpoints.expert_stacks import merge_gate_up, stack_biases,
 from quantdispatch.checkpoints.reader import LoadedLinear, read_linear
 from quantdispatch.checkpoints.slices import LayerSlice, linear_geometry, read_slice, tensor_info
 from quantdispatch.checkpoints.tensor_parallel import check_tp, split_range
-from quantdispatch.errors import CheckpointError, WeightFormatError, format_error
+from quantdispatch.errors import (
+    CheckpointError,
+    ConfigurationError,
+    WeightFormatError,
+    format_error,
+)
 from quantdispatch.request import Scheme
 
 __all__ = [
@@ -83,17 +88,26 @@ def moe_intermediate_range(
     tp_size: int,
     *,
     fp8_block: tuple[int, int] | None = None,
+    align: int = 1,
 ) -> tuple[int, int]:
     """[start, stop) of the intermediate size I that ``tp_rank`` holds: whole scale groups of
-    w2's K (16 NVFP4, 32 MXFP4, lcm(bn, bk) FP8 blocks), as even as possible."""
+    w2's K (16 NVFP4, 32 MXFP4, lcm(bn, bk) FP8 blocks), as even as possible; ``align``: whole
+    multiples of it too (64 keeps every rank's I on the triton backend's repacked MoE kernels,
+    which need I % 64 == 0: gpt-oss's 2880 over 4 ranks is 768 / 704 / 704 / 704 instead of
+    736 / 736 / 704 / 704)."""
     check_tp(tp_rank, tp_size)
-    unit = _i_unit(format, fp8_block)
+    if not isinstance(align, int) or align < 1:
+        raise ConfigurationError(
+            format_error(f"align={align!r}", "align is a positive integer", "pass e.g. 64")
+        )
+    group = _i_unit(format, fp8_block)
+    unit = math.lcm(group, align)
     label = format.upper() if format in _GROUP else f"FP8 block {fp8_block}"
-    if format in _GROUP and inter % unit:
+    if format in _GROUP and inter % group:
         raise WeightFormatError(
             format_error(
                 f"intermediate size I = {inter} is not a whole number of {label} scale "
-                f"groups of {unit}",
+                f"groups of {group}",
                 "w2's K is I, a multiple of the scale group",
                 "check the intermediate size",
             )
@@ -104,19 +118,24 @@ def moe_intermediate_range(
         tp_size,
         unit,
         what=f"intermediate size I ({label})",
-        unit_name="scale group" if unit > 1 else "column",
+        unit_name="column" if unit == 1 else "scale group" if align == 1 else "aligned unit",
         partial_last=True,
     )
 
 
 def moe_shard_sizes(
-    inter: int, format: str, tp_size: int, *, fp8_block: tuple[int, int] | None = None
+    inter: int,
+    format: str,
+    tp_size: int,
+    *,
+    fp8_block: tuple[int, int] | None = None,
+    align: int = 1,
 ) -> list[int]:
     """Each tensor-parallel rank's I (for ``doctor --moe``)."""
     check_tp(0, tp_size)
     sizes = []
     for r in range(tp_size):
-        a, b = moe_intermediate_range(inter, format, r, tp_size, fp8_block=fp8_block)
+        a, b = moe_intermediate_range(inter, format, r, tp_size, fp8_block=fp8_block, align=align)
         sizes.append(b - a)
     return sizes
 
@@ -135,6 +154,7 @@ def read_moe_shard(
     gated: bool = True,
     tp_rank: int = 0,
     tp_size: int = 1,
+    align: int = 1,
 ) -> MoeShard:
     """The experts ``expert_ids`` (default: all) of the MoE under ``prefix`` (e.g.
     ``model.layers.3.mlp``), cut to ``tp_rank``'s I slice of ``tp_size``.
@@ -144,6 +164,7 @@ def read_moe_shard(
     ``{prefix}.experts.gate_up_proj_blocks/_scales/_bias`` (interleaved gate/up rows,
     de-interleaved here) and ``down_proj_blocks/_scales/_bias``. ``gated=False``: experts have
     up and down only. ``config``: the checkpoint's QuantConfig, checked against the tensors.
+    ``align``: I slices in whole multiples of it too (see :func:`moe_intermediate_range`).
     """
     check_tp(tp_rank, tp_size)
     prefix = prefix.rstrip(".")
@@ -160,11 +181,14 @@ def read_moe_shard(
         )
     base = f"{prefix}.experts"
     if f"{base}.gate_up_proj_blocks" in state_dict or f"{base}.down_proj_blocks" in state_dict:
-        return _gpt_oss_shard(state_dict, base, held, num_experts, config, tp_rank, tp_size)
-    return _per_expert_shard(state_dict, base, held, num_experts, config, gated, tp_rank, tp_size)
+        tp = (tp_rank, tp_size, align)
+        return _gpt_oss_shard(state_dict, base, held, num_experts, config, tp)
+    tp = (tp_rank, tp_size, align)
+    return _per_expert_shard(state_dict, base, held, num_experts, config, gated, tp)
 
 
-def _per_expert_shard(sd, base, held, num_experts, config, gated, tp_rank, tp_size) -> MoeShard:
+def _per_expert_shard(sd, base, held, num_experts, config, gated, tp) -> MoeShard:
+    tp_rank = tp[0]
     by_expert: dict[str, list[str]] = {}
     dot = base + "."
     for key in sd:
@@ -209,7 +233,7 @@ def _per_expert_shard(sd, base, held, num_experts, config, gated, tp_rank, tp_si
                 )
             found.append((role, module, quant, geo))
         if e == held[0]:
-            cut = _intermediate_cut(first_geo, roles[0][0], tp_rank, tp_size)
+            cut = _intermediate_cut(first_geo, roles[0][0], tp)
         for role, module, quant, geo in found:
             if role == "down":
                 view = LayerSlice(sd, module, geo, cols=cut, bias=tp_rank == 0)
@@ -223,7 +247,7 @@ def _span(cut: tuple[int, int] | None, size: int) -> tuple[int, int]:
     return cut if cut is not None else (0, size)
 
 
-def _intermediate_cut(geos, first_role, tp_rank, tp_size):
+def _intermediate_cut(geos, first_role, tp):
     """The I slice, once the first expert's gate/up and down shapes are known."""
     up, down = geos[first_role], geos["down"]
     if down.k != up.n or down.format != up.format:
@@ -233,11 +257,11 @@ def _intermediate_cut(geos, first_role, tp_rank, tp_size):
             "gate/up are [I, H] and down [H, I], in one format",
             "check that the projections belong to one expert",
         )
+    tp_rank, tp_size, align = tp
     if tp_size == 1:
         return None
-    return moe_intermediate_range(
-        up.n, up.format, tp_rank, tp_size, fp8_block=up.fp8_block or down.fp8_block
-    )
+    block = up.fp8_block or down.fp8_block
+    return moe_intermediate_range(up.n, up.format, tp_rank, tp_size, fp8_block=block, align=align)
 
 
 def _assemble(loaded, gated, held, cut, inter) -> MoeShard:
@@ -335,7 +359,8 @@ def _runs(ids: Sequence[int]) -> list[tuple[int, int]]:
     return [(a, b) for a, b in runs]
 
 
-def _gpt_oss_shard(sd, base, held, num_experts, config, tp_rank, tp_size) -> MoeShard:
+def _gpt_oss_shard(sd, base, held, num_experts, config, tp) -> MoeShard:
+    tp_rank, tp_size, align = tp
     if config is not None:
         quant = config.layer(f"{base}.gate_up_proj")
         if quant is not None and quant.format != "mxfp4":
@@ -373,7 +398,9 @@ def _gpt_oss_shard(sd, base, held, num_experts, config, tp_rank, tp_size) -> Moe
             "check the checkpoint",
         )
     inter = gu[1] // 2
-    a, b = moe_intermediate_range(inter, "mxfp4", tp_rank, tp_size) if tp_size > 1 else (0, inter)
+    a, b = (0, inter)
+    if tp_size > 1:
+        a, b = moe_intermediate_range(inter, "mxfp4", tp_rank, tp_size, align=align)
     runs = _runs(held)
 
     def take(key: str, *index: slice) -> torch.Tensor:

@@ -6,13 +6,15 @@ rank's slice is read (:class:`~quantdispatch.checkpoints.slices.LayerSlice`), th
 the same readers as a whole layer, so the shard equals the matching slice of the whole layer:
 
 - N splits are as even as possible (earlier ranks take the remainder), in rows, or in blocks of
-  bn for FP8 block scales; ``align`` makes them whole multiples of a unit (give gate/up the down
-  projection's K unit when I does not divide evenly, so each rank's gate/up rows are its down
-  columns). Fused layers split each part on its own: gate and up halves stay paired; q/k/v with
-  ``heads=(q heads, kv heads)`` give each rank its q heads and the kv heads they attend with
-  (replicated when there are fewer kv heads than ranks).
+  bn for FP8 block scales. Fused layers split each part on its own: gate and up halves stay
+  paired; q/k/v with ``heads=(q heads, kv heads)`` give each rank its q heads and the kv heads
+  they attend with (replicated when there are fewer kv heads than ranks).
 - K splits take whole scale groups (16 NVFP4, 32 MXFP4, bk for FP8 block scales; FP8 per-tensor
   or per-channel scales: any column), as even as possible in groups.
+- ``align`` makes both in whole multiples of a unit too (not with ``heads``). When I does not
+  split evenly, an MLP's ranks hold matching gate/up rows and down columns only if gate/up and
+  down get the same align, a multiple of down's group (16 is enough for NVFP4; 64 also keeps
+  every rank on the mma kernels).
 - Per-tensor scales (NVFP4 global, FP8 per-tensor, input scales) stay whole: exact. FP8
   per-channel scales follow N; block scales follow their blocks.
 - Bias: column parallel slices it; row parallel gives it to rank 0 only (added once, after the
@@ -228,8 +230,8 @@ def read_linear_shard(
     ``segments``: row counts of the parts stacked in ONE tensor (a checkpoint's fused
     ``qkv_proj`` = [q_rows, k_rows, v_rows], ``gate_up_proj`` = [I, I]); each part splits on its
     own. ``heads=(q heads, kv heads)``: the parts are q/k/v, split per head group. ``align``:
-    N splits without heads in whole multiples of it. With ``tp_size=1`` this is the whole layer
-    (``read_linear`` + ``merge_shards``).
+    N splits (without heads) and K splits in whole multiples of it too. With ``tp_size=1`` this
+    is the whole layer (``read_linear`` + ``merge_shards``).
     """
     check_tp(tp_rank, tp_size)
     if parallel not in ("column", "row"):
@@ -271,14 +273,15 @@ def read_linear_shard(
                 )
             )
         (p,), (g,), (q,) = prefixes, geos, quants
+        unit = math.lcm(g.group, align)
         a, b = split_range(
             g.k,
             tp_rank,
             tp_size,
-            g.group,
+            unit,
             what=f"K of {p} ({g.label})",
-            unit_name="column" if g.group == 1 else "scale group",
-            partial_last=g.format == "fp8",
+            unit_name="column" if unit == 1 else "scale group" if align == 1 else "aligned unit",
+            partial_last=True,  # a quantized K is whole groups; FP8 blocks may end short
         )
         view = LayerSlice(state_dict, p, g, cols=(a, b), bias=tp_rank == 0)
         return read_linear(view, p, q, device=device)
@@ -335,16 +338,17 @@ def linear_shard_shapes(
             )
         )
     if parallel == "row":
+        unit = math.lcm(group, align)
         out = []
         for r in range(tp_size):
             a, b = split_range(
                 k,
                 r,
                 tp_size,
-                group,
+                unit,
                 what=f"K ({label})",
-                unit_name=unit_name,
-                partial_last=format == "fp8",
+                unit_name=unit_name if align == 1 else "aligned unit",
+                partial_last=True,
             )
             out.append((n, b - a))
         return out

@@ -177,10 +177,11 @@ def test_single_tensor_fused_qkv_and_gate_up_segments(tmp_path):
         assert torch.equal(weight64(s.weight), gu[rows])
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_gate_up_and_down_pair_with_align(world, tmp_path):
-    """I = 144 (9 NVFP4 groups) does not split evenly: with align=16, each rank's gate/up rows
-    are exactly its down columns, and the MLP summed over ranks is the whole MLP."""
+@pytest.mark.parametrize(("world", "align"), [(2, 16), (4, 16), (2, 64)])
+def test_gate_up_and_down_pair_with_align(world, align, tmp_path):
+    """I = 144 (9 NVFP4 groups) does not split evenly: with one align on gate/up and down, each
+    rank's gate/up rows are exactly its down columns, and the MLP summed over ranks is the
+    whole MLP."""
     g = torch.Generator().manual_seed(4)
     inter, hidden = 144, 128
     sd = linear_layer("modelopt-nvfp4", "m.gate_proj", inter, hidden, g, gs=0.01)
@@ -201,9 +202,11 @@ def test_gate_up_and_down_pair_with_align(world, tmp_path):
     total = torch.zeros_like(full)
     for r in range(world):
         gu = read_linear_shard(
-            lazy, ["m.gate_proj", "m.up_proj"], tp_rank=r, tp_size=world, align=16
+            lazy, ["m.gate_proj", "m.up_proj"], tp_rank=r, tp_size=world, align=align
         )
-        down = read_linear_shard(lazy, "m.down_proj", tp_rank=r, tp_size=world, parallel="row")
+        down = read_linear_shard(
+            lazy, "m.down_proj", tp_rank=r, tp_size=world, parallel="row", align=align
+        )
         assert gu.weight.shape[0] == 2 * down.weight.shape[1]  # paired
         layers = [QuantLinear.from_loaded(w, device="cpu") for w in (gu, down)]
         total += mlp(*layers, x)
@@ -287,8 +290,9 @@ def test_non_gated_experts_split_up_and_down(tmp_path):
     assert float((total - y_full).norm() / y_full.norm()) < 2**-7
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4])
-def test_gpt_oss_fused_experts_shards(tp, tmp_path):
+@pytest.mark.parametrize(("tp", "align"), [(1, 1), (2, 1), (4, 1), (2, 64)])
+def test_gpt_oss_fused_experts_shards(tp, align, tmp_path):
+    """I = 160: 5 groups of 32, uneven over 2 and 4 ranks; aligned to 64: 128 + 32."""
     e, hidden, inter = 5, 64, 160  # I = 5 groups of 32: uneven over 2 and 4 ranks
     sd = gpt_oss_experts("L.mlp", e, hidden, inter, torch.Generator().manual_seed(7))
     lazy = _lazy(sd, tmp_path)
@@ -307,9 +311,17 @@ def test_gpt_oss_fused_experts_shards(tp, tmp_path):
         for r in range(tp):
             before = lazy.bytes_read
             s = read_moe_shard(
-                lazy, "L.mlp", cfg, num_experts=e, expert_ids=ids, tp_rank=r, tp_size=tp
+                lazy,
+                "L.mlp",
+                cfg,
+                num_experts=e,
+                expert_ids=ids,
+                tp_rank=r,
+                tp_size=tp,
+                align=align,
             )
             a, b = s.intermediate
+            assert a % align == 0 and (b % align == 0 or b == inter)
             # this rank's experts and I slice (plus the whole down bias on rank 0)
             share = len(ids) / e * (b - a) / inter
             assert lazy.bytes_read - before <= nbytes * share + (r == 0) * 2 * hidden * len(ids)
@@ -346,6 +358,9 @@ def test_shard_shapes_of_real_models():
     )
     assert moe_shard_sizes(2880, "mxfp4", 4) == [736, 736, 704, 704]  # gpt-oss: 90 groups of 32
     assert moe_shard_sizes(2880, "mxfp4", 2) == [1440, 1440]
+    # align=64: every rank's I on the repacked MoE kernels (I % 64 == 0)
+    assert moe_shard_sizes(2880, "mxfp4", 4, align=64) == [768, 704, 704, 704]
+    assert moe_shard_sizes(2880, "nvfp4", 4) == [720] * 4
     assert moe_shard_sizes(2048, "fp8", 8, fp8_block=(128, 128)) == [256] * 8
     assert linear_shard_shapes(162, 448, "fp8", tp_size=4, parallel="column", fp8_block=BLOCK) == [
         (64, 448),
