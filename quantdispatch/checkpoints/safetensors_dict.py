@@ -1,7 +1,9 @@
 """A lazy, read-only state dict over safetensors files (one file, a folder, or a sharded index).
 
 Tensors are read only when asked for, so loading one layer of a 100 GB checkpoint reads that
-layer's bytes and nothing else.
+layer's bytes and nothing else; :meth:`SafetensorsStateDict.read_slice` reads part of a tensor
+(a tensor-parallel rank's rows or columns) and :meth:`SafetensorsStateDict.tensor_info` its
+shape and dtype, from the file header alone.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -16,9 +19,29 @@ from quantdispatch.errors import CheckpointError, format_error
 
 __all__ = ["SafetensorsStateDict"]
 
+#: safetensors dtype names -> torch dtypes (those a quantized checkpoint holds).
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
 
 class SafetensorsStateDict(Mapping[str, torch.Tensor]):
-    """``Mapping[str, Tensor]`` over ``*.safetensors`` files; tensors load on access, on CPU."""
+    """``Mapping[str, Tensor]`` over ``*.safetensors`` files; tensors load on access, on CPU.
+
+    ``bytes_read`` counts the bytes of every tensor and slice returned so far (what a loader
+    really pulled out of the files).
+    """
 
     def __init__(self, path: str | Path) -> None:
         from safetensors import safe_open
@@ -43,16 +66,51 @@ class SafetensorsStateDict(Mapping[str, torch.Tensor]):
                 )
             )
         self._where: dict[str, Path] = {}
-        self._open = safe_open
+        self._handles: dict[Path, Any] = {}
+        self.bytes_read = 0
         for f in files:
             with safe_open(str(f), framework="pt") as h:
                 for k in h.keys():  # noqa: SIM118 (safe_open has no __iter__)
                     self._where[k] = f
 
-    def __getitem__(self, key: str) -> torch.Tensor:
+    def _handle(self, key: str) -> Any:
         f = self._where[key]
-        with self._open(str(f), framework="pt") as h:
-            return h.get_tensor(key)
+        h = self._handles.get(f)
+        if h is None:
+            from safetensors import safe_open
+
+            h = self._handles[f] = safe_open(str(f), framework="pt")
+        return h
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        t = self._handle(key).get_tensor(key)
+        self.bytes_read += t.numel() * t.element_size()
+        return t
+
+    def tensor_info(self, key: str) -> tuple[tuple[int, ...], torch.dtype]:
+        """(shape, dtype) of ``key`` from the file header; no tensor data is read."""
+        s = self._handle(key).get_slice(key)
+        name = s.get_dtype()
+        if name not in _DTYPES:
+            raise CheckpointError(
+                format_error(
+                    f"{key} has safetensors dtype {name}",
+                    f"quantized checkpoints hold {', '.join(_DTYPES)} tensors",
+                    "check the checkpoint",
+                )
+            )
+        return tuple(int(v) for v in s.get_shape()), _DTYPES[name]
+
+    def read_slice(self, key: str, index: tuple[slice | int, ...]) -> torch.Tensor:
+        """``self[key][index]`` reading only the selected part of the file (basic slices with
+        step 1 and integers, one per leading dimension)."""
+        t = self._handle(key).get_slice(key)[index]
+        self.bytes_read += t.numel() * t.element_size()
+        return t
+
+    def __getstate__(self) -> dict[str, Any]:
+        # open file handles stay with this process; a copy (a rank's process) opens its own
+        return {**self.__dict__, "_handles": {}}
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._where)
