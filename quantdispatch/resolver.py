@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from quantdispatch.backends import get_backend
+from quantdispatch.backends.base import KernelRange
 from quantdispatch.device import DeviceProfile
-from quantdispatch.errors import BackendUnavailableError, format_error
+from quantdispatch.errors import BackendUnavailableError, ConfigurationError, format_error
 from quantdispatch.policy import Policy
 from quantdispatch.request import Request
 from quantdispatch.settings import ENV_PREFIX, Force, Settings, force_variable
@@ -63,6 +64,25 @@ class Decision:
             reason = self.reason if c.backend == self.backend else c.reason
             lines.append(f"  {mark} {c.backend:<10} {reason}")
         return "\n".join(lines)
+
+    def kernel_ranges(self, *, top_k: int | None = None) -> tuple[KernelRange, ...]:
+        """The kernel family the chosen backend runs for each range of M, on this device."""
+        return get_backend(self.backend).kernel_ranges(self.request, self.device, top_k=top_k)
+
+    def kernel_for(self, m: int, *, top_k: int | None = None) -> KernelRange:
+        """The kernel family a call with ``m`` rows runs (the trace down to the kernel)."""
+        if not isinstance(m, int) or m < 1:
+            raise ConfigurationError(
+                format_error(f"m={m!r}", "M is the number of rows, a positive int", "pass m >= 1")
+            )
+        for r in self.kernel_ranges(top_k=top_k):
+            if r.covers(m):
+                return r
+        raise AssertionError(f"kernel ranges of {self.backend} do not cover M={m}")
+
+    def kernel_summary(self) -> str:
+        """One short line: the kernel families the chosen backend runs for this request."""
+        return get_backend(self.backend).kernel_summary(self.request, self.device)
 
     def summary(self) -> str:
         """One log line: which kernel runs and why."""

@@ -21,7 +21,14 @@ from quantdispatch.request import Op, Request, Scheme
 if TYPE_CHECKING:
     from quantdispatch.device import DeviceProfile
 
-__all__ = ["Backend", "PreparedMoe", "PreparedWeight", "as_op_tensors", "op_view"]
+__all__ = [
+    "Backend",
+    "KernelRange",
+    "PreparedMoe",
+    "PreparedWeight",
+    "as_op_tensors",
+    "op_view",
+]
 
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e8m0fnu)
@@ -73,6 +80,35 @@ class PreparedMoe:
     w13: tuple[torch.Tensor, ...]
     w2: tuple[torch.Tensor, ...]
     meta: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class KernelRange:
+    """Which kernel family runs calls of ``first_m`` .. ``last_m`` rows (``last_m`` None: and
+    above), with one line of detail (why, or its launch parameters)."""
+
+    first_m: int
+    last_m: int | None
+    family: str
+    detail: str = ""
+
+    def covers(self, m: int) -> bool:
+        return m >= self.first_m and (self.last_m is None or m <= self.last_m)
+
+    def span(self) -> str:
+        if self.last_m is None:
+            return "any M" if self.first_m == 1 else f"M >= {self.first_m}"
+        if self.first_m == self.last_m:
+            return f"M = {self.first_m}"
+        return f"M {self.first_m}..{self.last_m}"
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "m_min": self.first_m,
+            "m_max": self.last_m,
+            "family": self.family,
+            "detail": self.detail,
+        }
 
 
 class Backend(ABC):
@@ -128,6 +164,17 @@ class Backend(ABC):
     def variant(self, request: Request, profile: DeviceProfile) -> str | None:
         """Which kernel family this request would use on this device, for messages."""
         return None
+
+    def kernel_ranges(
+        self, request: Request, profile: DeviceProfile, *, top_k: int | None = None
+    ) -> tuple[KernelRange, ...]:
+        """The kernel family for every range of M (MoE: ``top_k`` and the request's experts,
+        N = I and K = H). Default: one family at every M."""
+        return (KernelRange(1, None, self.name, self.title),)
+
+    def kernel_summary(self, request: Request, profile: DeviceProfile) -> str:
+        """One short line naming the kernel families this backend runs for ``request``."""
+        return self.variant(request, profile) or self.title
 
     @abstractmethod
     def device_reasons(self, request: Request, profile: DeviceProfile) -> list[str]:

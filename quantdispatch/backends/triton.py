@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from quantdispatch.backends.base import Backend, PreparedMoe, PreparedWeight
-from quantdispatch.errors import InputError, format_error
+from quantdispatch.backends.base import Backend, KernelRange, PreparedMoe, PreparedWeight
+from quantdispatch.errors import ConfigurationError, InputError, format_error
 from quantdispatch.request import Op, Request
 
 if TYPE_CHECKING:
@@ -278,6 +278,83 @@ class TritonBackend(Backend):
             f"{where}: {text}; other shapes: tl.dot kernels on the checkpoint layout (doctor "
             "--shape NxK answers for one layer)"
         )
+
+    def kernel_ranges(
+        self, request: Request, profile: DeviceProfile, *, top_k: int | None = None
+    ) -> tuple[KernelRange, ...]:
+        """Linear: needs the request's N and K. MoE: needs ``top_k``, the request's experts,
+        N = I and K = H (gated experts assumed)."""
+        if request.op is Op.MOE:
+            return self._moe_ranges(request, profile, top_k)
+        if request.n is None or request.k is None:
+            raise ConfigurationError(
+                format_error(
+                    f"{request.describe()} has no weight shape",
+                    "the triton backend's kernel for a given M depends on N x K",
+                    "pass n= and k= to select() (doctor: --shape NxK)",
+                )
+            )
+        n, k, cap = request.n, request.k, profile.capability
+        dequant = KernelRange(0, None, "dequantize + cuBLAS", "dequantized 16-bit slabs")
+        fp4 = request.format in ("nvfp4", "mxfp4")
+        if fp4 and mma_layout_eligible(request.format, n, k, request.act_dtype, cap):
+            mma_top, gemm_top = _mma_ranges(n, k, cap)
+            out = [KernelRange(1, mma_top, "mma GEMV", "mma.sync, PTX decode, mma16x64")]
+            if gemm_top:
+                out.append(KernelRange(mma_top + 1, gemm_top, "wgmma GEMM", "tl.dot, mma16x64"))
+            top = out[-1].last_m
+        else:
+            top = (DEQUANT_GEMM_MIN_M_LARGE_WEIGHT if n * k > LARGE_WEIGHT_ELEMENTS
+                   else DEQUANT_GEMM_MIN_M) - 1  # fmt: skip
+            family = "checkpoint tl.dot" if fp4 else "FP8 tl.dot"
+            out = [KernelRange(1, top, family, "split-K small M or tiled, checkpoint layout")]
+        assert top is not None
+        return (*out, KernelRange(top + 1, None, dequant.family, dequant.detail))
+
+    def _moe_ranges(
+        self, request: Request, profile: DeviceProfile, top_k: int | None
+    ) -> tuple[KernelRange, ...]:
+        e, inter, hidden, cap = request.experts, request.n, request.k, profile.capability
+        if top_k is None or e is None or inter is None or hidden is None:
+            raise ConfigurationError(
+                format_error(
+                    f"{request.describe()} with top_k={top_k}",
+                    "the MoE kernel for a given M depends on experts, top-k, I and H",
+                    "pass experts=, n=I, k=H to select() and top_k= here (doctor: --moe)",
+                )
+            )
+        fused = (KernelRange(1, None, "checkpoint tl.dot MoE", "fused tl.dot MoE GEMMs"),)
+        if (request.format not in ("nvfp4", "mxfp4") or cap is None or cap < (8, 0)
+                or inter % 64 or hidden % 64):  # fmt: skip
+            return fused
+        from quantdispatch.kernels.checkpoint_layout.moe_plan import DequantMoeConfig, MmaMoeConfig
+        from quantdispatch.kernels.mma_layout.moe_plan import (
+            MoeDeviceFacts,
+            MoeGemmTile,
+            SmallMoeConfig,
+            describe_moe_config,
+            moe_kernel_ranges,
+            moe_plan,
+        )
+
+        if profile.kind == "cuda" and not profile.simulated and profile.torch_cuda:
+            facts = MoeDeviceFacts.of(torch.device("cuda", profile.index or 0))
+        else:
+            facts = MoeDeviceFacts.for_capability(cap)
+        names = {
+            SmallMoeConfig: "mma single pairs",
+            MmaMoeConfig: "mma pair blocks",
+            MoeGemmTile: "grouped tl.dot GEMM",
+            DequantMoeConfig: "dequantize + grouped_mm",
+        }
+        ranges = moe_kernel_ranges(top_k, e, inter, hidden, facts)
+        out = []
+        for i, (lo, hi, words) in enumerate(ranges):
+            cfg = moe_plan(lo, top_k, e, inter, hidden, facts)
+            assert describe_moe_config(cfg) == words
+            last = None if i == len(ranges) - 1 else hi
+            out.append(KernelRange(lo, last, names[type(cfg)], words))
+        return tuple(out)
 
     def shape_reasons(self, request: Request) -> list[str]:
         group = _GROUP.get(request.format)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import pytest
@@ -198,7 +199,7 @@ def test_per_format_force_that_cannot_run_an_op_it_computes_names_the_per_op_for
     with pytest.raises(BackendUnavailableError) as e:
         select("nvfp4", device="h100", settings=s)
     msg = str(e.value)
-    assert "QUANTDISPATCH_BACKEND_NVFP4=cutlass applies to every op of nvfp4, linear included" in msg
+    assert "NVFP4=cutlass applies to every op of nvfp4, linear included" in msg
     assert "unset it to let the policy choose" not in msg
     assert "QUANTDISPATCH_BACKEND_NVFP4_LINEAR=<backend>" in msg
 
@@ -392,3 +393,28 @@ def test_triton_states_the_mxfp4_fp16_rebase_and_the_fp8_w8a16_kernels():
     assert "rebased" not in triton_backend.variant(mx_bf16, preset_profile("a100"))
     fp8 = triton_backend.variant(Request.make("fp8", "linear", "bf16", "weight_only"), t4)
     assert "K split inside each program" in fp8 and "dequantized slabs + cuBLAS" in fp8
+
+
+def test_decision_names_the_kernel_family_for_each_m():
+    d = select("nvfp4", device="h200", n=6144, k=4096)
+    ranges = d.kernel_ranges()
+    assert ranges[0].first_m == 1 and ranges[-1].last_m is None
+    for a, b in itertools.pairwise(ranges):
+        assert b.first_m == a.last_m + 1  # contiguous, no gaps
+    assert [d.kernel_for(m).family for m in (1, 100, 4096)] == [
+        "mma GEMV",
+        "wgmma GEMM",
+        "dequantize + cuBLAS",
+    ]
+    with pytest.raises(ConfigurationError, match="positive int"):
+        d.kernel_for(0)
+
+
+def test_kernel_for_needs_the_shape_it_depends_on():
+    with pytest.raises(ConfigurationError, match="pass n= and k="):
+        select("nvfp4", device="h200").kernel_for(1)
+    moe = select("nvfp4", "moe", device="h200", n=768, k=2048, experts=128)
+    with pytest.raises(ConfigurationError, match="top_k"):
+        moe.kernel_for(1)
+    assert moe.kernel_for(1, top_k=8).family == "mma single pairs"
+    assert select("nvfp4", device="cpu").kernel_for(7).family == "reference"
