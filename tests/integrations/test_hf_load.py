@@ -1,0 +1,123 @@
+"""load_model: tiny transformers models from quantized checkpoints generate like the same model
+with the decoded float weights (CPU, reference backend)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from hf_models import (  # noqa: E402
+    assert_matches_reference,
+    float_model,
+    greedy,
+    make_config,
+    reference_model,
+    write_checkpoint,
+)
+
+from quantdispatch import QuantLinear, QuantMoE  # noqa: E402
+from quantdispatch.integrations.transformers import QuantExperts, load_model  # noqa: E402
+
+CASES = [
+    # arch, producer, format, W4A4/W8A8 (activation scales in the checkpoint), config location
+    ("llama", "modelopt", "nvfp4", False, "hf_quant_config"),
+    ("llama", "modelopt", "nvfp4", True, "config"),
+    ("llama", "modelopt", "fp8", True, "hf_quant_config"),
+    ("llama", "ct", "fp8", False, "config"),
+    ("qwen3_moe", "modelopt", "nvfp4", False, "config"),
+    ("qwen2_moe", "ct", "nvfp4", False, "config"),
+    ("mixtral", "ct", "mxfp4", False, "config"),
+    ("olmoe", "modelopt", "nvfp4", False, "hf_quant_config"),
+    ("deepseek_v3", "modelopt", "fp8", False, "hf_quant_config"),
+    ("gpt_oss", "gpt-oss", "mxfp4", False, "config"),
+]
+
+
+def _no_meta(model) -> None:
+    leftovers = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    assert not leftovers, leftovers
+
+
+@pytest.mark.parametrize(("arch", "producer", "fmt", "w4a4", "where"), CASES)
+def test_checkpoint_generates_like_the_decoded_float_model(
+    tmp_path, arch, producer, fmt, w4a4, where
+):
+    config = make_config(arch)
+    ref_state = write_checkpoint(
+        float_model(config), tmp_path, arch=arch, fmt=fmt, producer=producer, w4a4=w4a4, where=where
+    )
+    model = load_model(tmp_path, device="cpu", attn_implementation="eager")
+    assert not model.training
+    _no_meta(model)
+    quant = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    experts = [m for m in model.modules() if isinstance(m, QuantExperts)]
+    assert all(m.format == fmt for m in quant)
+    assert type(model.lm_head) is torch.nn.Linear  # excluded: stays float
+    if arch == "gpt_oss":
+        assert not quant  # gpt-oss quantizes its experts only
+    else:
+        assert len(quant) >= 7 * config.num_hidden_layers - 7
+    moe = arch != "llama"
+    assert len(experts) == (
+        0 if not moe else config.num_hidden_layers - (1 if arch == "deepseek_v3" else 0)
+    )
+    for e in experts:
+        assert isinstance(e.moe, QuantMoE) and e.moe.format == fmt
+        assert e.moe.top_k == config.num_experts_per_tok
+    if arch == "gpt_oss":
+        assert experts[0].moe.activation == "swiglu_oai"
+        assert experts[0].moe.w13_bias is not None
+    if getattr(config, "tie_word_embeddings", False):
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert_matches_reference(model, reference_model(config, ref_state))
+
+
+def test_static_cache_generates_the_same_tokens(tmp_path):
+    config = make_config("qwen3_moe")
+    write_checkpoint(float_model(config), tmp_path, arch="qwen3_moe")
+    model = load_model(tmp_path, device="cpu", attn_implementation="eager")
+    assert greedy(model, cache_implementation="static") == greedy(model)
+
+
+def test_excluded_layers_stay_float_and_ignore_patterns_are_honoured(tmp_path):
+    config = make_config("llama", tie_word_embeddings=False)
+    exclude = ("lm_head", "model.layers.0.mlp.down_proj", "model.layers.1.self_attn.o_proj")
+    ref_state = write_checkpoint(
+        float_model(config), tmp_path, arch="llama", producer="ct", exclude=exclude
+    )
+    model = load_model(tmp_path, device="cpu")
+    for name in exclude:
+        assert type(model.get_submodule(name)) is torch.nn.Linear, name
+        assert model.get_submodule(name).weight.dtype == torch.bfloat16
+    assert isinstance(model.model.layers[0].mlp.up_proj, QuantLinear)
+    assert model.lm_head.weight is not model.model.embed_tokens.weight
+    assert_matches_reference(model, reference_model(config, ref_state))
+
+
+def test_fused_model_linears_load_from_separate_checkpoint_shards(tmp_path):
+    """Phi-3 fuses q/k/v and gate/up in the model; a checkpoint may store the shards."""
+    config = make_config("phi3")
+    model_f = float_model(config)
+    shards = {}
+    for name, module in model_f.named_modules():
+        if name.endswith(("qkv_proj", "gate_up_proj")):
+            parent = name.rpartition(".")[0]
+            w = module.weight.detach()
+            if name.endswith("qkv_proj"):
+                head_dim = config.hidden_size // config.num_attention_heads
+                q = config.num_attention_heads * head_dim
+                kv = config.num_key_value_heads * head_dim
+                parts = {"q_proj": w[:q], "k_proj": w[q : q + kv], "v_proj": w[q + kv :]}
+            else:
+                half = w.shape[0] // 2
+                parts = {"gate_proj": w[:half], "up_proj": w[half:]}
+            shards.update({f"{parent}.{k}": v for k, v in parts.items()})
+    ref_state = write_checkpoint(model_f, tmp_path, arch="phi3", split=shards)
+    model = load_model(tmp_path, device="cpu", attn_implementation="eager")
+    layer = model.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, QuantLinear)
+    assert isinstance(layer.mlp.gate_up_proj, QuantLinear)
+    assert layer.self_attn.qkv_proj.out_features == config.hidden_size + 2 * 2 * 16
+    assert_matches_reference(model, reference_model(config, ref_state))
