@@ -357,19 +357,27 @@ def traced_logits(model, tokens: list[int], prompt: torch.Tensor = PROMPT):
     return logits, routing
 
 
-def assert_matches_reference(model, ref, n: int = 16, **generate_kwargs) -> list[int]:
-    """Greedy tokens equal the reference's; step logits within the bf16 bound at every step
-    where all routers chose the same experts (a near-tied router may flip on bf16 noise and
-    then the two models legitimately differ at that step)."""
-    got, want = greedy(model, n, **generate_kwargs), greedy(ref, n)
-    assert got == want, (got, want)
+def assert_matches_reference(model, ref, n: int = 16, *, exact: bool = True, **gen) -> list[int]:
+    """Greedy tokens equal the reference's, and the step logits are within the bf16 bound at
+    every step where all routers chose the same experts (a near-tied router may flip on bf16
+    noise; the two models then legitimately differ at that step).
+
+    ``exact=False`` (the reference holds weights the quantized layers cannot match bit for bit,
+    e.g. bf16-rounded dequantized weights): the bound doubles (those roundings add up over the
+    layers) and the greedy tokens may part at a step where the reference's two candidates are
+    within the bound of each other (a near tie), not elsewhere."""
+    got, want = greedy(model, n, **gen), greedy(ref, n)
     la, ra = traced_logits(model, want)
     lb, rb = traced_logits(ref, want)
+    bound = (2.0**-5 if exact else 2.0**-4) * float(lb.abs().max())
+    if got != want:
+        t = next(i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b)
+        margin = float(lb[t, want[t]] - lb[t, got[t]])
+        assert not exact and margin <= bound, (got, want, t, margin, bound)
     same = torch.ones(len(want), dtype=torch.bool)
     for x, y in zip(ra, rb, strict=True):
         same &= (x == y).all(dim=-1)
     assert int(same.sum()) >= len(want) - 2, f"routing differs at {int((~same).sum())} steps"
-    bound = 2.0**-5 * float(lb.abs().max())
     diff = (la - lb).abs().amax(dim=-1)
     assert float(diff[same].max()) <= bound, (diff.tolist(), bound)
     return got

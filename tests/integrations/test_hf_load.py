@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from hf_models import (  # noqa: E402
+from hf_models import (
     assert_matches_reference,
     float_model,
     greedy,
@@ -17,8 +17,8 @@ from hf_models import (  # noqa: E402
     write_checkpoint,
 )
 
-from quantdispatch import QuantLinear, QuantMoE  # noqa: E402
-from quantdispatch.integrations.transformers import QuantExperts, load_model  # noqa: E402
+from quantdispatch import QuantLinear, QuantMoE
+from quantdispatch.integrations.transformers import QuantExperts, load_model
 
 CASES = [
     # arch, producer, format, W4A4/W8A8 (activation scales in the checkpoint), config location
@@ -121,3 +121,52 @@ def test_fused_model_linears_load_from_separate_checkpoint_shards(tmp_path):
     assert isinstance(layer.mlp.gate_up_proj, QuantLinear)
     assert layer.self_attn.qkv_proj.out_features == config.hidden_size + 2 * 2 * 16
     assert_matches_reference(model, reference_model(config, ref_state))
+
+
+def test_checkpoint_written_by_compressed_tensors_model_compressor(tmp_path):
+    """The real producer: compressed-tensors applies an NVFP4A16 scheme, its ModelCompressor
+    packs the model and writes the config, transformers' save_pretrained writes the shards. The
+    reference is compressed-tensors' own decompression of the same bytes."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationConfig,
+        apply_quantization_config,
+        preset_name_to_scheme,
+    )
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
+
+    config = make_config("llama", tie_word_embeddings=False)
+    model = float_model(config, dtype=torch.bfloat16)
+    scheme = preset_name_to_scheme("NVFP4A16", ["Linear"])
+    qc = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"])
+    apply_quantization_config(model, qc)
+    for module in model.modules():  # the observer's job (llm-compressor), done here by hand
+        if isinstance(module, torch.nn.Linear) and hasattr(module, "quantization_scheme"):
+            w = module.weight.detach().float()
+            gs = generate_gparam(w.amin(), w.amax())
+            blocks = w.reshape(w.shape[0], -1, 16)
+            args = module.quantization_scheme.weights
+            scale, _ = calculate_qparams(blocks.amin(-1), blocks.amax(-1), args, global_scale=gs)
+            module.weight_global_scale.data.copy_(gs)
+            module.weight_scale.data.copy_(scale)
+    compressor = ModelCompressor.from_pretrained_model(model)
+    compressor.compress_model(model)
+    model.save_pretrained(tmp_path)
+    compressor.update_config(str(tmp_path))
+
+    compressor.decompress_model(model)
+    ref_state = {
+        f"{name}.weight": m.weight.detach().float()
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear)
+    }
+    for name, t in model.state_dict().items():
+        if not name.endswith(("weight_scale", "weight_global_scale", "weight_zero_point")):
+            ref_state.setdefault(name, t.float())
+
+    loaded = load_model(tmp_path, device="cpu", attn_implementation="eager")
+    assert sum(isinstance(m, QuantLinear) for m in loaded.modules()) == 14
+    assert type(loaded.lm_head) is torch.nn.Linear
+    # decompression rounds the weights to bf16 (the dequantized values are not exact there)
+    assert_matches_reference(loaded, reference_model(config, ref_state), exact=False)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import struct
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +24,7 @@ import torch
 from quantdispatch.checkpoints import QuantConfig, SafetensorsStateDict, load_quant_config
 from quantdispatch.errors import CheckpointError, format_error
 
-__all__ = ["MODULE_ALIASES", "Checkpoint", "PrefixView", "open_checkpoint"]
+__all__ = ["MODULE_ALIASES", "Checkpoint", "PrefixView", "open_checkpoint", "read_headers"]
 
 #: Module-name pieces transformers 5 renamed at load time: (name in the model, name in the
 #: checkpoint). Mixtral-style MoE blocks are ``mlp`` in the model, ``block_sparse_moe`` on disk.
@@ -31,6 +32,7 @@ MODULE_ALIASES: tuple[tuple[str, str], ...] = ((".mlp.", ".block_sparse_moe."),)
 
 #: Tensor names that make a linear quantized (scales or packed codes).
 QUANT_TENSORS = ("weight_packed", "weight_scale", "weight_scale_inv")
+_QUANT_DTYPES = ("U8", "I8", "F8_E4M3")
 
 
 class PrefixView(Mapping[str, torch.Tensor]):
@@ -64,6 +66,8 @@ class Checkpoint:
     config: dict[str, Any]
     quant: QuantConfig | None
     state: Mapping[str, torch.Tensor]
+    dtypes: Mapping[str, str] = field(default_factory=dict, repr=False)
+    """safetensors dtype names (``BF16``, ``U8``, ``F8_E4M3``...) read from the headers."""
     _sorted: list[str] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
@@ -121,7 +125,37 @@ class Checkpoint:
         names = {k[len(module) + 1 :] for k in keys}
         if names & set(QUANT_TENSORS) or "blocks" in names:
             return "quantized"
+        if self.dtypes.get(f"{module}.weight") in _QUANT_DTYPES:
+            return "quantized"  # packed codes whose scales are missing: the reader says which
         return "float" if "weight" in names else None
+
+
+def read_headers(path: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """{tensor name: (safetensors dtype, shape)} from the headers of a checkpoint's shards."""
+    p = Path(path)
+    index = p / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
+        files = sorted({p / f for f in weight_map.values()})
+    else:
+        files = sorted(p.glob("*.safetensors")) if p.is_dir() else []
+    if not files:
+        raise CheckpointError(
+            format_error(
+                f"no safetensors files at {str(path)!r}",
+                "a checkpoint folder holds *.safetensors (optionally with an index)",
+                "check the path",
+            )
+        )
+    out: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for f in files:
+        with f.open("rb") as h:
+            (size,) = struct.unpack("<Q", h.read(8))
+            header = json.loads(h.read(size))
+        for name, info in header.items():
+            if name != "__metadata__":
+                out[name] = (str(info["dtype"]), tuple(int(d) for d in info["shape"]))
+    return out
 
 
 def _candidates(name: str) -> list[str]:
@@ -152,4 +186,5 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
             format_error(f"{cfg_file} cannot be read as JSON: {exc}", "configs are JSON", "fix it")
         ) from None
     quant = load_quant_config(p)
-    return Checkpoint(p, config, quant, SafetensorsStateDict(p))
+    dtypes = {k: v[0] for k, v in read_headers(p).items()}
+    return Checkpoint(p, config, quant, SafetensorsStateDict(p), dtypes)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import struct
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -18,42 +17,14 @@ import torch
 
 from quantdispatch import select
 from quantdispatch.checkpoints import QuantConfig, load_quant_config
-from quantdispatch.errors import CheckpointError, format_error
+from quantdispatch.integrations.transformers.checkpoint import read_headers
 
-__all__ = ["describe_model", "read_headers", "render_description"]
+__all__ = ["describe_model", "render_description"]
 
 _EXPERT = re.compile(r"^(?P<block>.+)\.experts\.(?P<e>\d+)\.(?P<proj>[A-Za-z0-9_]+)$")
 _FLAT = re.compile(r"^(?P<mod>.+)_(?P<leaf>blocks|scales|bias)$")
 _FIRST_PROJ = ("gate_proj", "up_proj", "w1", "w3")
 _QUANT_LEAVES = {"weight_packed", "weight_scale", "weight_scale_inv", "blocks"}
-
-
-def read_headers(path: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """{tensor name: (safetensors dtype, shape)} from the headers of a checkpoint's shards."""
-    p = Path(path)
-    index = p / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
-        files = sorted({p / f for f in weight_map.values()})
-    else:
-        files = sorted(p.glob("*.safetensors")) if p.is_dir() else []
-    if not files:
-        raise CheckpointError(
-            format_error(
-                f"no safetensors files at {str(path)!r}",
-                "a checkpoint folder holds *.safetensors (optionally with an index)",
-                "check the path",
-            )
-        )
-    out: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for f in files:
-        with f.open("rb") as h:
-            (size,) = struct.unpack("<Q", h.read(8))
-            header = json.loads(h.read(size))
-        for name, info in header.items():
-            if name != "__metadata__":
-                out[name] = (str(info["dtype"]), tuple(int(d) for d in info["shape"]))
-    return out
 
 
 def _modules(headers: Mapping[str, tuple[str, tuple[int, ...]]]) -> dict[str, dict[str, Any]]:
@@ -216,11 +187,18 @@ def describe_model(
     }
 
 
-def render_description(d: Mapping[str, Any]) -> str:
-    """A few lines of text for :func:`describe_model`'s dict (one per layer kind)."""
+def _short(reason: str, width: int = 90) -> str:
+    """The gist of a decision's reason: what runs, without the policy preamble and details."""
+    text = reason.split(": ", 1)[-1].split(" [", 1)[0]
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def render_description(d: Mapping[str, Any], *, verbose: bool = False) -> str:
+    """Text for :func:`describe_model`'s dict: one line per layer kind with the backend and the
+    gist of why; ``verbose`` adds the full reason and one line per rejected backend."""
     arch = ", ".join(d.get("architectures") or []) or d.get("model_type") or "?"
     producer = (d.get("quantization") or {}).get("producer", "no quantization config")
-    lines = [f"Model {d['model']} ({arch}), {producer}, activations {d['act_dtype']}"]
+    lines = [f"Model {d['model']} ({arch}), {producer} checkpoint, activations {d['act_dtype']}"]
     if d["device"]:
         lines.append(f"Device {d['device']}")
     for r in d["layers"]:
@@ -229,12 +207,16 @@ def render_description(d: Mapping[str, Any]) -> str:
         else:
             shape = f"N={r['n']} K={r['k']}"
         fp8 = f" ({r['scale_kind']} scales)" if r["scale_kind"] else ""
+        reason = r["reason"] if verbose else _short(r["reason"])
         lines.append(
             f"  {r['op']:<6} {r['format']} {r['scheme_label']}{fp8} {shape} x{r['count']}"
-            f" -> {r['backend']}: {r['reason']}"
+            f" -> {r['backend']}: {reason}"
         )
-        for c in r["rejected"]:
-            lines.append(f"      not {c['backend']}: {c['reason']}")
+        if r.get("kernels"):
+            by_m = ", ".join(f"M={m}: {k}" for m, k in r["kernels"].items())
+            lines.append(f"      kernels {by_m}")
+        if verbose:
+            lines += [f"      not {c['backend']}: {c['reason']}" for c in r["rejected"]]
     if not d["layers"]:
         lines.append("  no quantized layers found")
     u = d["unquantized"]

@@ -85,10 +85,13 @@ class QuantDispatchHfQuantizer(HfQuantizer):
         self._pending: dict[str, nn.Module] = {}
 
     def validate_environment(self, *args: Any, device_map: Any = None, **kwargs: Any) -> None:
-        if isinstance(device_map, dict) and len({str(v) for v in device_map.values()}) > 1:
+        devices = (
+            sorted({str(v) for v in device_map.values()}) if isinstance(device_map, dict) else []
+        )
+        if len(devices) > 1:
             raise ConfigurationError(
                 format_error(
-                    f"device_map places the model on {sorted({str(v) for v in device_map.values()})}",
+                    f"device_map places the model on {devices}",
                     "quantdispatch layers run on the device they were built on: one device",
                     "pass device_map='cuda' (or one device)",
                 )
