@@ -74,11 +74,21 @@ def test_checkpoint_generates_like_the_decoded_float_model(
     assert_matches_reference(model, reference_model(config, ref_state))
 
 
-def test_static_cache_generates_the_same_tokens(tmp_path):
-    config = make_config("qwen3_moe")
-    write_checkpoint(float_model(config), tmp_path, arch="qwen3_moe")
-    model = load_model(tmp_path, device="cpu", attn_implementation="eager")
-    assert greedy(model, cache_implementation="static") == greedy(model)
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_static_cache_and_fullgraph_compile_give_the_same_tokens(tmp_path, arch):
+    """transformers' static cache and its automatic compile of the decode step: dynamo traces
+    the quantized layers and the QuantMoE-backed experts as one graph (no graph break). The
+    eager backend keeps this a tracing check on the CPU; tests/gpu runs CUDA graphs."""
+    from transformers import CompileConfig
+
+    config = make_config(arch)
+    write_checkpoint(float_model(config), tmp_path, arch=arch)
+    model = load_model(tmp_path, device="cpu", attn_implementation="sdpa")
+    compile_config = CompileConfig(backend="eager", mode=None, fullgraph=True)
+    compile_config._compile_all_devices = True  # transformers compiles on GPUs only by default
+    eager = greedy(model)
+    assert greedy(model, cache_implementation="static") == eager
+    assert greedy(model, cache_implementation="static", compile_config=compile_config) == eager
 
 
 def test_excluded_layers_stay_float_and_ignore_patterns_are_honoured(tmp_path):
