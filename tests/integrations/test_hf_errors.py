@@ -122,3 +122,8 @@ def test_cpu_reference_backend_warns_once(llama_ckpt, monkeypatch):
     assert len(mine) == 1
     text = str(mine[0].message)
     assert "reference backend" in text and "slow" in text and "device='cuda'" in text
+
+
+def test_a_preset_name_is_not_a_device(llama_ckpt):
+    with pytest.raises(ConfigurationError, match=r"describe_model\(path, 'h100'\)"):
+        load_model(llama_ckpt, device="h100")

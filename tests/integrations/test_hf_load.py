@@ -180,3 +180,15 @@ def test_checkpoint_written_by_compressed_tensors_model_compressor(tmp_path):
     assert type(loaded.lm_head) is torch.nn.Linear
     # decompression rounds the weights to bf16 (the dequantized values are not exact there)
     assert_matches_reference(loaded, reference_model(config, ref_state), exact=False)
+
+
+def test_fp16_model_keeps_transformers_fp32_modules(tmp_path):
+    """gpt-oss lists its norms in _keep_in_fp32_modules: under fp16 they load in fp32, as
+    transformers' own loader does."""
+    config = make_config("gpt_oss")
+    write_checkpoint(float_model(config), tmp_path, arch="gpt_oss")
+    model = load_model(tmp_path, device="cpu", act_dtype=torch.float16, attn_implementation="eager")
+    assert model.model.norm.weight.dtype == torch.float32
+    assert model.model.layers[0].self_attn.q_proj.weight.dtype == torch.float16
+    assert model.model.layers[0].mlp.experts.moe.act_dtype == torch.float16
+    assert len(greedy(model, 4)) == 4

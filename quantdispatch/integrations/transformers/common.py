@@ -10,7 +10,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from quantdispatch.errors import format_error
+from quantdispatch.errors import ConfigurationError, format_error
 
 __all__ = [
     "ReferenceBackendWarning",
@@ -35,7 +35,17 @@ def resolve_device(device: object) -> torch.device:
         if torch.cuda.is_available():
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
-    d = torch.device(device) if not isinstance(device, torch.device) else device
+    try:
+        d = torch.device(device) if not isinstance(device, torch.device) else device
+    except (RuntimeError, TypeError):
+        raise ConfigurationError(
+            format_error(
+                f"device={device!r} is not a torch device",
+                "a model runs on 'cuda', 'cuda:N' or 'cpu'; preset names (e.g. 'h100') only "
+                "simulate a GPU for decisions",
+                "pass a real device, or use describe_model(path, 'h100') to see what would run",
+            )
+        ) from None
     if d.type == "cuda" and d.index is None:
         d = torch.device("cuda", torch.cuda.current_device())
     return d
@@ -85,8 +95,8 @@ def warn_if_reference(model: nn.Module) -> None:
             f"{len(layers)} quantized layers of this model (e.g. {name}) run on the reference "
             f"backend on {where}: they dequantize each weight and multiply in fp32, which is "
             "correct but slow",
-            "the fast kernels run on CUDA GPUs (SM 7.5+); on a CPU the reference backend is "
-            "the only one",
+            "the fast kernels run on CUDA GPUs (SM 7.5+); the reference backend is what runs "
+            "where none of them can (on a CPU, always)",
             "load the model with device='cuda' on a GPU machine; `quantdispatch doctor` shows "
             "why each backend was or was not chosen",
         ),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -97,6 +98,7 @@ def load_model(
         model = AutoModelForCausalLM.from_config(config, **from_config_kwargs)
     if quant_config is not None:
         model.config.quantization_config = quant_config
+    keep_fp32_params(model, act_dtype)
     swap_in_quantized(
         model, ckpt, device=target, act_dtype=act_dtype, policy=policy, settings=settings
     )
@@ -108,6 +110,26 @@ def load_model(
     model.eval()
     warn_if_reference(model)
     return model
+
+
+def keep_fp32_params(model: nn.Module, dtype: torch.dtype) -> None:
+    """transformers' rule for modules kept in fp32 (``_keep_in_fp32_modules`` under fp16,
+    ``_keep_in_fp32_modules_strict`` under fp16 and bf16): their (meta) parameters become fp32,
+    so their tensors load in fp32."""
+    names = set()
+    if dtype == torch.float16:
+        names |= set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    if dtype in (torch.float16, torch.bfloat16):
+        names |= set(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
+    if not names:
+        return
+    pattern = re.compile(r"(^|\.)(" + "|".join(re.escape(n) for n in names) + r")(\.|$)")
+    for mod_name, module in model.named_modules():
+        if not pattern.search(mod_name):
+            continue
+        for pname, p in list(module._parameters.items()):
+            if p is not None and p.is_floating_point() and p.device.type == "meta":
+                module._parameters[pname] = nn.Parameter(p.to(torch.float32), requires_grad=False)
 
 
 def _text_config(model: nn.Module) -> Any:
