@@ -6,6 +6,7 @@ import fnmatch
 import re
 import warnings
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,6 +19,7 @@ __all__ = [
     "quantized_modules",
     "replace_module",
     "resolve_device",
+    "text_config",
     "warn_if_reference",
 ]
 
@@ -49,6 +51,12 @@ def resolve_device(device: object) -> torch.device:
     if d.type == "cuda" and d.index is None:
         d = torch.device("cuda", torch.cuda.current_device())
     return d
+
+
+def text_config(model: nn.Module) -> Any:
+    """The language model's config (a multimodal config's text part, else the config)."""
+    cfg = model.config
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
 
 
 def matches(name: str, patterns: Iterable[str]) -> bool:

@@ -33,14 +33,17 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 from quantdispatch.errors import ConfigurationError, format_error
 from quantdispatch.formats import get_format
 from quantdispatch.integrations.transformers.checkpoint import Checkpoint, open_checkpoint
-from quantdispatch.integrations.transformers.common import replace_module, warn_if_reference
-from quantdispatch.integrations.transformers.loader import (
-    _layer_kwargs,
-    _text_config,
-    build_layer,
-    quantized_targets,
+from quantdispatch.integrations.transformers.common import (
+    replace_module,
+    text_config,
+    warn_if_reference,
 )
 from quantdispatch.integrations.transformers.quantize import quantize_model
+from quantdispatch.integrations.transformers.replace import (
+    build_layer,
+    layer_kwargs,
+    quantized_targets,
+)
 
 __all__ = ["METHOD", "QuantDispatchConfig", "QuantDispatchHfQuantizer"]
 
@@ -132,10 +135,10 @@ class QuantDispatchHfQuantizer(HfQuantizer):
         if self._ckpt is None:
             quantize_model(model, cfg.format, exclude=tuple(cfg.exclude), experts=cfg.experts)
             return model
-        layer_kwargs = _layer_kwargs(device, act_dtype, None, None)
-        text_config = _text_config(model)
+        kwargs = layer_kwargs(device, act_dtype, None, None)
+        text_cfg = text_config(model)
         for name, original in self._pending.items():
-            layer = build_layer(name, original, self._ckpt, text_config, layer_kwargs)
+            layer = build_layer(name, original, self._ckpt, text_cfg, kwargs)
             replace_module(model, name, layer)
         self._pending = {}
         warn_if_reference(model)

@@ -20,6 +20,7 @@ from quantdispatch.formats import get_format
 from quantdispatch.integrations.transformers.common import (
     matches,
     replace_module,
+    text_config,
     warn_if_reference,
 )
 from quantdispatch.integrations.transformers.moe_blocks import (
@@ -64,9 +65,7 @@ def quantize_model(
                 f"pass exclude=({exclude!r},)",
             )
         )
-    text_config = getattr(model, "config", None)
-    if text_config is not None and hasattr(text_config, "get_text_config"):
-        text_config = text_config.get_text_config()
+    text_cfg = text_config(model) if hasattr(model, "config") else None
     common: dict[str, Any] = {"policy": policy}
     if settings is not None:
         common["settings"] = settings
@@ -82,7 +81,7 @@ def quantize_model(
                 module,
                 name,
                 fmt,
-                text_config,
+                text_cfg,
                 act_dtype=_act_dtype(act_dtype, module.down_proj.dtype),
                 device=module.down_proj.device,
                 **common,
