@@ -192,3 +192,29 @@ def test_fp16_model_keeps_transformers_fp32_modules(tmp_path):
     assert model.model.layers[0].self_attn.q_proj.weight.dtype == torch.float16
     assert model.model.layers[0].mlp.experts.moe.act_dtype == torch.float16
     assert len(greedy(model, 4)) == 4
+
+
+def test_sharded_checkpoint_with_index(tmp_path):
+    """Two shards and a model.safetensors.index.json, as large checkpoints come."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from quantdispatch.integrations.transformers import describe_model
+
+    config = make_config("qwen3_moe")
+    ref_state = write_checkpoint(float_model(config), tmp_path, arch="qwen3_moe")
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    (tmp_path / "model.safetensors").unlink()
+    names = sorted(tensors)
+    shards = {
+        "model-00001-of-00002.safetensors": names[::2],
+        "model-00002-of-00002.safetensors": names[1::2],
+    }
+    for file, keys in shards.items():
+        save_file({k: tensors[k] for k in keys}, str(tmp_path / file))
+    index = {"weight_map": {k: f for f, keys in shards.items() for k in keys}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    model = load_model(tmp_path, device="cpu", attn_implementation="eager")
+    assert_matches_reference(model, reference_model(config, ref_state))
+    assert sum(r["count"] for r in describe_model(tmp_path, "cpu")["layers"]) == 10

@@ -7,16 +7,27 @@ this module registers ``quant_method="quantdispatch"``. The quantizer's two hook
 - before the weights load (the model is on the meta device; transformers passes the checkpoint
   files): if the checkpoint is quantized, every linear / experts module it stores quantized is
   swapped for a placeholder without parameters, so transformers loads only the float tensors and
-  reports the quantized ones as expected-unexpected;
+  the quantized ones are expected-unexpected keys;
 - after the weights load: the placeholders become ``QuantLinear`` / ``QuantExperts`` built from
-  the checkpoint on the model's device; a float checkpoint is quantized with ``quantize_model``.
+  the checkpoint on the device the float weights went to (``device_map="cuda"``, which needs
+  accelerate; without one, the CPU); a float checkpoint is quantized with ``quantize_model``.
+  Each layer's kernel is chosen for that device: move the model with ``device_map``, not with
+  ``.to()`` afterwards (a layer built on the CPU keeps the CPU's reference backend).
 
 Limit (transformers' rule, not ours): when config.json carries a ``quantization_config`` whose
-``quant_method`` transformers itself knows (compressed-tensors, fp8, mxfp4), ``from_pretrained``
-merges it with the one passed and refuses two different config classes before any hook runs.
-Such checkpoints load with :func:`~quantdispatch.integrations.transformers.load_model`.
-ModelOpt checkpoints (``hf_quant_config.json`` or ``quant_method: modelopt``, unknown to
-transformers) and float checkpoints take this path.
+``quant_method`` transformers knows (compressed-tensors, fp8, mxfp4), ``from_pretrained`` merges
+it with the config passed and refuses two config classes before any hook runs. Such checkpoints
+load with :func:`~quantdispatch.integrations.transformers.load_model`, or through this path with
+the config object stripped of it::
+
+    config = AutoConfig.from_pretrained(path)
+    del config.quantization_config
+    model = AutoModelForCausalLM.from_pretrained(
+        path, config=config, quantization_config=QuantDispatchConfig()
+    )
+
+ModelOpt checkpoints (``hf_quant_config.json``, or ``quant_method: modelopt``, which transformers
+does not know) and float checkpoints take this path directly.
 """
 
 from __future__ import annotations
