@@ -170,14 +170,18 @@ def model_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def _compile_config(mode: str) -> Any:
+def _compile_config(mode: str, device: torch.device) -> Any:
     from transformers import CompileConfig
 
     if mode == "none":
         return None
-    if mode == "cudagraphs":
-        return CompileConfig(backend="cudagraphs", mode=None)
-    return CompileConfig()  # transformers' default: inductor, mode="reduce-overhead"
+    # "inductor" is transformers' default CompileConfig (mode="reduce-overhead")
+    cc = CompileConfig(backend="cudagraphs", mode=None) if mode == "cudagraphs" else CompileConfig()
+    if device.type == "cpu":
+        # transformers compiles on GPUs only; the CPU smoke run exercises the same path (the
+        # cudagraphs backend then runs the traced graph without graphs)
+        cc._compile_all_devices = True
+    return cc
 
 
 def measure(
@@ -195,7 +199,7 @@ def measure(
     base = dict(do_sample=False, cache_implementation="static")
 
     def generate(ids: torch.Tensor, n: int, mode: str) -> torch.Tensor:
-        cc = _compile_config(mode)
+        cc = _compile_config(mode, device)
         kw = dict(base, compile_config=cc) if cc is not None else dict(base, disable_compile=True)
         with torch.no_grad():
             return model.generate(ids, max_new_tokens=n, **kw)
@@ -222,9 +226,11 @@ def measure(
             run_n = functools.partial(generate, ids, args.new_tokens, mode)
             run_1 = functools.partial(generate, ids, 1, mode)
             try:
+                before = _graph_counters()
                 row["warmup_s"] = clock.time(run_n)
                 if mode != "none":
-                    row["graphs"] = _graph_counters()
+                    after = _graph_counters()
+                    row["graphs"] = {k: v - before.get(k, 0) for k, v in after.items()}
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
                 t_n, t_1 = [], []
@@ -249,8 +255,8 @@ def _graph_counters() -> dict[str, Any]:
         from torch._dynamo.utils import counters
     except ImportError:
         return {}
-    out = {k: v for k, v in counters["inductor"].items() if "cudagraph" in k}
-    out["unique_graphs"] = counters["stats"].get("unique_graphs", 0)
+    out = {k: int(v) for k, v in counters["inductor"].items() if "cudagraph" in k}
+    out["unique_graphs"] = int(counters["stats"].get("unique_graphs", 0))
     return out
 
 

@@ -48,3 +48,17 @@ def test_bad_arguments_are_refused(argv, fragment, capsys):
     with pytest.raises(SystemExit):
         model_decode.parse_args(argv)
     assert fragment in capsys.readouterr().err
+
+
+def test_compile_modes_map_to_transformers_compile_configs():
+    import torch
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert model_decode._compile_config("none", gpu) is None
+    graphs = model_decode._compile_config("cudagraphs", gpu)
+    assert graphs.backend == "cudagraphs" and graphs.mode is None
+    assert not graphs._compile_all_devices
+    inductor = model_decode._compile_config("inductor", cpu)
+    assert inductor.backend == "inductor" and inductor.mode == "reduce-overhead"
+    assert inductor._compile_all_devices
+    assert isinstance(model_decode._graph_counters().get("unique_graphs"), int)
