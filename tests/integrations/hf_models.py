@@ -189,6 +189,7 @@ def write_checkpoint(
     exclude: tuple[str, ...] = ("lm_head",),
     where: str = "hf_quant_config",
     split: dict[str, torch.Tensor] | None = None,
+    float_experts: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Write ``model`` quantized as a checkpoint folder; return the reference state dict (the
     decoded weights, in the model's own names, float32). ``split``: {shard module: weight} to
@@ -218,7 +219,7 @@ def write_checkpoint(
                 out[f"{module}.{name}"] = t
             ref[key] = decoded.float()
         elif module.endswith(".experts") and leaf in ("gate_up_proj", "down_proj"):
-            _write_experts(out, ref, key, sd, arch, fmt, producer, w4a4)
+            _write_experts(out, ref, key, sd, arch, fmt, producer, w4a4, float_experts)
         elif module.endswith(".experts") and leaf.endswith("_bias") and arch == "gpt_oss":
             out[key] = value.to(torch.bfloat16)
             ref[key] = out[key].float()
@@ -234,7 +235,7 @@ def write_checkpoint(
     return ref
 
 
-def _write_experts(out, ref, key, sd, arch, fmt, producer, w4a4) -> None:
+def _write_experts(out, ref, key, sd, arch, fmt, producer, w4a4, float_experts=False) -> None:
     block = key.rpartition(".experts.")[0]
     leaf = key.rpartition(".")[2]
     w = sd[key]
@@ -262,6 +263,11 @@ def _write_experts(out, ref, key, sd, arch, fmt, producer, w4a4) -> None:
             parts = ((down_n, w[i]),)
         rows = []
         for name, part in parts:
+            if float_experts:
+                value = part.to(torch.bfloat16).contiguous()
+                out[f"{ck_block}.experts.{i}.{name}.weight"] = value
+                rows.append(value.double())
+                continue
             tensors, dec = _quantized_tensors(part.contiguous(), fmt, producer, w4a4)
             for t_name, t in tensors.items():
                 out[f"{ck_block}.experts.{i}.{name}.{t_name}"] = t

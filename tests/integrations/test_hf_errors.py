@@ -124,6 +124,8 @@ def test_cpu_reference_backend_warns_once(llama_ckpt, monkeypatch):
     assert "reference backend" in text and "slow" in text and "device='cuda'" in text
 
 
-def test_a_preset_name_is_not_a_device(llama_ckpt):
+def test_a_preset_name_is_not_a_device_and_fp32_activations_are_refused(llama_ckpt):
     with pytest.raises(ConfigurationError, match=r"describe_model\(path, 'h100'\)"):
         load_model(llama_ckpt, device="h100")
+    with pytest.raises(ConfigurationError, match=r"act_dtype=torch\.float32.*16-bit"):
+        load_model(llama_ckpt, device="cpu", act_dtype=torch.float32)

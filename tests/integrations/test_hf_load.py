@@ -218,3 +218,22 @@ def test_sharded_checkpoint_with_index(tmp_path):
     model = load_model(tmp_path, device="cpu", attn_implementation="eager")
     assert_matches_reference(model, reference_model(config, ref_state))
     assert sum(r["count"] for r in describe_model(tmp_path, "cpu")["layers"]) == 10
+
+
+def test_float_experts_next_to_quantized_attention(tmp_path):
+    """A checkpoint that keeps the experts in bf16 (excluded from quantization): they load into
+    the model's own stacked parameters, per-expert tensors stacked (Mixtral's w1/w3/w2 naming)."""
+    config = make_config("mixtral")
+    ref_state = write_checkpoint(
+        float_model(config),
+        tmp_path,
+        arch="mixtral",
+        exclude=("lm_head", "*.experts.*"),
+        float_experts=True,
+    )
+    model = load_model(tmp_path, device="cpu", attn_implementation="eager")
+    experts = model.model.layers[0].mlp.experts
+    assert type(experts).__name__ == "MixtralExperts"
+    assert experts.gate_up_proj.dtype == torch.bfloat16 and not experts.gate_up_proj.is_meta
+    assert isinstance(model.model.layers[0].self_attn.q_proj, QuantLinear)
+    assert_matches_reference(model, reference_model(config, ref_state))

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from quantdispatch.errors import ConfigurationError, format_error
 from quantdispatch.integrations.transformers.checkpoint import open_checkpoint
 from quantdispatch.integrations.transformers.common import resolve_device, warn_if_reference
 from quantdispatch.integrations.transformers.float_tensors import load_float_tensors, tie_weights
@@ -69,6 +70,15 @@ def load_model(
     """
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
+    if act_dtype not in (torch.bfloat16, torch.float16):
+        raise ConfigurationError(
+            format_error(
+                f"act_dtype={act_dtype}",
+                "quantized layers take 16-bit activations (the kernels' decisions depend on "
+                "which): torch.bfloat16 or torch.float16",
+                "pass act_dtype=torch.bfloat16 (or torch.float16 on GPUs without bf16, e.g. T4)",
+            )
+        )
     ckpt = open_checkpoint(path)
     target = resolve_device(device)
     config = AutoConfig.from_pretrained(str(ckpt.path))
