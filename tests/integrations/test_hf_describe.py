@@ -9,6 +9,7 @@ pytest.importorskip("transformers")
 
 from hf_models import float_model, make_config, write_checkpoint
 
+from quantdispatch import Decision
 from quantdispatch.integrations.transformers import describe_model, render_description
 
 
@@ -44,6 +45,8 @@ def test_simulated_gpu_and_text(ckpts):
     d = describe_model(ckpts / "qwen", "h100")
     assert d["simulated"] and "H100" in d["device"]
     assert {r["backend"] for r in d["layers"]} == {"triton"}
+    if hasattr(Decision, "kernel_ranges"):  # the kernel family per range of M
+        assert all(r["kernels"] and r["kernels"][0]["family"] for r in d["layers"])
     text = render_description(d)
     assert "simulated" in text and "moe    nvfp4 W4A16 E=4 I=64 H=64 x2 -> triton" in text
     assert len(text.splitlines()) <= 10

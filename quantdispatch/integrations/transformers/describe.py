@@ -17,6 +17,7 @@ import torch
 
 from quantdispatch import select
 from quantdispatch.checkpoints import QuantConfig, load_quant_config
+from quantdispatch.errors import QuantDispatchError
 from quantdispatch.integrations.transformers.checkpoint import read_headers
 
 __all__ = ["describe_model", "render_description"]
@@ -71,6 +72,18 @@ def _scheme(quant: QuantConfig | None, module: str, leaves: Mapping[str, Any], f
     if {"input_scale", "input_global_scale"} & set(leaves) or fmt == "fp8":
         return "weight_act"
     return "weight_only"
+
+
+def _kernel_ranges(decision: Any, top_k: int | None, op: str) -> list[dict[str, Any]]:
+    """The kernel family per range of M (tokens) where the Decision can say it, else []."""
+    ranges = getattr(decision, "kernel_ranges", None)
+    if not callable(ranges) or (op == "moe" and top_k is None):
+        return []
+    try:
+        found = ranges(top_k=int(top_k)) if op == "moe" else ranges()
+    except QuantDispatchError:
+        return []
+    return [{"m": r.span(), "family": r.family, "detail": r.detail} for r in found]
 
 
 def describe_model(
@@ -170,9 +183,7 @@ def describe_model(
         }
         if op == "moe":
             row["top_k"] = text.get("num_experts_per_tok")
-        kernel_for = getattr(decision, "kernel_for", None)
-        if callable(kernel_for):
-            row["kernels"] = {str(m): str(kernel_for(m)) for m in (1, 16, 256, 4096)}
+        row["kernels"] = _kernel_ranges(decision, row.get("top_k"), op)
         layers.append(row)
     return {
         "model": str(p),
@@ -213,8 +224,7 @@ def render_description(d: Mapping[str, Any], *, verbose: bool = False) -> str:
             f" -> {r['backend']}: {reason}"
         )
         if r.get("kernels"):
-            by_m = ", ".join(f"M={m}: {k}" for m, k in r["kernels"].items())
-            lines.append(f"      kernels {by_m}")
+            lines.append("      " + "; ".join(f"{k['m']}: {k['family']}" for k in r["kernels"]))
         if verbose:
             lines += [f"      not {c['backend']}: {c['reason']}" for c in r["rejected"]]
     if not d["layers"]:
