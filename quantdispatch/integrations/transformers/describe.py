@@ -83,7 +83,19 @@ def _kernel_ranges(decision: Any, top_k: int | None, op: str) -> list[dict[str, 
         found = ranges(top_k=int(top_k)) if op == "moe" else ranges()
     except QuantDispatchError:
         return []
-    return [{"m": r.span(), "family": r.family, "detail": r.detail} for r in found]
+    out: list[dict[str, Any]] = []
+    for r in found:  # adjacent ranges of one family read as one
+        if out and out[-1]["family"] == r.family:
+            out[-1]["m_max"] = r.last_m
+        else:
+            out.append({"m_min": r.first_m, "m_max": r.last_m, "family": r.family})
+    return out
+
+
+def _span(first: int, last: int | None) -> str:
+    if last is None:
+        return "any M" if first == 1 else f"M >= {first}"
+    return f"M = {first}" if first == last else f"M {first}..{last}"
 
 
 def describe_model(
@@ -224,7 +236,8 @@ def render_description(d: Mapping[str, Any], *, verbose: bool = False) -> str:
             f" -> {r['backend']}: {reason}"
         )
         if r.get("kernels"):
-            lines.append("      " + "; ".join(f"{k['m']}: {k['family']}" for k in r["kernels"]))
+            spans = (f"{_span(k['m_min'], k['m_max'])}: {k['family']}" for k in r["kernels"])
+            lines.append("      " + "; ".join(spans))
         if verbose:
             lines += [f"      not {c['backend']}: {c['reason']}" for c in r["rejected"]]
     if not d["layers"]:
