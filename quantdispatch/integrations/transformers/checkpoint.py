@@ -1,0 +1,190 @@
+"""A checkpoint folder as the loader sees it: ``config.json``, the quantization config, the
+safetensors keys (tensors read lazily), and how a transformers module name maps to the name its
+tensors carry in the checkpoint. No transformers import here (``describe`` uses it too).
+
+The quantization config comes from ``quantdispatch.checkpoints.load_quant_config``: ModelOpt's
+``hf_quant_config.json`` or ``config.json``'s ``quantization_config`` (modelopt NVFP4 /
+W4A16_NVFP4 / FP8 / MIXED_PRECISION, compressed-tensors NVFP4 / MXFP4 / FP8, gpt-oss ``mxfp4``,
+``fp8``). Which layers are quantized is read from the tensors (a layer with scales is quantized);
+the config must agree with them, which ``QuantLinear.from_checkpoint`` checks.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import struct
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from quantdispatch.checkpoints import QuantConfig, SafetensorsStateDict, load_quant_config
+from quantdispatch.errors import CheckpointError, format_error
+
+__all__ = ["MODULE_ALIASES", "Checkpoint", "PrefixView", "open_checkpoint", "read_headers"]
+
+#: Module-name pieces transformers 5 renamed at load time: (name in the model, name in the
+#: checkpoint). Mixtral-style MoE blocks are ``mlp`` in the model, ``block_sparse_moe`` on disk.
+MODULE_ALIASES: tuple[tuple[str, str], ...] = ((".mlp.", ".block_sparse_moe."),)
+
+#: Tensor names that make a linear quantized (scales or packed codes).
+QUANT_TENSORS = ("weight_packed", "weight_scale", "weight_scale_inv")
+_QUANT_DTYPES = ("U8", "I8", "F8_E4M3")
+
+
+class PrefixView(Mapping[str, torch.Tensor]):
+    """The part of a state dict under some prefixes: readers scan these keys, not all."""
+
+    def __init__(self, base: Mapping[str, torch.Tensor], keys: list[str]) -> None:
+        self._base = base
+        self._keys = keys
+        self._set = frozenset(keys)
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key not in self._set:
+            raise KeyError(key)
+        return self._base[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._set
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint folder: its config, quant config and (lazy) tensors."""
+
+    path: Path
+    config: dict[str, Any]
+    quant: QuantConfig | None
+    state: Mapping[str, torch.Tensor]
+    dtypes: Mapping[str, str] = field(default_factory=dict, repr=False)
+    """safetensors dtype names (``BF16``, ``U8``, ``F8_E4M3``...) read from the headers."""
+    _sorted: list[str] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        self._sorted = sorted(self.state)
+
+    @property
+    def keys(self) -> list[str]:
+        return self._sorted
+
+    def under(self, prefix: str) -> list[str]:
+        """Keys that start with ``prefix`` (a plain string prefix)."""
+        lo = bisect.bisect_left(self._sorted, prefix)
+        out = []
+        for key in self._sorted[lo:]:
+            if not key.startswith(prefix):
+                break
+            out.append(key)
+        return out
+
+    def module_keys(self, module: str) -> list[str]:
+        """A module's own tensors: ``module.<name>`` and gpt-oss's ``module_blocks`` style."""
+        own = self.under(module + ".")
+        flat = [k for k in self.under(module + "_") if "." not in k[len(module) + 1 :]]
+        return own + flat
+
+    def view(self, *modules: str, recursive: bool = False) -> PrefixView:
+        """The tensors of ``modules`` (``recursive``: and of everything under them)."""
+        keys: list[str] = []
+        for m in modules:
+            keys += self.under(m + ".") if recursive else self.module_keys(m)
+        return PrefixView(self.state, keys)
+
+    def has_module(self, module: str) -> bool:
+        return bool(self.module_keys(module))
+
+    def name_for(self, module: str) -> str | None:
+        """The checkpoint's name for a transformers module (itself, or a known alias)."""
+        for candidate in _candidates(module):
+            if self.has_module(candidate) or bool(self.under(candidate + ".")):
+                return candidate
+        return None
+
+    def tensor_name(self, name: str) -> str | None:
+        """The checkpoint key of a model parameter / buffer name, or None if absent."""
+        for candidate in _candidates(name):
+            if candidate in self.state:
+                return candidate
+        return None
+
+    def linear_kind(self, module: str) -> str | None:
+        """'quantized', 'float' or None (no tensors) for the linear named ``module`` on disk."""
+        keys = self.module_keys(module)
+        if not keys:
+            return None
+        names = {k[len(module) + 1 :] for k in keys}
+        if names & set(QUANT_TENSORS) or "blocks" in names:
+            return "quantized"
+        if self.dtypes.get(f"{module}.weight") in _QUANT_DTYPES:
+            return "quantized"  # packed codes whose scales are missing: the reader says which
+        return "float" if "weight" in names else None
+
+
+def read_headers(path: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """{tensor name: (safetensors dtype, shape)} from the headers of a checkpoint's shards."""
+    p = Path(path)
+    index = p / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
+        files = sorted({p / f for f in weight_map.values()})
+    else:
+        files = sorted(p.glob("*.safetensors")) if p.is_dir() else []
+    if not files:
+        raise CheckpointError(
+            format_error(
+                f"no safetensors files at {str(path)!r}",
+                "a checkpoint folder holds *.safetensors (optionally with an index)",
+                "check the path",
+            )
+        )
+    out: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for f in files:
+        with f.open("rb") as h:
+            (size,) = struct.unpack("<Q", h.read(8))
+            header = json.loads(h.read(size))
+        for name, info in header.items():
+            if name != "__metadata__":
+                out[name] = (str(info["dtype"]), tuple(int(d) for d in info["shape"]))
+    return out
+
+
+def _candidates(name: str) -> list[str]:
+    out = [name]
+    dotted = "." + name + "."
+    for model_part, ckpt_part in MODULE_ALIASES:
+        if model_part in dotted:
+            out.append(dotted.replace(model_part, ckpt_part)[1:-1])
+    return out
+
+
+def open_checkpoint(path: str | Path) -> Checkpoint:
+    """Read a checkpoint folder's config.json, quant config and safetensors index."""
+    p = Path(path)
+    cfg_file = p / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(
+            format_error(
+                f"no config.json in {str(path)!r}",
+                "a transformers checkpoint folder has config.json next to its *.safetensors",
+                "pass the folder that holds config.json (a local path: nothing is downloaded)",
+            )
+        )
+    try:
+        config = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(
+            format_error(f"{cfg_file} cannot be read as JSON: {exc}", "configs are JSON", "fix it")
+        ) from None
+    quant = load_quant_config(p)
+    dtypes = {k: v[0] for k, v in read_headers(p).items()}
+    return Checkpoint(p, config, quant, SafetensorsStateDict(p), dtypes)

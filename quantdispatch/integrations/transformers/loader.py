@@ -1,0 +1,125 @@
+"""``load_model``: a quantized checkpoint folder -> a transformers model that generates.
+
+Steps: read config.json and the quantization config; build the model from its config with every
+parameter on the meta device (buffers such as RoPE frequencies are computed as usual: they are
+small and not in checkpoints); put a ``QuantLinear`` in place of each linear whose checkpoint
+tensors are quantized and a ``QuantExperts`` in place of each quantized experts module; load every
+other tensor from the safetensors shards, one tensor at a time, straight to the device; tie what
+the config ties. Relies on transformers >= 5 (experts modules called as
+``experts(hidden_states, top_k_index, top_k_weights)``, ``AutoModelForCausalLM.from_config``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from quantdispatch.errors import ConfigurationError, format_error
+from quantdispatch.integrations.transformers.checkpoint import open_checkpoint
+from quantdispatch.integrations.transformers.common import resolve_device, warn_if_reference
+from quantdispatch.integrations.transformers.float_tensors import load_float_tensors, tie_weights
+from quantdispatch.integrations.transformers.replace import swap_in_quantized
+
+__all__ = ["keep_fp32_params", "load_model", "params_on_meta"]
+
+logger = logging.getLogger("quantdispatch")
+
+
+@contextlib.contextmanager
+def params_on_meta() -> Iterator[None]:
+    """Every parameter registered inside is moved to the meta device as it is registered (before
+    a module's own init touches it), so building the model allocates no float weights; buffers
+    stay where they are created."""
+    original = nn.Module.register_parameter
+
+    def register(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(self, name, param)
+        p = self._parameters.get(name)
+        if p is not None and p.device.type != "meta":
+            self._parameters[name] = nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
+
+    nn.Module.register_parameter = register  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def load_model(
+    path: str | Path,
+    *,
+    device: torch.device | str | None = None,
+    act_dtype: torch.dtype = torch.bfloat16,
+    policy: Any = None,
+    settings: Any = None,
+    **from_config_kwargs: Any,
+) -> Any:
+    """Load a quantized checkpoint folder as a transformers ``PreTrainedModel`` (eval mode).
+
+    ``device``: where the model runs (default: the current GPU, else the CPU). ``act_dtype``:
+    the model's float dtype and its quantized layers' activation dtype. ``policy`` / ``settings``
+    go to every layer's ``select()``. Other keyword arguments go to
+    ``AutoModelForCausalLM.from_config`` (e.g. ``attn_implementation="sdpa"``).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    if act_dtype not in (torch.bfloat16, torch.float16):
+        raise ConfigurationError(
+            format_error(
+                f"act_dtype={act_dtype}",
+                "quantized layers take 16-bit activations (the kernels' decisions depend on "
+                "which): torch.bfloat16 or torch.float16",
+                "pass act_dtype=torch.bfloat16 (or torch.float16 on GPUs without bf16, e.g. T4)",
+            )
+        )
+    ckpt = open_checkpoint(path)
+    target = resolve_device(device)
+    config = AutoConfig.from_pretrained(str(ckpt.path))
+    quant_config = getattr(config, "quantization_config", None)
+    if quant_config is not None:
+        # building from the config must not start transformers' own quantizer
+        del config.quantization_config
+    from_config_kwargs.setdefault("dtype", act_dtype)
+    with params_on_meta():
+        model = AutoModelForCausalLM.from_config(config, **from_config_kwargs)
+    if quant_config is not None:
+        model.config.quantization_config = quant_config
+    keep_fp32_params(model, act_dtype)
+    swap_in_quantized(
+        model, ckpt, device=target, act_dtype=act_dtype, policy=policy, settings=settings
+    )
+    load_float_tensors(model, ckpt, target)
+    tie_weights(model, ckpt)
+    model.to(target)
+    if (ckpt.path / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(str(ckpt.path))
+    model.eval()
+    warn_if_reference(model)
+    return model
+
+
+def keep_fp32_params(model: nn.Module, dtype: torch.dtype) -> None:
+    """transformers' rule for modules kept in fp32 (``_keep_in_fp32_modules`` under fp16,
+    ``_keep_in_fp32_modules_strict`` under fp16 and bf16): their (meta) parameters become fp32,
+    so their tensors load in fp32."""
+    names = set()
+    if dtype == torch.float16:
+        names |= set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    if dtype in (torch.float16, torch.bfloat16):
+        names |= set(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
+    if not names:
+        return
+    pattern = re.compile(r"(^|\.)(" + "|".join(re.escape(n) for n in names) + r")(\.|$)")
+    for mod_name, module in model.named_modules():
+        if not pattern.search(mod_name):
+            continue
+        for pname, p in list(module._parameters.items()):
+            if p is not None and p.is_floating_point() and p.device.type == "meta":
+                module._parameters[pname] = nn.Parameter(p.to(torch.float32), requires_grad=False)
