@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from quantdispatch import QuantLinear, QuantMoE
+from quantdispatch.api import load_settings
 from quantdispatch.checkpoints import linear_shard_shapes, moe_shard_sizes
 from quantdispatch.formats import Mxfp4Weight, Nvfp4Weight, dequantize_mxfp4, dequantize_nvfp4
-from quantdispatch.settings import load_settings
 
 pytestmark = pytest.mark.gpu
 
