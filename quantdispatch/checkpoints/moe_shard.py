@@ -33,7 +33,7 @@ from quantdispatch.checkpoints.moe_reader import (
 )
 from quantdispatch.checkpoints.reader import LoadedLinear, read_linear
 from quantdispatch.checkpoints.slices import LayerSlice, linear_geometry
-from quantdispatch.checkpoints.tensor_parallel import check_tp, split_range
+from quantdispatch.checkpoints.split_plan import check_tp, split_range
 from quantdispatch.errors import (
     CheckpointError,
     ConfigurationError,
