@@ -20,11 +20,12 @@ from quantdispatch.checkpoints.reader import LoadedLinear, QuantWeight, merge_sh
 from quantdispatch.checkpoints.safetensors_dict import SafetensorsStateDict
 from quantdispatch.checkpoints.sharding import shard_bounds, shard_weight
 from quantdispatch.checkpoints.slices import LayerSlice, LinearGeometry, linear_geometry
-from quantdispatch.checkpoints.split_plan import check_tp, column_ranges, split_range
+from quantdispatch.checkpoints.split_plan import TpSplit, check_tp, column_ranges, split_range
 from quantdispatch.checkpoints.tensor_parallel import (
     linear_shard_shapes,
     read_dense_shard,
     read_linear_shard,
+    read_linear_split,
 )
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "QuantConfig",
     "QuantWeight",
     "SafetensorsStateDict",
+    "TpSplit",
     "check_tp",
     "column_ranges",
     "linear_geometry",
@@ -49,6 +51,7 @@ __all__ = [
     "read_dense_shard",
     "read_linear",
     "read_linear_shard",
+    "read_linear_split",
     "read_moe_shard",
     "shard_bounds",
     "shard_weight",

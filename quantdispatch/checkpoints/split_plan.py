@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 from quantdispatch.errors import ConfigurationError, WeightFormatError, format_error
@@ -19,7 +20,7 @@ from quantdispatch.errors import ConfigurationError, WeightFormatError, format_e
 __all__ = [
     "Parallel",
     "Rows",
-    "check_split_args",
+    "TpSplit",
     "check_tp",
     "column_ranges",
     "plan_split",
@@ -174,54 +175,70 @@ def _head_ranges(
     return [q, kv, kv]
 
 
-def check_split_args(
-    parallel: object, align: object, prefixes: int = 1, segments: Sequence[int] | None = None
-) -> None:
-    """Refuse split arguments that describe no split, whatever the tensor-parallel size."""
-    if parallel not in ("column", "row"):
-        raise ConfigurationError(
-            format_error(
-                f"parallel={parallel!r}",
-                "parallel is 'column' (split N: q/k/v, gate/up) or 'row' (split K: o, down)",
-                "pass one of them",
+@dataclass(frozen=True)
+class TpSplit:
+    """How a linear layer is split over tensor-parallel ranks, and which rank loads it.
+
+    ``parallel``: "column" splits N (q/k/v, gate/up), "row" splits K (o, down). ``heads=(q heads,
+    kv heads)``: fused q/k/v split per head group. ``segments``: row counts of parts stacked in
+    one tensor. ``align``: splits in whole multiples of it too (not N with ``heads``).
+    Checked at construction."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    parallel: Parallel = "column"
+    heads: tuple[int, int] | None = None
+    segments: Sequence[int] | None = None
+    align: int = 1
+
+    def __post_init__(self) -> None:
+        check_tp(self.tp_rank, self.tp_size)
+        if self.parallel not in ("column", "row"):
+            raise ConfigurationError(
+                format_error(
+                    f"parallel={self.parallel!r}",
+                    "parallel is 'column' (split N: q/k/v, gate/up) or 'row' (split K: o, down)",
+                    "pass one of them",
+                )
             )
-        )
-    if not isinstance(align, int) or align < 1:
-        raise ConfigurationError(
-            format_error(f"align={align!r}", "align is a positive integer", "pass e.g. 16")
-        )
-    if segments is not None and prefixes != 1:
-        raise ConfigurationError(
-            format_error(
-                f"segments={list(segments)} with {prefixes} prefixes",
-                "segments describe the parts stacked in one tensor (one prefix)",
-                "pass either one fused prefix with segments or one prefix per part",
+        if not isinstance(self.align, int) or self.align < 1:
+            raise ConfigurationError(
+                format_error(f"align={self.align!r}", "align is a positive integer", "pass e.g. 16")
             )
-        )
+        if self.segments is not None:
+            object.__setattr__(self, "segments", tuple(int(v) for v in self.segments))
+
+    def check_parts(self, prefixes: int) -> None:
+        """Refuse segments with several prefixes (they describe parts stacked in one tensor)."""
+        if self.segments is not None and prefixes != 1:
+            raise ConfigurationError(
+                format_error(
+                    f"segments={list(self.segments)} with {prefixes} prefixes",
+                    "segments describe the parts stacked in one tensor (one prefix)",
+                    "pass either one fused prefix with segments or one prefix per part",
+                )
+            )
 
 
 def plan_split(
+    split: TpSplit,
     part_rows: Sequence[int],
     k: int,
     *,
-    tp_rank: int,
-    tp_size: int,
-    parallel: Parallel,
-    heads: tuple[int, int] | None = None,
-    segments: Sequence[int] | None = None,
-    align: int = 1,
     group: int = 1,
     row_block: int = 1,
     name: str | None = None,
     label: str = "",
 ) -> tuple[Rows | None, tuple[int, int] | None]:
-    """What ``tp_rank`` holds of a linear made of parts with ``part_rows`` rows each (one per
-    prefix) and ``k`` columns: (per part, its row ranges in the part's own rows; or None: all
-    rows) and (the column range; or None: all columns). ``group``: K per scale, ``row_block``:
-    rows per scale (FP8 blocks); ``name`` and ``label`` go into errors."""
-    check_split_args(parallel, align, len(part_rows), segments)
+    """What ``split.tp_rank`` holds of a linear made of parts with ``part_rows`` rows each (one
+    per prefix) and ``k`` columns: (per part, its row ranges in the part's own rows; or None:
+    all rows) and (the column range; or None: all columns). ``group``: K per scale,
+    ``row_block``: rows per scale (FP8 blocks); ``name`` and ``label`` go into errors."""
+    split.check_parts(len(part_rows))
+    rank, size = split.tp_rank, split.tp_size
+    heads, segments, align = split.heads, split.segments, split.align
     of = f" of {name}" if name else ""
-    if parallel == "row":
+    if split.parallel == "row":
         if len(part_rows) != 1 or segments is not None or heads is not None:
             raise ConfigurationError(
                 format_error(
@@ -234,8 +251,8 @@ def plan_split(
         unit = math.lcm(group, align)
         cols = split_range(
             k,
-            tp_rank,
-            tp_size,
+            rank,
+            size,
             unit,
             what=f"K{of} ({label})" if label else f"K{of}",
             unit_name="column" if unit == 1 else "scale group" if align == 1 else "aligned unit",
@@ -255,7 +272,7 @@ def plan_split(
                 )
             )
     unit = row_block if heads else math.lcm(row_block, align)
-    ranges = column_ranges(parts, tp_rank, tp_size, heads=heads, unit=unit)
+    ranges = column_ranges(parts, rank, size, heads=heads, unit=unit)
     if segments is None:
         return [[r] for r in ranges], None
     starts = [sum(parts[:i]) for i in range(len(parts))]

@@ -30,7 +30,7 @@ import torch
 from quantdispatch.checkpoints.config import LayerQuant
 from quantdispatch.checkpoints.reader import LoadedLinear, merge_shards, read_linear
 from quantdispatch.checkpoints.slices import LayerSlice, linear_geometry, read_slice, tensor_info
-from quantdispatch.checkpoints.split_plan import Parallel, check_split_args, check_tp, plan_split
+from quantdispatch.checkpoints.split_plan import Parallel, TpSplit, check_tp, plan_split
 from quantdispatch.errors import (
     CheckpointError,
     ConfigurationError,
@@ -38,7 +38,7 @@ from quantdispatch.errors import (
     format_error,
 )
 
-__all__ = ["linear_shard_shapes", "read_dense_shard", "read_linear_shard"]
+__all__ = ["linear_shard_shapes", "read_dense_shard", "read_linear_shard", "read_linear_split"]
 
 #: Elements along K per scale group of each FP4 format.
 _GROUP = {"nvfp4": 16, "mxfp4": 32}
@@ -86,11 +86,23 @@ def read_linear_shard(
     N splits (without heads) and K splits in whole multiples of it too. With ``tp_size=1`` this
     is the whole layer (``read_linear`` + ``merge_shards``).
     """
-    check_tp(tp_rank, tp_size)
+    split = TpSplit(tp_rank, tp_size, parallel, heads, segments, align)
+    return read_linear_split(state_dict, prefix, quant, split, device=device)
+
+
+def read_linear_split(
+    state_dict: Mapping[str, torch.Tensor],
+    prefix: str | Sequence[str],
+    quant: LayerQuant | Sequence[LayerQuant | None] | None,
+    split: TpSplit,
+    *,
+    device: torch.device | str | None = None,
+) -> LoadedLinear:
+    """:func:`read_linear_shard` with the split given as a :class:`TpSplit`."""
     prefixes = [_normalize(p) for p in ([prefix] if isinstance(prefix, str) else prefix)]
-    check_split_args(parallel, align, len(prefixes), segments)
+    split.check_parts(len(prefixes))
     quants = _quants(quant, len(prefixes))
-    if tp_size == 1:
+    if split.tp_size == 1:
         parts = [
             read_linear(state_dict, p, q, device=device)
             for p, q in zip(prefixes, quants, strict=True)
@@ -98,49 +110,37 @@ def read_linear_shard(
         return parts[0] if len(parts) == 1 else merge_shards(parts)
     geos = [linear_geometry(state_dict, p, q) for p, q in zip(prefixes, quants, strict=True)]
     rows, cols = plan_split(
+        split,
         [g.n for g in geos],
         geos[0].k,
-        tp_rank=tp_rank,
-        tp_size=tp_size,
-        parallel=parallel,
-        heads=heads,
-        segments=segments,
-        align=align,
         group=geos[0].group,
         row_block=max(g.row_block for g in geos),
         name=prefixes[0] if len(prefixes) == 1 else None,
         label=geos[0].label,
     )
-    views = [
-        LayerSlice(
-            state_dict, p, g, rows=rows and rows[i], cols=cols, bias=bool(rows) or tp_rank == 0
-        )
-        for i, (p, g) in enumerate(zip(prefixes, geos, strict=True))
-    ]
+    bias = rows is not None or split.tp_rank == 0  # row parallel: rank 0 adds the bias
     parts = [
-        read_linear(v, p, q, device=device) for v, p, q in zip(views, prefixes, quants, strict=True)
+        read_linear(
+            LayerSlice(state_dict, p, g, rows=rows and rows[i], cols=cols, bias=bias),
+            p,
+            q,
+            device=device,
+        )
+        for i, (p, g, q) in enumerate(zip(prefixes, geos, quants, strict=True))
     ]
     return parts[0] if len(parts) == 1 else merge_shards(parts)
 
 
 def read_dense_shard(
-    state_dict: Mapping[str, torch.Tensor],
-    prefix: str | Sequence[str],
-    *,
-    tp_rank: int,
-    tp_size: int,
-    parallel: Parallel = "column",
-    heads: tuple[int, int] | None = None,
-    segments: Sequence[int] | None = None,
-    align: int = 1,
+    state_dict: Mapping[str, torch.Tensor], prefix: str | Sequence[str], split: TpSplit
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``tp_rank``'s (weight, bias or None) of an unquantized linear (``{prefix}.weight``
-    [N, K], ``{prefix}.bias``), split by the rules of :func:`read_linear_shard` (K in any
-    columns: no scale groups), reading only the slice. Fused prefixes concatenate along N; a
-    part without a bias gets zeros when another part has one."""
-    check_tp(tp_rank, tp_size)
+    """``split.tp_rank``'s (weight, bias or None) of an unquantized linear
+    (``{prefix}.weight`` [N, K], ``{prefix}.bias``), split by the rules of
+    :func:`read_linear_shard` (K in any columns: no scale groups), reading only the slice.
+    Fused prefixes concatenate along N; a part without a bias gets zeros when another part has
+    one."""
     prefixes = [_normalize(p) for p in ([prefix] if isinstance(prefix, str) else prefix)]
-    check_split_args(parallel, align, len(prefixes), segments)
+    split.check_parts(len(prefixes))
     shapes = []
     for p in prefixes:
         if f"{p}.weight" not in state_dict:
@@ -161,18 +161,9 @@ def read_dense_shard(
             )
         )
     rows, cols = None, None
-    if tp_size > 1:
-        rows, cols = plan_split(
-            [s[0] for s in shapes],
-            shapes[0][1],
-            tp_rank=tp_rank,
-            tp_size=tp_size,
-            parallel=parallel,
-            heads=heads,
-            segments=segments,
-            align=align,
-            name=prefixes[0] if len(prefixes) == 1 else None,
-        )
+    if split.tp_size > 1:
+        name = prefixes[0] if len(prefixes) == 1 else None
+        rows, cols = plan_split(split, [s[0] for s in shapes], shapes[0][1], name=name)
     tail = () if cols is None else (slice(*cols),)
 
     def take(key: str, i: int, index: tuple[slice, ...]) -> torch.Tensor:
@@ -183,7 +174,7 @@ def read_dense_shard(
     weights, biases = [], []
     for i, p in enumerate(prefixes):
         weights.append(take(f"{p}.weight", i, tail))
-        has_bias = f"{p}.bias" in state_dict and (cols is None or tp_rank == 0)
+        has_bias = f"{p}.bias" in state_dict and (cols is None or split.tp_rank == 0)
         biases.append(take(f"{p}.bias", i, ()) if has_bias else None)
     weight = weights[0] if len(weights) == 1 else torch.cat(weights)
     if all(b is None for b in biases):
@@ -221,21 +212,11 @@ def linear_shard_shapes(
                 f"check the shape (K = {k // group * group} or {(k // group + 1) * group}?)",
             )
         )
+    row_block = fp8_block[0] if fp8_block else 1
     shapes = []
     for r in range(tp_size):
-        rows, cols = plan_split(
-            [n],
-            k,
-            tp_rank=r,
-            tp_size=tp_size,
-            parallel=parallel,
-            heads=heads,
-            segments=segments,
-            align=align,
-            group=group,
-            row_block=fp8_block[0] if fp8_block else 1,
-            label=label,
-        )
+        split = TpSplit(r, tp_size, parallel, heads, segments, align)
+        rows, cols = plan_split(split, [n], k, group=group, row_block=row_block, label=label)
         n_r = n if rows is None else sum(b - a for part in rows for a, b in part)
         shapes.append((n_r, k if cols is None else cols[1] - cols[0]))
     return shapes

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +23,9 @@ from quantdispatch.backends.base import as_op_tensors
 from quantdispatch.checkpoints import (
     LoadedLinear,
     QuantWeight,
+    TpSplit,
     read_dense_shard,
-    read_linear_shard,
+    read_linear_split,
 )
 from quantdispatch.checkpoints.split_plan import Parallel
 from quantdispatch.errors import CheckpointError, ConfigurationError, format_error
@@ -188,17 +190,8 @@ class QuantLinear(QuantLayer):
                         )
                     )
             quants.append(quant)
-        loaded = read_linear_shard(
-            state_dict,
-            modules,
-            quants,
-            tp_rank=tp_rank,
-            tp_size=tp_size,
-            parallel=parallel,
-            heads=heads,
-            segments=segments,
-            align=align,
-        )
+        split = TpSplit(tp_rank, tp_size, parallel, heads, segments, align)
+        loaded = read_linear_split(state_dict, modules, quants, split)
         return cls.from_loaded(loaded, act_dtype=act_dtype, device=device, **kwargs)
 
     @classmethod
@@ -280,35 +273,23 @@ def load_linear(
     prefix: str | Sequence[str],
     quant_config: object = None,
     *,
-    tp_rank: int = 0,
-    tp_size: int = 1,
-    parallel: Parallel = "column",
-    heads: tuple[int, int] | None = None,
-    segments: Sequence[int] | None = None,
-    align: int = 1,
     act_dtype: torch.dtype | str = torch.bfloat16,
     device: torch.device | str | None = None,
     **kwargs: Any,
 ) -> nn.Module:
     """The layer at ``prefix`` as the checkpoint has it: a ``QuantLinear`` when it is quantized,
-    a plain ``nn.Linear`` (in ``act_dtype``) when the config leaves it unquantized. Tensor
-    parallel arguments as in :meth:`QuantLinear.from_checkpoint`; an unquantized layer is cut
-    the same way (column: its rows, row: its input columns with the bias on rank 0), reading
-    only its slice."""
+    a plain ``nn.Linear`` (in ``act_dtype``) when the config leaves it unquantized. Other
+    keyword arguments are :meth:`QuantLinear.from_checkpoint`'s; its tensor-parallel ones
+    (``tp_rank``, ``tp_size``, ``parallel``, ``heads``, ``segments``, ``align``) cut an
+    unquantized layer the same way (column: its rows, row: its input columns with the bias on
+    rank 0), reading only its slice."""
     config = resolve_quant_config(quant_config)
     prefixes = [prefix] if isinstance(prefix, str) else list(prefix)
     modules = [_module_name(p) for p in prefixes]
     quantized = [config.layer(m) is not None if config is not None else None for m in modules]
-    split = dict(
-        tp_rank=tp_rank,
-        tp_size=tp_size,
-        parallel=parallel,
-        heads=heads,
-        segments=segments,
-        align=align,
-    )
     if config is not None and not any(quantized):
-        weight, bias = read_dense_shard(state_dict, modules, **split)  # type: ignore[arg-type]
+        split = TpSplit(**{f.name: kwargs[f.name] for f in fields(TpSplit) if f.name in kwargs})
+        weight, bias = read_dense_shard(state_dict, modules, split)
         dtype = parse_act_dtype(act_dtype)
         linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
         linear.weight = nn.Parameter(weight.to(dtype), requires_grad=False)
@@ -324,5 +305,5 @@ def load_linear(
             )
         )
     return QuantLinear.from_checkpoint(
-        state_dict, prefix, config, act_dtype=act_dtype, device=device, **split, **kwargs
+        state_dict, prefix, config, act_dtype=act_dtype, device=device, **kwargs
     )
