@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 import quantdispatch.ops  # noqa: F401  (registers torch.ops.quantdispatch.*)
-from quantdispatch.checkpoints import QuantWeight, read_moe_shard
+from quantdispatch.checkpoints import MoeShard, QuantWeight, read_moe_shard
 from quantdispatch.errors import CheckpointError, ConfigurationError, InputError, format_error
 from quantdispatch.layers.base import QuantLayer, activations_2d, format_of, resolve_quant_config
 from quantdispatch.moe.activations import get_activation
@@ -191,23 +191,18 @@ class QuantMoE(QuantLayer):
         device: torch.device | str | None = None,
         **kwargs: Any,
     ) -> QuantMoE:
-        """Load the experts under ``prefix`` (e.g. ``model.layers.3.mlp``).
+        """Load the experts under ``prefix`` (e.g. ``model.layers.3.mlp``): per-expert
+        ``{prefix}.experts.{e}.gate_proj/up_proj/down_proj`` (Qwen, DeepSeek) or ``.w1/.w3/.w2``
+        (Mixtral) in any convention ``read_linear`` reads, or gpt-oss's fused
+        ``{prefix}.experts.gate_up_proj_*`` / ``down_proj_*`` (gate/up de-interleaved at load).
 
-        Per-expert tensors ``{prefix}.experts.{e}.gate_proj/up_proj/down_proj`` (Qwen,
-        DeepSeek) or ``.w1/.w3/.w2`` (Mixtral), any convention ``read_linear`` reads (ModelOpt
-        or compressed-tensors NVFP4, MXFP4, FP8), or gpt-oss's fused
-        ``{prefix}.experts.gate_up_proj_blocks/_scales/_bias`` (interleaved gate/up rows,
-        de-interleaved at load) and ``down_proj_blocks/_scales/_bias``. Only the experts in
-        ``expert_ids`` (default: all; expert parallel: this rank's global ids) are read.
-
-        Tensor parallel: ``tp_rank`` of ``tp_size`` holds a slice of the intermediate size I
-        (whole scale groups, as even as possible; ``align``: whole multiples of it too, 64 keeps
-        every rank on the repacked MoE kernels) and reads only that slice; w2's bias goes to
-        rank 0. Every rank routes all tokens; the sum of the ranks' outputs (all-reduce over
-        the tensor- and expert-parallel ranks) is the whole layer's output.
-
-        ``{prefix}.gate.e_score_correction_bias`` is picked up when present. Other keyword
-        arguments go to the constructor.
+        Expert parallel: only the experts in ``expert_ids`` (global ids; default: all) are read.
+        Tensor parallel: ``tp_rank`` of ``tp_size`` reads only its slice of the intermediate size
+        I (whole scale groups, as even as possible; ``align``: whole multiples of it too, 64
+        keeps every rank on the repacked MoE kernels); w2's bias is rank 0's. Every rank routes
+        all tokens; the ranks' outputs summed (all-reduce) are the whole layer's output.
+        ``{prefix}.gate.e_score_correction_bias`` is picked up when present; other keyword
+        arguments go to the constructor (:meth:`from_shard`).
         """
         config = resolve_quant_config(quant_config)
         prefix = prefix.rstrip(".")
@@ -225,6 +220,21 @@ class QuantMoE(QuantLayer):
         corr_key = f"{prefix}.gate.e_score_correction_bias"
         if "e_score_correction_bias" not in kwargs and corr_key in state_dict:
             kwargs["e_score_correction_bias"] = state_dict[corr_key]
+        return cls.from_shard(
+            shard,
+            top_k=top_k,
+            num_experts=num_experts,
+            activation=activation,
+            act_dtype=act_dtype,
+            device=device,
+            **kwargs,
+        )
+
+    @classmethod
+    def from_shard(cls, shard: MoeShard, **kwargs: Any) -> QuantMoE:
+        """The layer holding a :class:`~quantdispatch.checkpoints.MoeShard` (its experts, I
+        slice, biases and scheme); keyword arguments go to the constructor (``top_k``,
+        ``num_experts``, ``activation``, routing, ``device`` ...)."""
         kwargs.setdefault("scheme", shard.scheme)
         kwargs.setdefault("w13_bias", shard.w13_bias)
         kwargs.setdefault("w2_bias", shard.w2_bias)
@@ -233,12 +243,7 @@ class QuantMoE(QuantLayer):
             w2=shard.w2,
             format=shard.format,
             fp8_block_size=shard.fp8_block_size,
-            top_k=top_k,
-            num_experts=num_experts,
             expert_ids=shard.expert_ids,
-            activation=activation,
-            act_dtype=act_dtype,
-            device=device,
             **kwargs,
         )
 

@@ -223,18 +223,7 @@ def test_gate_up_and_down_pair_with_align(world, align, tmp_path):
 
 
 def _moe(shard, **kw):
-    return QuantMoE(
-        w13=shard.w13,
-        w2=shard.w2,
-        format=shard.format,
-        fp8_block_size=shard.fp8_block_size,
-        w13_bias=shard.w13_bias,
-        w2_bias=shard.w2_bias,
-        scheme=shard.scheme,
-        expert_ids=shard.expert_ids,
-        device="cpu",
-        **kw,
-    )
+    return QuantMoE.from_shard(shard, device="cpu", **kw)
 
 
 @pytest.mark.parametrize(
