@@ -1,7 +1,7 @@
 """Checkpoint adapters: ModelOpt, compressed-tensors, gpt-oss and FP8 tensors and configs ->
 one canonical in-memory weight per layer (see ``reader`` for the table of conventions), and
-tensor- / expert-parallel shards of them read slice by slice (``tensor_parallel``,
-``moe_shard``)."""
+tensor- / expert-parallel shards of them read slice by slice (``split_plan`` says which
+slice, ``tensor_parallel`` and ``moe_shard`` read it)."""
 
 from quantdispatch.checkpoints.config import (
     LayerQuant,
@@ -20,12 +20,12 @@ from quantdispatch.checkpoints.reader import LoadedLinear, QuantWeight, merge_sh
 from quantdispatch.checkpoints.safetensors_dict import SafetensorsStateDict
 from quantdispatch.checkpoints.sharding import shard_bounds, shard_weight
 from quantdispatch.checkpoints.slices import LayerSlice, LinearGeometry, linear_geometry
+from quantdispatch.checkpoints.split_plan import TpSplit, check_tp, column_ranges, split_range
 from quantdispatch.checkpoints.tensor_parallel import (
-    check_tp,
-    column_ranges,
     linear_shard_shapes,
+    read_dense_shard,
     read_linear_shard,
-    split_range,
+    read_linear_split,
 )
 
 __all__ = [
@@ -37,6 +37,7 @@ __all__ = [
     "QuantConfig",
     "QuantWeight",
     "SafetensorsStateDict",
+    "TpSplit",
     "check_tp",
     "column_ranges",
     "linear_geometry",
@@ -47,8 +48,10 @@ __all__ = [
     "moe_intermediate_range",
     "moe_shard_sizes",
     "parse_quant_config",
+    "read_dense_shard",
     "read_linear",
     "read_linear_shard",
+    "read_linear_split",
     "read_moe_shard",
     "shard_bounds",
     "shard_weight",

@@ -23,10 +23,17 @@ from typing import Any
 import torch
 
 from quantdispatch.checkpoints.config import QuantConfig
-from quantdispatch.checkpoints.expert_stacks import merge_gate_up, stack_biases, stack_experts
+from quantdispatch.checkpoints.expert_stacks import stack_biases, stack_layer
+from quantdispatch.checkpoints.moe_reader import (
+    detect_naming,
+    gpt_oss_intermediate,
+    has_gpt_oss_experts,
+    keys_by_expert,
+    read_gpt_oss_experts,
+)
 from quantdispatch.checkpoints.reader import LoadedLinear, read_linear
-from quantdispatch.checkpoints.slices import LayerSlice, linear_geometry, read_slice, tensor_info
-from quantdispatch.checkpoints.tensor_parallel import check_tp, split_range
+from quantdispatch.checkpoints.slices import LayerSlice, linear_geometry
+from quantdispatch.checkpoints.split_plan import check_tp, split_range
 from quantdispatch.errors import (
     CheckpointError,
     ConfigurationError,
@@ -36,18 +43,11 @@ from quantdispatch.errors import (
 from quantdispatch.request import Scheme
 
 __all__ = [
-    "EXPERT_NAMINGS",
     "MoeShard",
     "moe_intermediate_range",
     "moe_shard_sizes",
     "read_moe_shard",
 ]
-
-#: Per-expert projection names (gate, up, down) of the checkpoints we read.
-EXPERT_NAMINGS = (
-    ("gate_proj", "up_proj", "down_proj"),  # Qwen, DeepSeek, most HF MoEs
-    ("w1", "w3", "w2"),  # Mixtral: w1 = gate, w3 = up, w2 = down
-)
 
 _GROUP = {"nvfp4": 16, "mxfp4": 32}
 
@@ -180,30 +180,30 @@ def read_moe_shard(
             )
         )
     base = f"{prefix}.experts"
-    if f"{base}.gate_up_proj_blocks" in state_dict or f"{base}.down_proj_blocks" in state_dict:
-        tp = (tp_rank, tp_size, align)
-        return _gpt_oss_shard(state_dict, base, held, num_experts, config, tp)
     tp = (tp_rank, tp_size, align)
+    if has_gpt_oss_experts(state_dict, base):
+        return _gpt_oss_shard(state_dict, base, held, num_experts, config, tp)
     return _per_expert_shard(state_dict, base, held, num_experts, config, gated, tp)
+
+
+def _gpt_oss_shard(sd, base, held, num_experts, config, tp) -> MoeShard:
+    tp_rank, tp_size, align = tp
+    inter = gpt_oss_intermediate(sd, base, num_experts, config)
+    cut = (0, inter)
+    if tp_size > 1:
+        cut = moe_intermediate_range(inter, "mxfp4", tp_rank, tp_size, align=align)
+    w13, w2, b13, b2 = read_gpt_oss_experts(sd, base, held, cut, down_bias=tp_rank == 0)
+    scheme = Scheme.WEIGHT_ONLY
+    return MoeShard("mxfp4", w13, w2, scheme, tuple(held), cut, inter, w13_bias=b13, w2_bias=b2)
 
 
 def _per_expert_shard(sd, base, held, num_experts, config, gated, tp) -> MoeShard:
     tp_rank = tp[0]
-    by_expert: dict[str, list[str]] = {}
-    dot = base + "."
-    for key in sd:
-        if key.startswith(dot):
-            idx, _, _ = key[len(dot) :].partition(".")
-            by_expert.setdefault(idx, []).append(key)
-    gate_n, up_n, down_n = _naming(by_expert, base, held, gated)
-    roles = (
-        (("gate", gate_n), ("up", up_n), ("down", down_n))
-        if gated
-        else (
-            ("up", up_n),
-            ("down", down_n),
-        )
-    )
+    by_expert = keys_by_expert(sd, base)
+    gate_n, up_n, down_n = detect_naming(by_expert, base, held, gated)
+    roles = (("gate", gate_n), ("up", up_n), ("down", down_n))
+    if not gated:
+        roles = roles[1:]
     loaded: dict[str, list[LoadedLinear]] = {r: [] for r, _ in roles}
     first_geo: dict[str, Any] = {}
     cut: tuple[int, int] | None = None
@@ -273,21 +273,13 @@ def _assemble(loaded, gated, held, cut, inter) -> MoeShard:
             "check the checkpoint",
         )
     fmt = loaded["down"][0].format
-    if gated:
-        firsts = [
-            merge_gate_up(g.weight, u.weight, e)
-            for g, u, e in zip(loaded["gate"], loaded["up"], held, strict=True)
-        ]
-    else:
-        firsts = [u.weight for u in loaded["up"]]
-    w13, b13 = stack_experts(fmt, firsts, "w13")
-    w2, b2 = stack_experts(fmt, [d.weight for d in loaded["down"]], "w2")
-    if b13 != b2:
-        raise _fail(
-            f"w13 FP8 blocks {b13} differ from w2 blocks {b2}",
-            "both stacks of a layer use one FP8 scale layout family and block size",
-            "re-export the checkpoint",
-        )
+    w13, w2, block = stack_layer(
+        fmt,
+        [g.weight for g in loaded["gate"]] if gated else None,
+        [u.weight for u in loaded["up"]],
+        [d.weight for d in loaded["down"]],
+        held,
+    )
     first = "gate" if gated else "up"
     n_first = loaded[first][0].weight.shape[0]
     roles = ("gate", "up") if gated else ("up",)
@@ -303,7 +295,7 @@ def _assemble(loaded, gated, held, cut, inter) -> MoeShard:
         tuple(held),
         _span(cut, inter),
         inter,
-        fp8_block_size=b13,
+        fp8_block_size=block,
         w13_bias=bias13,
         w2_bias=bias2,
     )
@@ -321,110 +313,3 @@ def _layer_quant(config: QuantConfig | None, module: str) -> Any:
             "run these experts with the engine's unquantized MoE",
         )
     return quant
-
-
-def _naming(by_expert, base, held, gated) -> tuple[str, str, str]:
-    """Which per-expert naming this checkpoint uses (from the first expert held)."""
-    for e in held:
-        keys = by_expert.get(str(e))
-        if not keys:
-            continue
-        names = {k[len(f"{base}.{e}.") :].split(".")[0] for k in keys}
-        for naming in EXPERT_NAMINGS:
-            if (naming[0] in names and gated) or naming[1] in names or naming[2] in names:
-                return naming
-        break
-    found = sorted(by_expert)[:4]
-    raise _fail(
-        f"missing expert tensors: found no experts {list(held)[:4]}... under '{base}.' "
-        f"(expert indices present: {found or 'none'})",
-        "experts are stored as {prefix}.experts.{e}.gate_proj/up_proj/down_proj, "
-        ".w1/.w3/.w2 (Mixtral), or gpt-oss's {prefix}.experts.gate_up_proj_blocks",
-        "check the prefix (e.g. model.layers.3.mlp, Mixtral: model.layers.3.block_sparse_moe)",
-    )
-
-
-# ---------------------------------------------------------------------------------------------
-# gpt-oss: experts stacked in one tensor per projection, gate/up rows interleaved
-
-
-def _runs(ids: Sequence[int]) -> list[tuple[int, int]]:
-    """Consecutive ids as [start, stop) runs, in order (one read per run)."""
-    runs: list[list[int]] = []
-    for i in ids:
-        if runs and runs[-1][1] == i:
-            runs[-1][1] = i + 1
-        else:
-            runs.append([i, i + 1])
-    return [(a, b) for a, b in runs]
-
-
-def _gpt_oss_shard(sd, base, held, num_experts, config, tp) -> MoeShard:
-    tp_rank, tp_size, align = tp
-    if config is not None:
-        quant = config.layer(f"{base}.gate_up_proj")
-        if quant is not None and quant.format != "mxfp4":
-            raise _fail(
-                f"the quant config says {base} is {quant.format} but its tensors are gpt-oss "
-                "MXFP4 blocks",
-                "config and tensors describe one format",
-                "pass this checkpoint's config",
-            )
-    need = [f"{base}.{p}_{s}" for p in ("gate_up_proj", "down_proj") for s in ("blocks", "scales")]
-    missing = [k for k in need if k not in sd]
-    if missing:
-        raise _fail(
-            f"missing expert tensors {missing}",
-            "gpt-oss experts are {prefix}.experts.gate_up_proj_blocks/_scales and "
-            "down_proj_blocks/_scales (biases optional)",
-            "pass the complete state dict",
-        )
-    shapes = {}
-    for key, ndim in zip(need, (4, 3, 4, 3), strict=True):
-        shape, _ = tensor_info(sd, key)
-        if len(shape) != ndim or shape[0] != num_experts:
-            raise _fail(
-                f"{key} has shape {shape}",
-                f"gpt-oss stacks experts first: {ndim}-D with {num_experts} experts",
-                "check num_experts and the checkpoint",
-            )
-        shapes[key] = shape
-    gu, d = shapes[need[0]], shapes[need[2]]
-    if gu[-1] != 16 or d[-1] != 16 or gu[1] % 2 or d[2] * 32 != gu[1] // 2:
-        raise _fail(
-            f"gate_up_proj_blocks {gu}, down_proj_blocks {d}",
-            "gpt-oss blocks are [E, N, K/32, 16] bytes: gate_up [E, 2I, H/32, 16], down "
-            "[E, H, I/32, 16]",
-            "check the checkpoint",
-        )
-    inter = gu[1] // 2
-    a, b = (0, inter)
-    if tp_size > 1:
-        a, b = moe_intermediate_range(inter, "mxfp4", tp_rank, tp_size, align=align)
-    runs = _runs(held)
-
-    def take(key: str, *index: slice) -> torch.Tensor:
-        return torch.cat([read_slice(sd, key, (slice(s, t), *index)) for s, t in runs])
-
-    def deinterleave(t: torch.Tensor) -> torch.Tensor:
-        # rows [gate_a, up_a, gate_a+1, up_a+1, ...] -> [gate a:b; up a:b]
-        return torch.cat([t[:, 0::2], t[:, 1::2]], dim=1).contiguous()
-
-    rows, groups = slice(2 * a, 2 * b), slice(a // 32, -(-b // 32))
-    e = len(held)
-    w13 = [
-        deinterleave(take(need[0], rows)).reshape(e, 2 * (b - a), -1),
-        deinterleave(take(need[1], rows)),
-    ]
-    w2 = [
-        take(need[2], slice(None), groups).reshape(e, d[1], -1).contiguous(),
-        take(need[3], slice(None), groups).contiguous(),
-    ]
-    b13 = b2 = None
-    if f"{base}.gate_up_proj_bias" in sd:
-        b13 = deinterleave(take(f"{base}.gate_up_proj_bias", rows)).to(torch.float32)
-    if f"{base}.down_proj_bias" in sd and tp_rank == 0:
-        b2 = take(f"{base}.down_proj_bias").to(torch.float32)
-    return MoeShard(
-        "mxfp4", w13, w2, Scheme.WEIGHT_ONLY, tuple(held), (a, b), inter, w13_bias=b13, w2_bias=b2
-    )

@@ -23,172 +23,25 @@ the same readers as a whole layer, so the shard equals the matching slice of the
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
-from typing import Literal
 
 import torch
 
 from quantdispatch.checkpoints.config import LayerQuant
 from quantdispatch.checkpoints.reader import LoadedLinear, merge_shards, read_linear
-from quantdispatch.checkpoints.slices import LayerSlice, linear_geometry
-from quantdispatch.errors import ConfigurationError, WeightFormatError, format_error
+from quantdispatch.checkpoints.slices import LayerSlice, linear_geometry, read_slice, tensor_info
+from quantdispatch.checkpoints.split_plan import Parallel, TpSplit, check_tp, plan_split
+from quantdispatch.errors import (
+    CheckpointError,
+    ConfigurationError,
+    WeightFormatError,
+    format_error,
+)
 
-__all__ = [
-    "Parallel",
-    "check_tp",
-    "column_ranges",
-    "linear_shard_shapes",
-    "read_linear_shard",
-    "split_range",
-]
-
-Parallel = Literal["column", "row"]
+__all__ = ["linear_shard_shapes", "read_dense_shard", "read_linear_shard", "read_linear_split"]
 
 #: Elements along K per scale group of each FP4 format.
 _GROUP = {"nvfp4": 16, "mxfp4": 32}
-
-
-def check_tp(tp_rank: int, tp_size: int) -> None:
-    """Refuse a rank / size pair that names no shard."""
-    ok = isinstance(tp_size, int) and isinstance(tp_rank, int)
-    if not ok or tp_size < 1 or not 0 <= tp_rank < tp_size:
-        raise ConfigurationError(
-            format_error(
-                f"tp_rank={tp_rank!r}, tp_size={tp_size!r}",
-                "tensor parallelism needs integers with tp_size >= 1 and 0 <= tp_rank < tp_size",
-                "pass this process's rank in its tensor-parallel group and the group's size "
-                "(torch.distributed.get_rank(group), get_world_size(group))",
-            )
-        )
-
-
-def split_range(
-    size: int,
-    tp_rank: int,
-    tp_size: int,
-    unit: int = 1,
-    *,
-    what: str = "size",
-    unit_name: str = "unit",
-    partial_last: bool = False,
-) -> tuple[int, int]:
-    """[start, stop) of ``tp_rank``'s share of ``size`` elements in whole ``unit``s, as even
-    as possible (earlier ranks take the remainder). ``partial_last``: the last unit may be
-    short (FP8 blocks at the edge of a weight)."""
-    check_tp(tp_rank, tp_size)
-    if not partial_last and size % unit:
-        raise WeightFormatError(
-            format_error(
-                f"{what} = {size} is not a whole number of {unit_name}s of {unit}",
-                f"a shard holds whole {unit_name}s",
-                "check the shape (a quantized K is a multiple of its scale group)",
-            )
-        )
-    units = -(-size // unit)
-    if units < tp_size:
-        raise WeightFormatError(
-            format_error(
-                f"{what} = {size} is {units} {unit_name}(s) of {unit}, which cannot be split "
-                f"over {tp_size} ranks",
-                f"every rank holds at least one whole {unit_name}",
-                f"use tp_size <= {units} for this layer, or replicate it on every rank",
-            )
-        )
-    base, extra = divmod(units, tp_size)
-    start = tp_rank * base + min(tp_rank, extra)
-    stop = start + base + (1 if tp_rank < extra else 0)
-    return start * unit, min(stop * unit, size)
-
-
-def column_ranges(
-    part_rows: Sequence[int],
-    tp_rank: int,
-    tp_size: int,
-    *,
-    heads: tuple[int, int] | None = None,
-    unit: int = 1,
-) -> list[tuple[int, int]]:
-    """``tp_rank``'s row range [start, stop) in each part of a column-parallel layer (one part,
-    or the parts of a fused layer: q/k/v, gate/up), in the part's own rows.
-
-    ``heads=(q heads, kv heads)`` with parts [q, k, v]: q heads split evenly and each rank gets
-    the kv heads of its q heads (one kv head shared by tp_size / kv_heads ranks when there are
-    fewer kv heads than ranks). ``unit``: ranges in whole multiples of it (FP8 block rows,
-    ``align``)."""
-    check_tp(tp_rank, tp_size)
-    if heads is None:
-        return [
-            split_range(
-                n,
-                tp_rank,
-                tp_size,
-                unit,
-                what=f"N of part {i}",
-                unit_name="row" if unit == 1 else "block of rows",
-                partial_last=True,
-            )
-            for i, n in enumerate(part_rows)
-        ]
-    ranges = _head_ranges(part_rows, tp_rank, tp_size, heads)
-    if unit > 1:
-        last = len(ranges) - 1
-        for i, (a, b) in enumerate(ranges):
-            if a % unit or ((b - a) % unit and not (i == last and b == part_rows[i])):
-                raise WeightFormatError(
-                    format_error(
-                        f"rank {tp_rank} of {tp_size} gets rows {a}:{b} of part {i} "
-                        f"(heads {heads}, parts {list(part_rows)})",
-                        f"block-scaled shards hold whole blocks of {unit} rows",
-                        "use a tensor-parallel size whose per-rank heads fill whole blocks",
-                    )
-                )
-    return ranges
-
-
-def _head_ranges(
-    part_rows: Sequence[int], tp_rank: int, tp_size: int, heads: tuple[int, int]
-) -> list[tuple[int, int]]:
-    hq, hkv = (int(h) for h in heads)
-    if len(part_rows) != 3 or hq < 1 or hkv < 1 or hq % hkv:
-        raise ConfigurationError(
-            format_error(
-                f"heads={heads} for {len(part_rows)} part(s) {list(part_rows)}",
-                "heads=(q heads, kv heads) describes a fused q/k/v layer: three parts, q heads "
-                "a multiple of kv heads",
-                "pass the q, k and v prefixes (or segments) with the model's "
-                "num_attention_heads and num_key_value_heads",
-            )
-        )
-    nq, nk, nv = part_rows
-    d = nq // hq
-    if nq % hq or nk != hkv * d or nv != hkv * d:
-        raise WeightFormatError(
-            format_error(
-                f"q/k/v have {nq}/{nk}/{nv} rows for {hq} q heads and {hkv} kv heads",
-                "q has q_heads x head_dim rows, k and v kv_heads x head_dim each",
-                "check the heads against the model's config",
-            )
-        )
-    if hq % tp_size or (hkv % tp_size and tp_size % hkv):
-        raise WeightFormatError(
-            format_error(
-                f"{hq} q heads and {hkv} kv heads cannot be split over tp_size={tp_size}",
-                "each rank holds q_heads / tp_size whole q heads (q_heads divisible by "
-                "tp_size) and the kv heads they use (kv_heads divisible by tp_size, or "
-                "tp_size by kv_heads to replicate them)",
-                "use a tensor-parallel size that divides the q heads",
-            )
-        )
-    per = hq // tp_size
-    q = (tp_rank * per * d, (tp_rank + 1) * per * d)
-    if hkv % tp_size == 0:
-        kv_per = hkv // tp_size
-        kv = (tp_rank * kv_per * d, (tp_rank + 1) * kv_per * d)
-    else:
-        j = tp_rank * hkv // tp_size
-        kv = (j * d, (j + 1) * d)
-    return [q, kv, kv]
 
 
 def _normalize(prefix: str) -> str:
@@ -233,82 +86,105 @@ def read_linear_shard(
     N splits (without heads) and K splits in whole multiples of it too. With ``tp_size=1`` this
     is the whole layer (``read_linear`` + ``merge_shards``).
     """
-    check_tp(tp_rank, tp_size)
-    if parallel not in ("column", "row"):
-        raise ConfigurationError(
-            format_error(
-                f"parallel={parallel!r}",
-                "parallel is 'column' (split N: q/k/v, gate/up) or 'row' (split K: o, down)",
-                "pass one of them",
-            )
-        )
-    if not isinstance(align, int) or align < 1:
-        raise ConfigurationError(
-            format_error(f"align={align!r}", "align is a positive integer", "pass e.g. 16")
-        )
+    split = TpSplit(tp_rank, tp_size, parallel, heads, segments, align)
+    return read_linear_split(state_dict, prefix, quant, split, device=device)
+
+
+def read_linear_split(
+    state_dict: Mapping[str, torch.Tensor],
+    prefix: str | Sequence[str],
+    quant: LayerQuant | Sequence[LayerQuant | None] | None,
+    split: TpSplit,
+    *,
+    device: torch.device | str | None = None,
+) -> LoadedLinear:
+    """:func:`read_linear_shard` with the split given as a :class:`TpSplit`."""
     prefixes = [_normalize(p) for p in ([prefix] if isinstance(prefix, str) else prefix)]
+    split.check_parts(len(prefixes))
     quants = _quants(quant, len(prefixes))
-    if segments is not None and len(prefixes) != 1:
-        raise ConfigurationError(
-            format_error(
-                f"segments={list(segments)} with {len(prefixes)} prefixes",
-                "segments describe the parts stacked in one tensor (one prefix)",
-                "pass either one fused prefix with segments or one prefix per part",
-            )
-        )
-    if tp_size == 1:
+    if split.tp_size == 1:
         parts = [
             read_linear(state_dict, p, q, device=device)
             for p, q in zip(prefixes, quants, strict=True)
         ]
         return parts[0] if len(parts) == 1 else merge_shards(parts)
     geos = [linear_geometry(state_dict, p, q) for p, q in zip(prefixes, quants, strict=True)]
-    if parallel == "row":
-        if len(prefixes) != 1 or segments is not None or heads is not None:
-            raise ConfigurationError(
-                format_error(
-                    f"parallel='row' with prefixes {prefixes}, segments {segments}, heads {heads}",
-                    "a row-parallel layer (o, down) is one weight split along K",
-                    "fused q/k/v or gate/up layers are column parallel",
-                )
-            )
-        (p,), (g,), (q,) = prefixes, geos, quants
-        unit = math.lcm(g.group, align)
-        a, b = split_range(
-            g.k,
-            tp_rank,
-            tp_size,
-            unit,
-            what=f"K of {p} ({g.label})",
-            unit_name="column" if unit == 1 else "scale group" if align == 1 else "aligned unit",
-            partial_last=True,  # a quantized K is whole groups; FP8 blocks may end short
-        )
-        view = LayerSlice(state_dict, p, g, cols=(a, b), bias=tp_rank == 0)
-        return read_linear(view, p, q, device=device)
-    if segments is not None:
-        (p,), (g,), (q,) = prefixes, geos, quants
-        seg = [int(s) for s in segments]
-        if sum(seg) != g.n or min(seg) < 1:
-            raise WeightFormatError(
-                format_error(
-                    f"segments {seg} of {p} add up to {sum(seg)} but the weight has N = {g.n}",
-                    "segments are the row counts of the parts stacked in the tensor, in order",
-                    "pass e.g. [q_heads*head_dim, kv_heads*head_dim, kv_heads*head_dim]",
-                )
-            )
-        unit = g.row_block if heads else math.lcm(g.row_block, align)
-        ranges = column_ranges(seg, tp_rank, tp_size, heads=heads, unit=unit)
-        starts = [sum(seg[:i]) for i in range(len(seg))]
-        rows = [(s + a, s + b) for s, (a, b) in zip(starts, ranges, strict=True)]
-        return read_linear(LayerSlice(state_dict, p, g, rows=rows), p, q, device=device)
-    unit = max(g.row_block for g in geos)
-    unit = unit if heads else math.lcm(unit, align)
-    ranges = column_ranges([g.n for g in geos], tp_rank, tp_size, heads=heads, unit=unit)
+    rows, cols = plan_split(
+        split,
+        [g.n for g in geos],
+        geos[0].k,
+        group=geos[0].group,
+        row_block=max(g.row_block for g in geos),
+        name=prefixes[0] if len(prefixes) == 1 else None,
+        label=geos[0].label,
+    )
+    bias = rows is not None or split.tp_rank == 0  # row parallel: rank 0 adds the bias
     parts = [
-        read_linear(LayerSlice(state_dict, p, g, rows=[r]), p, q, device=device)
-        for p, g, q, r in zip(prefixes, geos, quants, ranges, strict=True)
+        read_linear(
+            LayerSlice(state_dict, p, g, rows=rows and rows[i], cols=cols, bias=bias),
+            p,
+            q,
+            device=device,
+        )
+        for i, (p, g, q) in enumerate(zip(prefixes, geos, quants, strict=True))
     ]
     return parts[0] if len(parts) == 1 else merge_shards(parts)
+
+
+def read_dense_shard(
+    state_dict: Mapping[str, torch.Tensor], prefix: str | Sequence[str], split: TpSplit
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``split.tp_rank``'s (weight, bias or None) of an unquantized linear
+    (``{prefix}.weight`` [N, K], ``{prefix}.bias``), split by the rules of
+    :func:`read_linear_shard` (K in any columns: no scale groups), reading only the slice.
+    Fused prefixes concatenate along N; a part without a bias gets zeros when another part has
+    one."""
+    prefixes = [_normalize(p) for p in ([prefix] if isinstance(prefix, str) else prefix)]
+    split.check_parts(len(prefixes))
+    shapes = []
+    for p in prefixes:
+        if f"{p}.weight" not in state_dict:
+            raise CheckpointError(
+                format_error(
+                    f"missing tensor '{p}.weight' of unquantized layer {p!r}",
+                    "an unquantized linear has a floating-point weight [N, K]",
+                    "pass the complete state dict",
+                )
+            )
+        shapes.append(tensor_info(state_dict, f"{p}.weight")[0])
+    if len({s[1:] for s in shapes}) != 1 or len(shapes[0]) != 2:
+        raise CheckpointError(
+            format_error(
+                f"the weights of {prefixes} have shapes {shapes}",
+                "an unquantized linear's weight is [N, K]; fused parts share K",
+                "pass the parts of one layer",
+            )
+        )
+    rows, cols = None, None
+    if split.tp_size > 1:
+        name = prefixes[0] if len(prefixes) == 1 else None
+        rows, cols = plan_split(split, [s[0] for s in shapes], shapes[0][1], name=name)
+    tail = () if cols is None else (slice(*cols),)
+
+    def take(key: str, i: int, index: tuple[slice, ...]) -> torch.Tensor:
+        if rows is None:  # whole rows: the whole tensor, or its columns (row parallel)
+            return read_slice(state_dict, key, (slice(None), *index) if index else ())
+        return torch.cat([read_slice(state_dict, key, (slice(a, b), *index)) for a, b in rows[i]])
+
+    weights, biases = [], []
+    for i, p in enumerate(prefixes):
+        weights.append(take(f"{p}.weight", i, tail))
+        has_bias = f"{p}.bias" in state_dict and (cols is None or split.tp_rank == 0)
+        biases.append(take(f"{p}.bias", i, ()) if has_bias else None)
+    weight = weights[0] if len(weights) == 1 else torch.cat(weights)
+    if all(b is None for b in biases):
+        return weight, None
+    like = next(b for b in biases if b is not None)
+    pieces = [
+        b if b is not None else like.new_zeros(w.shape[0])
+        for b, w in zip(biases, weights, strict=True)
+    ]
+    return weight, pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
 def linear_shard_shapes(
@@ -328,7 +204,6 @@ def linear_shard_shapes(
     check_tp(0, tp_size)
     group = _GROUP.get(format, fp8_block[1] if fp8_block else 1)
     label = format.upper() if format in _GROUP else "FP8"
-    unit_name = "column" if group == 1 else "scale group"
     if format in _GROUP and k % group:
         raise WeightFormatError(
             format_error(
@@ -337,33 +212,11 @@ def linear_shard_shapes(
                 f"check the shape (K = {k // group * group} or {(k // group + 1) * group}?)",
             )
         )
-    if parallel == "row":
-        unit = math.lcm(group, align)
-        out = []
-        for r in range(tp_size):
-            a, b = split_range(
-                k,
-                r,
-                tp_size,
-                unit,
-                what=f"K ({label})",
-                unit_name=unit_name if align == 1 else "aligned unit",
-                partial_last=True,
-            )
-            out.append((n, b - a))
-        return out
-    parts = [int(s) for s in segments] if segments is not None else [n]
-    if sum(parts) != n:
-        raise WeightFormatError(
-            format_error(
-                f"segments {parts} add up to {sum(parts)}, not N = {n}",
-                "segments are the row counts of the fused parts",
-                "fix the segments",
-            )
-        )
-    unit = fp8_block[0] if fp8_block else 1
-    unit = unit if heads else math.lcm(unit, align)
-    return [
-        (sum(b - a for a, b in column_ranges(parts, r, tp_size, heads=heads, unit=unit)), k)
-        for r in range(tp_size)
-    ]
+    row_block = fp8_block[0] if fp8_block else 1
+    shapes = []
+    for r in range(tp_size):
+        split = TpSplit(r, tp_size, parallel, heads, segments, align)
+        rows, cols = plan_split(split, [n], k, group=group, row_block=row_block, label=label)
+        n_r = n if rows is None else sum(b - a for part in rows for a, b in part)
+        shapes.append((n_r, k if cols is None else cols[1] - cols[0]))
+    return shapes

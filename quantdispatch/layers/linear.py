@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,14 @@ from torch import nn
 
 import quantdispatch.ops  # noqa: F401  (registers torch.ops.quantdispatch.*)
 from quantdispatch.backends.base import as_op_tensors
-from quantdispatch.checkpoints import LoadedLinear, QuantWeight, merge_shards, read_linear
+from quantdispatch.checkpoints import (
+    LoadedLinear,
+    QuantWeight,
+    TpSplit,
+    read_dense_shard,
+    read_linear_split,
+)
+from quantdispatch.checkpoints.split_plan import Parallel
 from quantdispatch.errors import CheckpointError, ConfigurationError, format_error
 from quantdispatch.formats import Fp8Weight, quantize_fp8, quantize_mxfp4, quantize_nvfp4
 from quantdispatch.layers.base import (
@@ -141,6 +149,12 @@ class QuantLinear(QuantLayer):
         prefix: str | Sequence[str],
         quant_config: object = None,
         *,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        parallel: Parallel = "column",
+        heads: tuple[int, int] | None = None,
+        segments: Sequence[int] | None = None,
+        align: int = 1,
         act_dtype: torch.dtype | str = torch.bfloat16,
         device: torch.device | str | None = None,
         **kwargs: Any,
@@ -148,12 +162,20 @@ class QuantLinear(QuantLayer):
         """Load the layer at ``prefix`` (e.g. ``model.layers.0.mlp.down_proj``) from a state
         dict (or ``SafetensorsStateDict``). A list of prefixes loads a fused layer (q/k/v,
         gate/up): shards are concatenated along N with their per-tensor scales merged exactly.
+
+        Tensor parallel (``tp_size`` > 1): this rank's shard, reading only its slice
+        (:func:`~quantdispatch.checkpoints.read_linear_shard` has the rules).
+        ``parallel="column"`` splits N (gather the ranks' outputs); fused q/k/v split per head
+        group with ``heads=(q heads, kv heads)``, one tensor holding fused parts with
+        ``segments`` (its parts' row counts). ``parallel="row"`` splits K in whole scale groups
+        (feed the rank its input columns, sum the ranks' outputs); the bias is rank 0's.
+        ``align``: splits in whole multiples of it too.
         """
         config = resolve_quant_config(quant_config)
         prefixes = [prefix] if isinstance(prefix, str) else list(prefix)
-        shards = []
-        for p in prefixes:
-            module = _module_name(p)
+        modules = [_module_name(p) for p in prefixes]
+        quants = []
+        for module in modules:
             quant = None
             if config is not None:
                 quant = config.layer(module)
@@ -167,8 +189,9 @@ class QuantLinear(QuantLayer):
                             "this for you)",
                         )
                     )
-            shards.append(read_linear(state_dict, module, quant))
-        loaded = shards[0] if len(shards) == 1 else merge_shards(shards)
+            quants.append(quant)
+        split = TpSplit(tp_rank, tp_size, parallel, heads, segments, align)
+        loaded = read_linear_split(state_dict, modules, quants, split)
         return cls.from_loaded(loaded, act_dtype=act_dtype, device=device, **kwargs)
 
     @classmethod
@@ -255,39 +278,24 @@ def load_linear(
     **kwargs: Any,
 ) -> nn.Module:
     """The layer at ``prefix`` as the checkpoint has it: a ``QuantLinear`` when it is quantized,
-    a plain ``nn.Linear`` (in ``act_dtype``) when the config leaves it unquantized."""
+    a plain ``nn.Linear`` (in ``act_dtype``) when the config leaves it unquantized. Other
+    keyword arguments are :meth:`QuantLinear.from_checkpoint`'s; its tensor-parallel ones
+    (``tp_rank``, ``tp_size``, ``parallel``, ``heads``, ``segments``, ``align``) cut an
+    unquantized layer the same way (column: its rows, row: its input columns with the bias on
+    rank 0), reading only its slice."""
     config = resolve_quant_config(quant_config)
     prefixes = [prefix] if isinstance(prefix, str) else list(prefix)
     modules = [_module_name(p) for p in prefixes]
     quantized = [config.layer(m) is not None if config is not None else None for m in modules]
     if config is not None and not any(quantized):
-        weights, biases = [], []
-        for m in modules:
-            if f"{m}.weight" not in state_dict:
-                raise CheckpointError(
-                    format_error(
-                        f"missing tensor '{m}.weight' of unquantized layer {m!r}",
-                        "an unquantized linear has a floating-point weight [N, K]",
-                        "pass the complete state dict",
-                    )
-                )
-            weights.append(state_dict[f"{m}.weight"])
-            biases.append(state_dict.get(f"{m}.bias"))
-        weight = torch.cat(weights)
+        split = TpSplit(**{f.name: kwargs[f.name] for f in fields(TpSplit) if f.name in kwargs})
+        weight, bias = read_dense_shard(state_dict, modules, split)
         dtype = parse_act_dtype(act_dtype)
-        has_bias = any(b is not None for b in biases)
-        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias, device="meta")
+        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
         linear.weight = nn.Parameter(weight.to(dtype), requires_grad=False)
-        if has_bias:
-            full = torch.cat(
-                [
-                    b if b is not None else torch.zeros(w.shape[0])
-                    for b, w in zip(biases, weights, strict=True)
-                ]
-            )
-            linear.bias = nn.Parameter(full.to(dtype), requires_grad=False)
-        target = target_device(device, weight.device)
-        return linear.to(target)
+        if bias is not None:
+            linear.bias = nn.Parameter(bias.to(dtype), requires_grad=False)
+        return linear.to(target_device(device, weight.device))
     if config is not None and not all(quantized):
         raise CheckpointError(
             format_error(

@@ -8,8 +8,8 @@ the triton backend on an SM 8.0+ GPU repacks NVFP4 experts, same bytes), and ``f
 one opaque call).
 
 The stacks' layout and checks are :mod:`quantdispatch.moe.stacking`; routing is
-:mod:`quantdispatch.moe.routing`; reading experts from a checkpoint is
-:mod:`quantdispatch.checkpoints.moe_reader`.
+:mod:`quantdispatch.moe.routing`; reading a rank's experts from a checkpoint (expert and tensor
+parallel) is :func:`quantdispatch.checkpoints.read_moe_shard`.
 """
 
 from __future__ import annotations
@@ -22,12 +22,7 @@ from typing import Any
 import torch
 
 import quantdispatch.ops  # noqa: F401  (registers torch.ops.quantdispatch.*)
-from quantdispatch.checkpoints import QuantWeight
-from quantdispatch.checkpoints.moe_reader import (
-    has_gpt_oss_experts,
-    read_expert_linears,
-    read_gpt_oss_experts,
-)
+from quantdispatch.checkpoints import MoeShard, QuantWeight, read_moe_shard
 from quantdispatch.errors import CheckpointError, ConfigurationError, InputError, format_error
 from quantdispatch.layers.base import QuantLayer, activations_2d, format_of, resolve_quant_config
 from quantdispatch.moe.activations import get_activation
@@ -47,8 +42,7 @@ from quantdispatch.moe.stacking import (
     given_stacks,
     layer_dims,
     scale_kind,
-    stack_bias,
-    stack_experts,
+    stack_expert_lists,
     validate_stacked,
 )
 from quantdispatch.policy import Policy
@@ -190,58 +184,66 @@ class QuantMoE(QuantLayer):
         top_k: int,
         activation: str = "silu",
         expert_ids: Sequence[int] | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        align: int = 1,
         act_dtype: torch.dtype | str = torch.bfloat16,
         device: torch.device | str | None = None,
         **kwargs: Any,
     ) -> QuantMoE:
-        """Load the experts under ``prefix`` (e.g. ``model.layers.3.mlp``).
+        """Load the experts under ``prefix`` (e.g. ``model.layers.3.mlp``): per-expert
+        ``{prefix}.experts.{e}.gate_proj/up_proj/down_proj`` (Qwen, DeepSeek) or ``.w1/.w3/.w2``
+        (Mixtral) in any convention ``read_linear`` reads, or gpt-oss's fused
+        ``{prefix}.experts.gate_up_proj_*`` / ``down_proj_*`` (gate/up de-interleaved at load).
 
-        Per-expert tensors ``{prefix}.experts.{e}.gate_proj/up_proj/down_proj`` (Qwen,
-        DeepSeek) or ``.w1/.w3/.w2`` (Mixtral), any convention ``read_linear`` reads (ModelOpt
-        or compressed-tensors NVFP4, MXFP4, FP8), or gpt-oss's fused
-        ``{prefix}.experts.gate_up_proj_blocks/_scales/_bias`` (interleaved gate/up rows,
-        de-interleaved at load) and ``down_proj_blocks/_scales/_bias``. Only the experts in
-        ``expert_ids`` (default: all) are read. ``{prefix}.gate.e_score_correction_bias`` is
-        picked up when present. Other keyword arguments go to the constructor.
+        Expert parallel: only the experts in ``expert_ids`` (global ids; default: all) are read.
+        Tensor parallel: ``tp_rank`` of ``tp_size`` reads only its slice of the intermediate size
+        I (whole scale groups, as even as possible; ``align``: whole multiples of it too, 64
+        keeps every rank on the repacked MoE kernels); w2's bias is rank 0's. Every rank routes
+        all tokens; the ranks' outputs summed (all-reduce) are the whole layer's output.
+        ``{prefix}.gate.e_score_correction_bias`` is picked up when present; other keyword
+        arguments go to the constructor (:meth:`from_shard`).
         """
         config = resolve_quant_config(quant_config)
         prefix = prefix.rstrip(".")
-        held = list(range(num_experts)) if expert_ids is None else [int(i) for i in expert_ids]
-        spec = get_activation(activation)
-        base = f"{prefix}.experts"
+        shard = read_moe_shard(
+            state_dict,
+            prefix,
+            config,
+            num_experts=num_experts,
+            expert_ids=expert_ids,
+            gated=get_activation(activation).gated,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            align=align,
+        )
         corr_key = f"{prefix}.gate.e_score_correction_bias"
         if "e_score_correction_bias" not in kwargs and corr_key in state_dict:
             kwargs["e_score_correction_bias"] = state_dict[corr_key]
-        common = dict(
+        return cls.from_shard(
+            shard,
             top_k=top_k,
             num_experts=num_experts,
-            expert_ids=held,
             activation=activation,
             act_dtype=act_dtype,
             device=device,
+            **kwargs,
         )
-        if has_gpt_oss_experts(state_dict, base):
-            w13, w2, b13, b2 = read_gpt_oss_experts(state_dict, base, held, num_experts, config)
-            kwargs.setdefault("scheme", Scheme.WEIGHT_ONLY)
-            return cls(w13=w13, w2=w2, format="mxfp4", w13_bias=b13, w2_bias=b2, **common, **kwargs)
-        loaded, scheme = read_expert_linears(
-            state_dict, base, held, num_experts, config, spec.gated
-        )
-        kwargs.setdefault("scheme", scheme)
-        first = "gate" if spec.gated else "up"
-        n_first = loaded[first][0].weight.shape[0]
-        b13 = stack_bias(
-            [[ld.bias for ld in loaded[r]] for r in (("gate", "up") if spec.gated else ("up",))],
-            n_first,
-        )
-        b2 = stack_bias([[ld.bias for ld in loaded["down"]]], loaded["down"][0].weight.shape[0])
-        kwargs.setdefault("w13_bias", b13)
-        kwargs.setdefault("w2_bias", b2)
+
+    @classmethod
+    def from_shard(cls, shard: MoeShard, **kwargs: Any) -> QuantMoE:
+        """The layer holding a :class:`~quantdispatch.checkpoints.MoeShard` (its experts, I
+        slice, biases and scheme); keyword arguments go to the constructor (``top_k``,
+        ``num_experts``, ``activation``, routing, ``device`` ...)."""
+        kwargs.setdefault("scheme", shard.scheme)
+        kwargs.setdefault("w13_bias", shard.w13_bias)
+        kwargs.setdefault("w2_bias", shard.w2_bias)
         return cls(
-            [ld.weight for ld in loaded["gate"]] if spec.gated else None,
-            [ld.weight for ld in loaded["up"]],
-            [ld.weight for ld in loaded["down"]],
-            **common,
+            w13=shard.w13,
+            w2=shard.w2,
+            format=shard.format,
+            fp8_block_size=shard.fp8_block_size,
+            expert_ids=shard.expert_ids,
             **kwargs,
         )
 
@@ -396,5 +398,5 @@ def _canonical(
             )
         )
     name = fmts.pop()
-    s13, s2, block, scheme = stack_experts(name, lists, gated)
+    s13, s2, block, scheme = stack_expert_lists(name, lists, gated)
     return s13, s2, name, block, scheme

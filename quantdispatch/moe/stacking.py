@@ -1,35 +1,22 @@
 """Canonical expert stacks: what every MoE backend takes, built and checked once, at load.
 
-E = experts held, H = hidden, I = intermediate; gated w13 rows are [gate (I rows); up (I rows)]:
-
-| format | w13 (w2: the same over [E, H, I]) |
-|---|---|
-| nvfp4 | packed uint8 [E, 2I, H/2], block_scale e4m3 [E, 2I, H/16], global_scale f32 [E] |
-| mxfp4 | packed uint8 [E, 2I, H/2], block_scale uint8 e8m0 [E, 2I, H/32] |
-| fp8 | weight e4m3 [E, 2I, H], scale f32 [E] / [E, 2I] / [E, nb, kb] (meta [0, bn, bk]) |
-
-Per expert, gate and up are merged under ONE per-tensor scale exactly
-(:func:`~quantdispatch.formats.merge_nvfp4_shards`: the other shard's block scales are
-rescaled, the codes untouched). gpt-oss checkpoints interleave gate and up rows; their reader
-(:mod:`quantdispatch.checkpoints.moe_reader`) de-interleaves them, so kernels see one layout.
+The stacked layout (w13 = [gate; up] rows per expert, w2, their scales) and the one stacking
+path (gate/up merged under one per-tensor scale, exactly) are
+:mod:`quantdispatch.checkpoints.expert_stacks`; this module turns a ``QuantMoE``'s arguments
+(per-expert lists or ready stacks) into stacks, checks them in bulk and names their buffers.
+FP8 block-scaled stacks carry meta [0, bn, bk].
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
-from quantdispatch.checkpoints import LoadedLinear, QuantWeight, merge_shards
+from quantdispatch.checkpoints import QuantWeight
+from quantdispatch.checkpoints.expert_stacks import stack_layer
 from quantdispatch.errors import CheckpointError, ConfigurationError, format_error
-from quantdispatch.formats import (
-    Fp8Weight,
-    Mxfp4Weight,
-    Nvfp4Weight,
-    get_format,
-    merge_nvfp4_shards,
-)
+from quantdispatch.formats import Fp8Weight, Mxfp4Weight, Nvfp4Weight, get_format
 from quantdispatch.request import Scheme
 
 __all__ = [
@@ -39,8 +26,7 @@ __all__ = [
     "given_stacks",
     "layer_dims",
     "scale_kind",
-    "stack_bias",
-    "stack_experts",
+    "stack_expert_lists",
     "validate_stacked",
 ]
 
@@ -54,75 +40,6 @@ STACK_NAMES = {
 
 def _fail(what: str, rule: str, fix: str, exc: type[Exception] = ConfigurationError) -> None:
     raise exc(format_error(what, rule, fix))
-
-
-def _fp8_stack_scales(ws: Sequence[Fp8Weight], which: str) -> tuple[torch.Tensor, tuple | None]:
-    """Stack per-expert FP8 scales: [E] if all per-tensor, [E, N] (exact) if any per-channel,
-    [E, nb, kb] if all block-scaled with one block size."""
-    kinds = {w.scale_kind for w in ws}
-    if "block" in kinds:
-        blocks = {w.block_size for w in ws}
-        if kinds != {"block"} or len(blocks) != 1:
-            _fail(
-                f"{which} experts mix FP8 scale layouts {sorted(kinds)} / blocks {blocks}",
-                "block-scaled experts stack only with block-scaled experts of one block size",
-                "re-export the checkpoint with one FP8 scheme for all experts",
-                CheckpointError,
-            )
-        return torch.stack([w.scale for w in ws]), ws[0].block_size
-    if kinds == {"tensor"}:
-        return torch.stack([w.scale.reshape(()) for w in ws]), None
-    return torch.stack([w.scale.expand(w.shape[0]) for w in ws]), None
-
-
-def _stack(fmt: str, fused: Sequence[QuantWeight], which: str) -> tuple[list[torch.Tensor], tuple]:
-    """Stack per-expert weights of one format into the canonical tensors (+ fp8 block size)."""
-    shapes = {w.shape for w in fused}
-    if len(shapes) != 1:
-        _fail(
-            f"{which} experts have different shapes {sorted(shapes)}",
-            "every expert of a layer has the same [N, K]",
-            "pass the experts of one layer",
-            CheckpointError,
-        )
-    if fmt == "nvfp4":
-        ws: Any = fused
-        return [
-            torch.stack([w.packed for w in ws]),
-            torch.stack([w.block_scale for w in ws]),
-            torch.stack([w.global_scale.reshape(()).to(torch.float32) for w in ws]),
-        ], ()
-    if fmt == "mxfp4":
-        ws = fused
-        return [torch.stack([w.packed for w in ws]), torch.stack([w.block_scale for w in ws])], ()
-    ws = fused
-    scale, block = _fp8_stack_scales(ws, which)
-    return [torch.stack([w.weight for w in ws]), scale], (tuple(block) if block else ())
-
-
-def _merge_gate_up(gate: QuantWeight, up: QuantWeight, e: int) -> QuantWeight:
-    """One expert's gate and up as one [2I, H] weight under one per-tensor scale (exact)."""
-    if type(gate) is not type(up):
-        _fail(
-            f"expert {e}: gate is {type(gate).__name__} but up is {type(up).__name__}",
-            "gate and up of an expert share one format",
-            "check the checkpoint",
-            CheckpointError,
-        )
-    if gate.shape != up.shape:
-        _fail(
-            f"expert {e}: gate has shape {gate.shape} but up {up.shape}",
-            "gate and up projections have the same [I, H]",
-            "pass the gate and up weights of the same expert",
-            CheckpointError,
-        )
-    if isinstance(gate, Nvfp4Weight):
-        return merge_nvfp4_shards([gate, up])  # type: ignore[list-item]
-    scheme = Scheme.WEIGHT_ONLY
-    merged = merge_shards(
-        [LoadedLinear(gate, scheme, None, "moe"), LoadedLinear(up, scheme, None, "moe")]
-    )
-    return merged.weight
 
 
 def given_stacks(
@@ -181,38 +98,16 @@ def expert_lists(
     return lists
 
 
-def stack_experts(
+def stack_expert_lists(
     fmt: str, lists: dict[str, list[QuantWeight]], gated: bool
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], tuple, Scheme]:
     """Per-expert weights of one format -> (w13 stacks, w2 stacks, fp8 block, the scheme they
-    imply); gate and up merged per expert."""
-    if gated:
-        fused = [
-            _merge_gate_up(g, u, i)
-            for i, (g, u) in enumerate(zip(lists["gate"], lists["up"], strict=True))
-        ]
-    else:
-        fused = lists["up"]
-    s13, b13 = _stack(fmt, fused, "w13")
-    s2, b2 = _stack(fmt, lists["down"], "w2")
-    if b13 != b2 and b13 and b2:
-        _fail(
-            f"w13 FP8 blocks {b13} differ from w2 blocks {b2}",
-            "one block size per layer",
-            "re-export the checkpoint",
-            CheckpointError,
-        )
-    block = b13 or b2
-    if bool(b13) != bool(b2):
-        _fail(
-            "only one of gate/up and down is block-scaled FP8",
-            "both stacks of a layer use one FP8 scale layout family",
-            "re-export the checkpoint",
-            CheckpointError,
-        )
+    imply); gate and up merged per expert (:func:`~quantdispatch.checkpoints.stack_layer`)."""
+    gate = lists["gate"] if gated else None
+    s13, s2, block = stack_layer(fmt, gate, lists["up"], lists["down"])
     has_input = any(getattr(w, "input_scale", None) is not None for v in lists.values() for w in v)
     scheme = Scheme.WEIGHT_ACT if (has_input or fmt == "fp8") else Scheme.WEIGHT_ONLY
-    return s13, s2, block, scheme
+    return s13, s2, tuple(block) if block else (), scheme
 
 
 def validate_stacked(fmt: str, w: Sequence[torch.Tensor], which: str, block: tuple) -> None:
@@ -354,19 +249,3 @@ def check_bias(
             CheckpointError,
         )
     return bias.detach().to(device=target, dtype=torch.float32).contiguous()
-
-
-def stack_bias(parts: list[list[torch.Tensor | None]], n: int) -> torch.Tensor | None:
-    """Per-expert biases of each role (gate, up or down) -> [E, sum N] float32, or None."""
-    if all(b is None for role in parts for b in role):
-        return None
-    experts = len(parts[0])
-    device = next(b for role in parts for b in role if b is not None).device
-    rows = []
-    for e in range(experts):
-        pieces = []
-        for role in parts:
-            b = role[e]
-            pieces.append(b.to(torch.float32) if b is not None else torch.zeros(n, device=device))
-        rows.append(torch.cat(pieces))
-    return torch.stack(rows)

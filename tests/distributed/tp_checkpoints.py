@@ -5,6 +5,7 @@ tests against an independent oracle)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from quantdispatch.formats import (
@@ -173,3 +174,12 @@ def swiglu_oai64(h: torch.Tensor, alpha: float = 1.702, limit: float = 7.0) -> t
     gate = h[..., :i].clamp(max=limit)
     up = h[..., i:].clamp(min=-limit, max=limit)
     return gate * torch.sigmoid(alpha * gate) * (up + 1)
+
+
+def assert_clear_errors(cases) -> None:
+    """Each (call, exception type, pattern) raises that exception, matching the pattern, with
+    a message in the what. rule. fix. form."""
+    for call, exc, pattern in cases:
+        with pytest.raises(exc, match=pattern) as info:
+            call()
+        assert str(info.value).count(". ") >= 2, str(info.value)

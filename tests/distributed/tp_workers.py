@@ -1,8 +1,10 @@
 """What each rank runs in test_tensor_parallel_dist.py, and the cases it runs.
 
 The parent writes one safetensors checkpoint and a list of cases (``write_cases``); every rank
-(``run``) reads only its shards from the file, runs its QuantLinear / QuantMoE on the reference
-backend, and combines the ranks' outputs as an engine does: column-parallel outputs are
+(``run``) builds its layers through the layer API (``QuantLinear.from_checkpoint`` /
+``load_linear`` / ``QuantMoE.from_checkpoint`` with ``tp_rank`` / ``tp_size``), which reads only
+its shards from the file, runs them (QuantLinear / QuantMoE on the reference backend, unquantized
+layers as nn.Linear), and combines the ranks' outputs as an engine does: column-parallel outputs are
 all-gathered (uneven widths padded to the widest), row-parallel and MoE outputs all-reduced
 (summed in float64, with the sum of their magnitudes for the error bound). Rank 0 saves the
 combined outputs, every rank the bytes it read.
@@ -19,14 +21,12 @@ from safetensors.torch import save_file
 from tp_checkpoints import experts, gpt_oss_experts, linear_layer
 
 from quantdispatch import QuantLinear, QuantMoE
-from quantdispatch.checkpoints import (
-    SafetensorsStateDict,
-    parse_quant_config,
-    read_linear_shard,
-    read_moe_shard,
-)
+from quantdispatch.checkpoints import SafetensorsStateDict
+from quantdispatch.layers import load_linear
 
 FILE = "model.safetensors"
+#: A quant config that leaves the dense.* layers unquantized (load_linear: nn.Linear).
+DENSE = {"quantization": {"quant_algo": "NVFP4", "exclude_modules": ["dense.*"]}}
 #: Linear kinds run across processes (the in-process tests cover every convention).
 LINEAR = ("modelopt-nvfp4", "ct-nvfp4", "ct-mxfp4", "gpt-oss", "fp8-channel", "fp8-block")
 
@@ -49,6 +49,15 @@ def write_cases(folder: Path, world: int) -> tuple[dict[str, torch.Tensor], list
         sd |= linear_layer("modelopt-nvfp4", f"attn.{name}", heads * 64, 256, g, gs=0.01 * 0.3**i)
     qkv = [f"attn.{n}" for n in ("q_proj", "k_proj", "v_proj")]
     cases.append(dict(name="qkv-gqa", kind="column", prefix=qkv, heads=(32, 8), x=x[:, :256]))
+    sd["dense.qkv.weight"] = torch.randn(3 * 96, 288, generator=g).to(torch.bfloat16)
+    sd["dense.qkv.bias"] = torch.randn(3 * 96, generator=g).to(torch.bfloat16)
+    sd["dense.o.weight"] = torch.randn(96, 288, generator=g).to(torch.bfloat16)
+    sd["dense.o.bias"] = torch.randn(96, generator=g).to(torch.bfloat16)
+    cases.append(
+        dict(name="dense-qkv-gqa", kind="column", prefix="dense.qkv", config=DENSE, x=x,
+             heads=(4, 4), segments=[96, 96, 96])
+    )  # fmt: skip
+    cases.append(dict(name="dense-row", kind="row", prefix="dense.o", config=DENSE, x=x))
     sd |= linear_layer("ct-nvfp4", "mlp.gate_proj", 144, 128, g, gs=0.01)
     sd |= linear_layer("ct-nvfp4", "mlp.up_proj", 144, 128, g, gs=0.03)
     sd |= linear_layer("ct-nvfp4", "mlp.down_proj", 128, 144, g)
@@ -68,13 +77,6 @@ def write_cases(folder: Path, world: int) -> tuple[dict[str, torch.Tensor], list
     save_file(sd, str(folder / FILE))
     torch.save(cases, folder / "cases.pt")
     return sd, cases
-
-
-def _quant(cfg: dict | None, prefix: Any) -> Any:
-    if cfg is None:
-        return None
-    config = parse_quant_config(cfg)
-    return config.layer(prefix) if isinstance(prefix, str) else [config.layer(p) for p in prefix]
 
 
 def _gather_columns(y: torch.Tensor) -> torch.Tensor:
@@ -105,52 +107,52 @@ def _sum(y: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"y": total, "abs": magnitude}
 
 
-def _column(case: dict, sd: Any, rank: int, world: int) -> dict:
-    loaded = read_linear_shard(
-        sd, case["prefix"], _quant(case.get("config"), case["prefix"]), tp_rank=rank,
-        tp_size=world, heads=case.get("heads"),
+def _layer(case: dict, sd: Any, rank: int, world: int, **kw: Any) -> Any:
+    """This rank's layer, through the layer API (nn.Linear for an unquantized one)."""
+    return load_linear(
+        sd, case["prefix"], case.get("config"), tp_rank=rank, tp_size=world,
+        heads=case.get("heads"), segments=case.get("segments"), device="cpu", **kw,
     )  # fmt: skip
-    y = QuantLinear.from_loaded(loaded, device="cpu")(case["x"])
-    return {"y": _gather_columns(y), "shape": tuple(loaded.weight.shape)}
+
+
+def _column(case: dict, sd: Any, rank: int, world: int) -> dict:
+    layer = _layer(case, sd, rank, world)
+    y = layer(case["x"])
+    return {"y": _gather_columns(y), **_shape(layer)}
+
+
+def _shape(layer: Any) -> dict:
+    return {"shape": (layer.out_features, layer.in_features)}
 
 
 def _row(case: dict, sd: Any, rank: int, world: int) -> dict:
-    quant = _quant(case.get("config"), case["prefix"])
-    loaded = read_linear_shard(
-        sd, case["prefix"], quant, tp_rank=rank, tp_size=world, parallel="row"
-    )
-    k = loaded.weight.shape[1]
+    layer = _layer(case, sd, rank, world, parallel="row")
+    k = layer.in_features
     a = _k_offset(k)
-    y = QuantLinear.from_loaded(loaded, device="cpu")(case["x"][:, a : a + k].contiguous())
-    return {**_sum(y), "shape": tuple(loaded.weight.shape), "bias": loaded.bias is not None}
+    y = layer(case["x"][:, a : a + k].contiguous())
+    return {**_sum(y), **_shape(layer), "bias": layer.bias is not None}
 
 
 def _mlp(case: dict, sd: Any, rank: int, world: int) -> dict:
-    p = case["prefix"]
-    gu = read_linear_shard(
-        sd, [f"{p}.gate_proj", f"{p}.up_proj"], tp_rank=rank, tp_size=world, align=16
-    )
-    down = read_linear_shard(sd, f"{p}.down_proj", tp_rank=rank, tp_size=world, parallel="row")
-    h = QuantLinear.from_loaded(gu, device="cpu")(case["x"]).float()
+    p, tp = case["prefix"], dict(tp_rank=rank, tp_size=world, device="cpu")
+    gate_up = QuantLinear.from_checkpoint(sd, [f"{p}.gate_proj", f"{p}.up_proj"], align=16, **tp)
+    down = QuantLinear.from_checkpoint(sd, f"{p}.down_proj", parallel="row", align=16, **tp)
+    h = gate_up(case["x"]).float()
     i = h.shape[1] // 2
     a = (torch.nn.functional.silu(h[:, :i]) * h[:, i:]).to(torch.bfloat16)
-    return _sum(QuantLinear.from_loaded(down, device="cpu")(a))
+    return _sum(down(a))
 
 
 def _moe(case: dict, sd: Any, rank: int, world: int) -> dict:
     tp, ep = case["tp"], case["ep"]
     ep_rank, tp_rank = divmod(rank, tp)
     ids = list(range(ep_rank, 4, ep))  # strided expert ids: several runs to read
-    shard = read_moe_shard(
-        sd, case["prefix"], num_experts=4, expert_ids=ids, tp_rank=tp_rank, tp_size=tp
-    )
-    layer = QuantMoE(
-        w13=shard.w13, w2=shard.w2, format=shard.format, fp8_block_size=shard.fp8_block_size,
-        w13_bias=shard.w13_bias, w2_bias=shard.w2_bias, scheme=shard.scheme,
-        expert_ids=shard.expert_ids, num_experts=4, top_k=2, activation=case["activation"],
-        device="cpu",
+    layer = QuantMoE.from_checkpoint(
+        sd, case["prefix"], num_experts=4, top_k=2, activation=case["activation"],
+        expert_ids=ids, tp_rank=tp_rank, tp_size=tp, device="cpu",
     )  # fmt: skip
-    return {**_sum(layer(case["x"], case["logits"])), "intermediate": shard.intermediate}
+    y = layer(case["x"], case["logits"])
+    return {**_sum(y), "intermediate": (tp_rank, layer.intermediate_size)}
 
 
 _RUNNERS = {"column": _column, "row": _row, "mlp": _mlp, "moe": _moe}
