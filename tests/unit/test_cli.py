@@ -117,18 +117,36 @@ def test_bad_flag_is_one_line(capsys):
 
 
 def test_shape_answers_for_one_linear_layer(capsys):
-    """--shape NxK: the linear decisions for that weight (its M ranges), MoE ones unchanged."""
+    """--shape NxK: the linear decisions for that weight (its M ranges), MoE ones unchanged;
+    --verbose gives the backend's whole text."""
     pytest.importorskip("triton")
     argv = ("doctor", "--device", "h200", "--format", "nvfp4", "--act-dtype", "bf16")
-    code, out, err = _run(capsys, *argv, "--shape", "28672x4096")
+    code, out, err = _run(capsys, *argv, "--shape", "28672x4096", "--verbose")
     assert code == 0, err
     assert "nvfp4 linear (W4A4, bf16, N=28672 K=4096)" in out
     assert "M <= 16: mma.sync kernel" in out and "M <= 512: tl.dot (wgmma) GEMM" in out
     assert "nvfp4 moe (W4A4, bf16) on" in out
-    code, out, err = _run(capsys, *argv)  # no shape: the rules by weight size
+    code, out, err = _run(capsys, *argv, "--verbose")  # no shape: the rules by weight size
     assert code == 0, err
     assert "M <= 32 (16 for weights of 2^25+ elements): mma.sync kernel" in out
     assert "--shape NxK answers for one layer" in out
+
+
+def test_shape_concise_names_the_kernel_family_per_m_range(capsys):
+    """One line for the chosen backend of a shaped layer: its kernel families by M, as the
+    decision's kernel_ranges give them (neighbouring ranges of one family merged)."""
+    pytest.importorskip("triton")
+    from quantdispatch.api import select
+
+    argv = ("doctor", "--device", "h200", "--format", "nvfp4", "--act-dtype", "bf16")
+    code, out, err = _run(capsys, *argv, "--op", "linear", "--shape", "6144x4096")
+    assert code == 0, err
+    ranges = select("nvfp4", "linear", "bf16", n=6144, k=4096, device="h200").kernel_ranges()
+    assert "nvfp4 linear 6144x4096 W4A4 bf16 -> triton" in out
+    for r in ranges:
+        assert r.family in out
+    assert f"M <= {ranges[0].last_m}: {ranges[0].family}" in out
+    assert f"M >= {ranges[-1].first_m}: {ranges[-1].family}" in out
 
 
 @pytest.mark.parametrize("bad", ["6144", "6144x", "x4096", "0x64", "64x-1", "axb"])
@@ -189,13 +207,14 @@ def test_verify_refuses_a_simulated_device(capsys, monkeypatch):
 
 
 def test_moe_answers_for_one_moe_layer(capsys):
-    """--moe E,TOPK,H,I: the kernel for every M range of that layer, from the plan QuantMoE
-    runs (gpt-oss-20b on a simulated H200: single pairs, 8-pair blocks with K split 4 ways on
-    its few programs, grouped GEMM tiles to any M: its experts are too small for dequantize +
-    grouped_mm to pay; Mixtral's dequantize from 768 tokens per expert)."""
+    """--moe E,TOPK,H,I --verbose: the kernel for every M range of that layer, from the MoE
+    decision's kernel ranges (gpt-oss-20b on a simulated H200: single pairs, 8-pair blocks
+    with K split 4 ways on its few programs, grouped GEMM tiles to any M: its experts are too
+    small for dequantize + grouped_mm to pay; Mixtral's dequantize from 768 tokens per
+    expert)."""
     pytest.importorskip("triton")
     argv = ("doctor", "--device", "h200", "--format", "mxfp4", "--op", "moe", "--act-dtype", "bf16")
-    code, out, err = _run(capsys, *argv, "--moe", "32,4,2880,2880")
+    code, out, err = _run(capsys, *argv, "--moe", "32,4,2880,2880", "--verbose")
     assert code == 0, err
     assert "MoE layer: 32 experts, top-4, hidden 2880, intermediate 2880" in out
     assert "M = 1 (0.125 tokens per expert): single (token, slot) pairs" in out
@@ -203,49 +222,50 @@ def test_moe_answers_for_one_moe_layer(capsys):
     assert "K split 4 / 4 ways, 1 / 1 chunks in flight" in out
     assert "dequantized" not in out.split("MoE layer:")[1]
     assert "M >= 769 (96.125+ tokens per expert): grouped tl.dot GEMM" in out
-    code, out, err = _run(capsys, *argv[:4], "nvfp4", *argv[5:], "--moe", "8,2,4096,14336")
+    code, out, err = _run(capsys, *argv[:4], "nvfp4", *argv[5:], "--moe", "8,2,4096,14336", "-v")
     assert code == 0, err
     assert "M >= 3072 (768+ tokens per expert): experts dequantized per GEMM" in out
 
 
-def test_moe_ranges_are_the_plan(capsys):
-    """The JSON ranges cover M = 1.. without gaps, and each names what moe_plan picks at both
-    of its ends (an A100: no torch._grouped_mm below SM 9.0, so no dequantize range)."""
+def test_moe_ranges_are_the_decisions(capsys):
+    """The JSON ranges cover M = 1.. without gaps and are the MoE decision's kernel_ranges for
+    that layer (select(..., n=I, k=H, experts=E)), on GPUs with and without grouped_mm."""
     pytest.importorskip("triton")
-    from quantdispatch.kernels.mma_layout.moe_plan import (
-        MoeDeviceFacts,
-        describe_moe_config,
-        moe_plan,
-    )
+    from quantdispatch.api import select
 
-    for device, cap in [("h200", (9, 0)), ("a100", (8, 0)), ("rtx4090", (8, 9))]:
-        layer = _json(capsys, "--device", device, "--op", "moe", "--moe", "8,2,4096,14336")[
-            "moe_layer"
-        ]
-        facts = MoeDeviceFacts.for_capability(cap)
+    for device in ("h200", "a100", "rtx4090"):
+        data = _json(capsys, "--device", device, "--op", "moe", "--moe", "8,2,4096,14336")
+        layer = data["moe_layer"]
+        assert {"experts", "top_k", "hidden", "intermediate", "note", "ranges"} <= set(layer)
         ranges = layer["ranges"]
         assert ranges[0]["m_min"] == 1 and ranges[-1]["m_max"] is None
         for prev, cur in itertools.pairwise(ranges):
             assert cur["m_min"] == prev["m_max"] + 1
-        for r in ranges:
-            for m in (r["m_min"], r["m_max"] or r["m_min"]):
-                cfg = moe_plan(m, 2, 8, 14336, 4096, facts)
-                assert describe_moe_config(cfg) == r["kernel"]
-        dequant = any("dequantized" in r["kernel"] for r in ranges)
-        assert dequant == (cap >= (9, 0))
+        for d in data["decisions"]:
+            want = select(
+                d["format"], "moe", d["act_dtype"], n=14336, k=4096, experts=8, device=device
+            ).kernel_ranges(top_k=2)
+            got = [
+                {k: v for k, v in r.items() if k != "tokens_per_expert"} for r in d["kernel_ranges"]
+            ]
+            assert got == [r.to_dict() for r in want]
+        first = data["decisions"][0]
+        assert (layer["format"], layer["backend"]) == (first["format"], first["backend"])
+        assert [r["kernel"] for r in ranges] == [r["detail"] for r in first["kernel_ranges"]]
 
 
-def test_moe_layers_the_mma_kernels_cannot_take(capsys):
-    code, out, err = _run(
-        capsys, "doctor", "--device", "t4", "--op", "moe", "--moe", "8,2,4096,14336"
-    )
-    assert code == 0, err
-    assert "need SM 8.0+" in out
-    code, out, err = _run(
-        capsys, "doctor", "--device", "h200", "--op", "moe", "--moe", "8,2,4000,14336"
-    )
-    assert code == 0, err
-    assert "H=4000 and I=14336 must both be multiples of 64" in out
+def test_moe_layers_the_repacked_kernels_cannot_take(capsys):
+    """A T4 (SM 7.5) or an H that is no multiple of 64: the decision says which kernels run."""
+    from quantdispatch.api import select
+
+    for device, h in (("t4", 4096), ("h200", 4000)):
+        moe = f"8,2,{h},14336"
+        code, out, err = _run(capsys, "doctor", "--device", device, "--op", "moe", "--moe", moe)
+        assert code == 0, err
+        d = select("nvfp4", "moe", "bf16", n=14336, k=h, experts=8, device=device)
+        assert f"nvfp4 moe E=8 top-2 H={h} I=14336" in out
+        for r in d.kernel_ranges(top_k=2):
+            assert r.family in out
 
 
 @pytest.mark.parametrize("bad", ["8,2,4096", "8,2,4096,x", "8,0,4096,14336", "8,9,4096,14336"])
