@@ -128,7 +128,7 @@ def _verbose_header(h: Header) -> list[str]:
         ("torch can launch kernels", "yes" if profile.torch_cuda else "no", src.torch_cuda.value),
     ]
     lines = [f"quantdispatch {__version__} doctor", ""]
-    if profile.kind == "cpu" and not profile.simulated:
+    if profile.kind == "cpu" and "no GPU found" in profile.notes:
         lines.append("No GPU found: decisions below are for this CPU.")
     if profile.simulated:
         lines.append(f"SIMULATED device (preset {profile.preset!r}): explains only, runs nothing.")

@@ -103,7 +103,9 @@ def _concise_header(h: Header) -> list[str]:
         title += f": SIMULATED preset {p.preset!r} ({h.device_by}), explains only, runs nothing"
     lines = [title]
     if p.kind == "cpu":
-        found = "" if p.simulated else ", no GPU found: the decisions are for this CPU"
+        found = (
+            ", no GPU found: the decisions are for this CPU" if "no GPU found" in p.notes else ""
+        )
         lines.append(f"device    {p.name}{found}")
     else:
         facts = [p.name, f"SM {p.sm}"]
