@@ -14,9 +14,9 @@ import json
 import sys
 
 from quantdispatch import __version__
-from quantdispatch.cli.main import ACT_DTYPE_NAMES, EXIT_DECISION, EXIT_OK, OPS
-from quantdispatch.cli.report import Answer, Row
-from quantdispatch.cli.text import Header, marlin_lines, pdl_applies, shard_label
+from quantdispatch.cli.common import ACT_DTYPE_NAMES, EXIT_DECISION, EXIT_OK, OPS
+from quantdispatch.cli.report import Answer, Row, collect, to_json
+from quantdispatch.cli.text import Header, concise, marlin_lines, pdl_applies, shard_label
 from quantdispatch.errors import ConfigurationError, QuantDispatchError
 
 __all__ = ["run_doctor", "run_presets", "verbose"]
@@ -24,8 +24,6 @@ __all__ = ["run_doctor", "run_presets", "verbose"]
 
 def run_doctor(args: argparse.Namespace) -> int:
     from quantdispatch.api import current_settings
-    from quantdispatch.cli.report import collect, to_json
-    from quantdispatch.cli.text import concise
     from quantdispatch.device import device_profile
     from quantdispatch.formats import FORMATS, get_format
     from quantdispatch.policy import load_policy

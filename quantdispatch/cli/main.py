@@ -3,9 +3,7 @@
 This module imports nothing heavy (no torch, no backends): ``--help`` and ``--version`` answer
 at once, and each command imports what it needs only when it runs.
 
-Exit codes: 0 success; 1 a decision could not be made (e.g. a forced backend cannot run) or a
-verification failed; 2 bad flags, env values or policy files. Errors are one line on stderr,
-never a traceback.
+Exit codes: quantdispatch.cli.common. Errors are one line on stderr, never a traceback.
 """
 
 from __future__ import annotations
@@ -17,17 +15,10 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from quantdispatch import __version__
+from quantdispatch.cli.common import ACT_DTYPE_NAMES, EXIT_DECISION, EXIT_USAGE, OPS, SCHEMES
 from quantdispatch.errors import ConfigurationError, QuantDispatchError
 
-__all__ = ["EXIT_DECISION", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
-
-EXIT_OK, EXIT_DECISION, EXIT_USAGE = 0, 1, 2
-
-# The choices the parser offers, spelled here so that parsing needs no torch import; a unit
-# test keeps them equal to quantdispatch.request's Op, Scheme and ACT_DTYPES.
-OPS = ("linear", "moe")
-SCHEMES = ("weight_only", "weight_act")
-ACT_DTYPE_NAMES = ("bf16", "fp16")
+__all__ = ["build_parser", "main"]
 
 
 class _Parser(argparse.ArgumentParser):

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict
 
-from quantdispatch.cli.main import EXIT_DECISION, EXIT_OK
+from quantdispatch.cli.common import EXIT_DECISION, EXIT_OK
 
 __all__ = ["run_verify"]
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import itertools
 import json
 import shutil
@@ -365,7 +364,7 @@ def test_help_imports_no_torch(argv):
 
 def test_parser_choices_match_the_request_types():
     """The parser spells the ops, schemes and act dtypes itself (no torch import): the same."""
-    cli_main = importlib.import_module("quantdispatch.cli.main")
+    from quantdispatch.cli import common as cli_main
     from quantdispatch.request import ACT_DTYPES, Op, Scheme
 
     assert tuple(o.value for o in Op) == cli_main.OPS
