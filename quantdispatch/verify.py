@@ -9,16 +9,14 @@ that quantizes activations the same way (the reference backend's emulation mode)
 
 from __future__ import annotations
 
-import json
-import sys
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
 from quantdispatch.errors import BackendUnavailableError, format_error
 
-__all__ = ["VerifyResult", "run_verify", "verify"]
+__all__ = ["VerifyResult", "verify"]
 
 #: Bound on ||out - ref|| / ||ref|| per activation dtype: one rounding of the output plus fp32
 #: accumulation order, with margin (bf16 half-ulp 2^-9 ~ 2e-3, fp16 2^-12 ~ 2.4e-4).
@@ -136,22 +134,3 @@ def _float64_reference(ref_layer, x: torch.Tensor) -> torch.Tensor:
     if ref_layer.bias is not None:
         y = y + ref_layer.bias.to(torch.float64)
     return y
-
-
-def run_verify(formats: Sequence[str] | None, *, as_json: bool) -> int:
-    results = verify(formats)
-    if as_json:
-        print(json.dumps([asdict(r) for r in results], indent=2))
-    else:
-        print(f"{'format':<7}{'act':<6}{'backend':<11}{'M':>4}{'N':>6}{'K':>6}  rel.err   bound   ")
-        for r in results:
-            status = "ok" if r.ok else "FAIL"
-            print(
-                f"{r.format:<7}{r.act_dtype:<6}{r.backend:<11}{r.m:>4}{r.n:>6}{r.k:>6}  "
-                f"{r.rel_err:.1e}  {r.bound:.0e}  {status} {r.note}"
-            )
-    failed = [r for r in results if not r.ok]
-    if failed:
-        print(f"quantdispatch: error: {len(failed)} check(s) failed", file=sys.stderr)
-        return 1
-    return 0
