@@ -23,7 +23,7 @@ step() {  # step NAME SECONDS CMD...   (runs only if NAME is in $STEPS)
   tar czf "$DEST/results.tgz" -C "$OUT" .
 }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv >"$OUT/gpu.txt" 2>&1
-step doctor 60 python3 -m quantdispatch doctor --format nvfp4 --format fp8 --act-dtype bf16
+step doctor 60 python3 -m quantdispatch doctor --verbose --format nvfp4 --format fp8 --act-dtype bf16
 step doctor-json 60 python3 -m quantdispatch doctor --json
 step verify 120 python3 -m quantdispatch verify
 TAIL=20 step wgmma-waits 120 python3 benchmarks/wgmma_waits.py  # the device Triton's wgmma waits

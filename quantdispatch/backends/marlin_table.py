@@ -9,7 +9,7 @@ Sources for every row: docs/design/marlin.md.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 import torch
@@ -112,8 +112,16 @@ def _vllm(key: str, lo: tuple, below: tuple, schema: Schema, libraries: dict) ->
                     "s0e5m3-floor-flush", _VLLM_SOURCE)  # fmt: skip
 
 
+_H200_VERIFIED = (
+    "GPU-verified with vLLM 0.33.0 on an H200 (benchmarks/results/"
+    "gpu-tests-h200-2026-12-01-phase1.txt); other versions of the range from sources"
+)
+
 CONTRACTS: tuple[Contract, ...] = (
-    _vllm("vllm-0.30", (0, 30, 0), (0, 34, 0), Schema.MARLIN_GEMM, _STABLE),
+    replace(
+        _vllm("vllm-0.30", (0, 30, 0), (0, 34, 0), Schema.MARLIN_GEMM, _STABLE),
+        gpu_verified=_H200_VERIFIED,
+    ),
     _vllm("vllm-0.22", (0, 22, 0), (0, 30, 0), Schema.MARLIN_GEMM_GIDX, _EITHER),
 )
 

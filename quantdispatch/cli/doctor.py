@@ -36,6 +36,8 @@ def run_doctor(args: argparse.Namespace) -> int:
     if args.matrix:
         return _matrix(formats, ops, dtypes, args.scheme, settings, policy, as_json=args.json)
 
+    if args.model:
+        return _model(args, settings, policy)
     device_by = "--device" if args.device else "QUANTDISPATCH_DEVICE"
     profile = device_profile(args.device if args.device else settings.device)
     rows = collect(args, formats, ops, dtypes, profile, settings, policy)
@@ -50,6 +52,22 @@ def run_doctor(args: argparse.Namespace) -> int:
     if errors:
         print(f"quantdispatch: error: {errors[0]}", file=sys.stderr)
         return EXIT_DECISION
+    return EXIT_OK
+
+
+def _model(args: argparse.Namespace, settings: object, policy: object) -> int:
+    """``doctor --model PATH``: the checkpoint's quantized layer kinds and their decisions."""
+    from quantdispatch.integrations.transformers import describe_model, render_description
+    from quantdispatch.request import parse_act_dtype
+
+    device = args.device if args.device else getattr(settings, "device", None)
+    act = parse_act_dtype((args.act_dtypes or ["bf16"])[0])
+    d = describe_model(args.model, device, act_dtype=act, policy=policy, settings=settings)
+    print(
+        json.dumps(d, indent=2, default=str)
+        if args.json
+        else render_description(d, verbose=args.verbose)
+    )
     return EXIT_OK
 
 

@@ -87,6 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --shape: each rank's column- and row-parallel shard; with --moe: each "
         "rank's intermediate size (tensor parallel over N ranks)",
     )
+    doc.add_argument(
+        "--model",
+        metavar="PATH",
+        help="a checkpoint folder (config.json + safetensors): its quantized layer kinds and the "
+        "backend and kernels each runs on this GPU (or --device)",
+    )
     doc.add_argument("--policy", help="policy TOML file laid over the default")
     doc.add_argument("--json", action="store_true", help="one JSON object on stdout")
     doc.add_argument(

@@ -9,7 +9,6 @@ pytest.importorskip("transformers")
 
 from hf_models import float_model, make_config, write_checkpoint
 
-from quantdispatch import Decision
 from quantdispatch.integrations.transformers import describe_model, render_description
 
 
@@ -45,8 +44,7 @@ def test_simulated_gpu_and_text(ckpts):
     d = describe_model(ckpts / "qwen", "h100")
     assert d["simulated"] and "H100" in d["device"]
     assert {r["backend"] for r in d["layers"]} == {"triton"}
-    if hasattr(Decision, "kernel_ranges"):  # the kernel family per range of M
-        assert all(r["kernels"] and r["kernels"][0]["family"] for r in d["layers"])
+    assert all(r["kernels"] and r["kernels"][0]["family"] for r in d["layers"])
     text = render_description(d)
     assert "simulated" in text and "moe    nvfp4 W4A16 E=4 I=64 H=64 x2 -> triton" in text
     assert len(text.splitlines()) <= 10
@@ -64,3 +62,16 @@ def test_gpt_oss_and_fp8_checkpoints(ckpts):
     assert {r["scale_kind"] for r in fp8["layers"]} == {"channel"}
     assert {r["scheme_label"] for r in fp8["layers"]} == {"W8A16"}
     assert "(channel scales)" in render_description(fp8)
+
+
+def test_doctor_model_flag_prints_the_description(ckpts, capsys):
+    import json
+
+    from quantdispatch.cli import main
+
+    assert main(["doctor", "--model", str(ckpts / "qwen"), "--device", "h100"]) == 0
+    text = capsys.readouterr().out
+    assert "moe    nvfp4 W4A16 E=4 I=64 H=64 x2 -> triton" in text and "simulated" in text
+    assert main(["doctor", "--model", str(ckpts / "oss"), "--device", "a100", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["layers"][0]["format"] == "mxfp4" and d["layers"][0]["backend"] == "triton"

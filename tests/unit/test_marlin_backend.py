@@ -139,7 +139,7 @@ def test_load_library_registers_version_and_ops(monkeypatch, tmp_path):
         d = select("nvfp4", device="h100", settings=NO_ENV)
         marlin = next(c for c in d.trace if c.backend == "marlin")
         assert marlin.accepted and "vllm 0.33.0 _C::marlin_gemm" in marlin.reason
-        assert "not yet GPU-verified" in marlin.reason
+        assert "GPU-verified with vLLM 0.33.0 on an H200" in marlin.reason
 
 
 def test_registered_version_with_another_schema_is_rejected():
