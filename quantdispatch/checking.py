@@ -1,0 +1,149 @@
+"""The numerical check shared by ``quantdispatch verify`` and the first-use self-check.
+
+A backend's output is compared with float64 maths on the same quantized weight: the weight is
+dequantized exactly (float64), the activations are taken as given (weight-only backends) or
+quantized the way a native kernel quantizes them (W4A4 / W8A8 backends: the contract the
+reference backend emulates), and the measure is ||out - ref|| / ||ref|| against a bound per
+activation dtype. Nothing here picks or runs a backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = [
+    "BOUNDS",
+    "NATIVE_FACTOR",
+    "bound_for",
+    "linear_reference64",
+    "moe_reference64",
+    "probe_weight",
+    "rel_error",
+]
+
+#: Bound on ||out - ref|| / ||ref|| per activation dtype: one rounding of the output plus fp32
+#: accumulation order, with margin (bf16 half-ulp 2^-9 ~ 2e-3, fp16 2^-12 ~ 2.4e-4).
+BOUNDS = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+#: Native (activation-quantizing) kernels get this factor on the bound: their reciprocals
+#: (``rcp.approx``) can move a code across a rounding boundary the float64 contract does not.
+NATIVE_FACTOR = 3
+
+
+def bound_for(act_dtype: torch.dtype, native: bool) -> float:
+    """The relative-error bound for ``act_dtype`` activations (native: quantized ones)."""
+    return BOUNDS[act_dtype] * (NATIVE_FACTOR if native else 1)
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64; inf when ``out`` has a NaN or an inf."""
+    o = out.detach().to("cpu", torch.float64)
+    r = ref.detach().to("cpu", torch.float64)
+    if o.shape != r.shape:
+        return float("inf")
+    if not bool(torch.isfinite(o).all()):
+        return float("inf")
+    denom = float(r.norm())
+    return float((o - r).norm()) / denom if denom > 0 else float((o - r).norm())
+
+
+def probe_weight(
+    fmt: str,
+    n: int,
+    k: int,
+    gen: torch.Generator,
+    *,
+    input_scale: float | None = 0.05,
+    fp8_kind: str = "channel",
+):
+    """A random quantized [N, K] weight with a tiny first row (subnormal block scales).
+
+    ``input_scale``: NVFP4 only, the activation multiplier that makes it a W4A4 weight (None:
+    weight-only). ``fp8_kind``: FP8 scale layout (tensor, channel or block).
+    """
+    from quantdispatch.formats import quantize_fp8, quantize_mxfp4, quantize_nvfp4
+
+    w = torch.randn(n, k, generator=gen) * 0.02
+    w[0] *= 1e-3
+    if fmt == "nvfp4":
+        return quantize_nvfp4(w, with_input_scale=input_scale)
+    if fmt == "mxfp4":
+        return quantize_mxfp4(w)
+    return quantize_fp8(w, kind=fp8_kind)  # type: ignore[arg-type]
+
+
+def _dequant64(fmt: str, weight) -> torch.Tensor:
+    from quantdispatch.formats import dequantize_fp8, dequantize_mxfp4, dequantize_nvfp4
+
+    dequant = {"nvfp4": dequantize_nvfp4, "mxfp4": dequantize_mxfp4, "fp8": dequantize_fp8}[fmt]
+    return dequant(weight.to("cpu"), dtype=torch.float64)
+
+
+def _activations64(fmt: str, weight, x: torch.Tensor, emulate: bool) -> torch.Tensor:
+    """x in float64, quantized first as the native kernel does when ``emulate``."""
+    x = x.detach().to("cpu")
+    if not emulate:
+        return x.to(torch.float64)
+    if fmt == "nvfp4":
+        from quantdispatch.formats.nvfp4_act import (
+            dequantize_nvfp4_activations,
+            quantize_nvfp4_activations,
+        )
+
+        q = quantize_nvfp4_activations(x, input_scale=weight.input_scale.to("cpu"))
+        return dequantize_nvfp4_activations(q, dtype=torch.float64)
+    if fmt == "fp8":
+        from quantdispatch.backends.reference import fake_quantize_fp8_activations
+
+        scale = None if weight.input_scale is None else weight.input_scale.to("cpu")
+        return fake_quantize_fp8_activations(x, scale).to(torch.float64)
+    raise ValueError(f"no activation emulation for {fmt}")
+
+
+def linear_reference64(
+    fmt: str,
+    weight,
+    x: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    emulate: bool = False,
+) -> torch.Tensor:
+    """x @ W.T (+ bias) in float64 on the CPU, W dequantized exactly; ``emulate``: x quantized
+    as a native W4A4 / W8A8 kernel quantizes it (the reference backend's emulation)."""
+    y = _activations64(fmt, weight, x, emulate) @ _dequant64(fmt, weight).T
+    if bias is not None:
+        y = y + bias.detach().to("cpu", torch.float64)
+    return y
+
+
+def moe_reference64(
+    fmt: str,
+    w13: Sequence[torch.Tensor],
+    w2: Sequence[torch.Tensor],
+    meta: Sequence[int],
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    activation: str = "silu",
+    params: Sequence[float] = (),
+) -> torch.Tensor:
+    """Routed experts in float64 (weight-only semantics) from the canonical stacks (``w13``:
+    gate rows then up rows for gated activations; ``meta`` as QuantMoE gives it): out[t] =
+    sum_k w[t, k] * down_e(act(w13_e x[t])) with e = topk_ids[t, k]."""
+    from quantdispatch.backends import get_backend
+    from quantdispatch.moe.activations import apply_activation
+
+    ref = get_backend("reference")
+    x64 = x.detach().to("cpu", torch.float64)
+    ids = topk_ids.detach().to("cpu", torch.long)
+    wts = topk_weights.detach().to("cpu", torch.float64)
+    out = torch.zeros_like(x64)
+    for e in torch.unique(ids).tolist():
+        rows, slot = torch.nonzero(ids == e, as_tuple=True)
+        first = _dequant64(fmt, ref.weight_object(fmt, [t[e].cpu() for t in w13], meta))
+        second = _dequant64(fmt, ref.weight_object(fmt, [t[e].cpu() for t in w2], meta))
+        h = apply_activation(x64[rows] @ first.T, activation, params)
+        out.index_add_(0, rows, (h @ second.T) * wts[rows, slot][:, None])
+    return out
