@@ -167,7 +167,7 @@ def _load() -> dict:
     path = cache_path()
     try:
         text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return {}
     except OSError as exc:
         _warn_once("cache", f"quantdispatch: self-check cache {path} is unreadable ({exc})")
@@ -294,12 +294,10 @@ def ensure_checked(
 
 def _fix(backend: str, profile: DeviceProfile) -> str:
     ident = _provider_identity(backend, profile)
-    upgrade = f"upgrade or reinstall {ident.rsplit(' ', 1)[0]} (found {ident})" if ident else ""
-    parts = [f"set QUANTDISPATCH_DISABLE={backend} to skip it (and this check)"]
-    if upgrade:
-        parts.append(upgrade)
-    parts.append("report the error above to quantdispatch")
-    return "; ".join(parts)
+    fix = f"set QUANTDISPATCH_DISABLE={backend} to skip it and its check"
+    if ident and " " in ident:
+        fix += f", or upgrade / reinstall {ident.rsplit(' ', 1)[0]} (found {ident})"
+    return fix
 
 
 def failures_for(request: Request, profile: DeviceProfile) -> dict[str, str]:
@@ -452,7 +450,7 @@ def selfcheck_status(backend: str, profile: DeviceProfile) -> str:
         return "never checked: the reference backend is the contract the check compares with"
     if profile.simulated:
         return f"not checked: simulated device (preset {profile.preset!r})"
-    if not profile.is_gpu:
+    if profile.kind not in ELIGIBLE_DEVICE_TYPES:
         return "not checked: not a CUDA GPU"
     env = environment_key(backend, profile)
     with _lock:

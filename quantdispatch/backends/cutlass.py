@@ -44,10 +44,10 @@ __all__ = ["NVFP4_MULTIPLE", "CutlassBackend"]
 NVFP4_MULTIPLE = 32
 _NAMES = ("cutlass_weight", "cutlass_weight_scale", "cutlass_alpha", "cutlass_encode_scale")
 _NO_MOE = (
-    "cutlass does not compute nvfp4 moe: no fused NVFP4 MoE kernel is bound: the providers ship grouped FP4 GEMMs and expert "
-    "quantizers (sgl-kernel cutlass_fp4_group_mm, vLLM _C::cutlass_fp4_group_mm), while the fused "
-    "MoE around them (routing, permutation, activation) is SGLang / vLLM Python; NVFP4 MoE runs "
-    "on the triton backend"
+    "cutlass does not compute nvfp4 moe: no fused NVFP4 MoE kernel is bound: the providers "
+    "ship grouped FP4 GEMMs and expert quantizers (sgl-kernel cutlass_fp4_group_mm, vLLM "
+    "_C::cutlass_fp4_group_mm), while the fused MoE around them (routing, permutation, "
+    "activation) is SGLang / vLLM Python; NVFP4 MoE runs on the triton backend"
 )
 
 

@@ -136,8 +136,8 @@ class TorchScaledMMBackend(Backend):
         return note
 
     def selfcheck_identity(self, profile: DeviceProfile) -> str:
-        """The kernel provider for the self-check's cache key: cuBLASLt in this torch build."""
-        return f"cuBLASLt of torch {profile.torch_version} (CUDA {profile.cuda_version})"
+        """The kernel provider for the self-check's cache key: this torch build's cuBLASLt."""
+        return f"torch {profile.torch_version}"
 
     def shape_reasons(self, request: Request) -> list[str]:
         if request.format == "nvfp4":
