@@ -67,10 +67,10 @@ FP4_MMA = CapabilitySet("FP4 tensor cores", SM100_FAMILY.members | SM120_FAMILY.
 TORCH_NVFP4_VERIFIED = CapabilitySet("torch NVFP4 verified", frozenset({(10, 0), (10, 3)}))
 
 #: FP4 GPUs torch does not refuse (it checks only SM 8.9 / 9.0+ for every scaled-mm recipe)
-#: but where nothing read shows cuBLASLt running NVFP4: Thor and the sm120 family. The torch
-#: backend takes them only behind the first-use self-check.
+#: but where nothing read shows cuBLASLt running NVFP4: Thor (11.0; 10.1 before CUDA 13) and the
+#: sm120 family. The torch backend takes them only behind the first-use self-check.
 TORCH_NVFP4_UNVERIFIED = CapabilitySet(
-    "torch NVFP4 unverified", frozenset({(11, 0), (12, 0), (12, 1)})
+    "torch NVFP4 unverified", FP4_MMA.members - TORCH_NVFP4_VERIFIED.members
 )
 
 #: First torch release with NVFP4 ``_scaled_mm`` (float4_e2m1fn_x2 operands): 2.8 (torchao's
