@@ -6,8 +6,8 @@ provider and quantdispatch versions) with no recorded result, :func:`ensure_chec
 small probe through the same custom op the layers call: linear at M = 1, 48 and 192 (N = 256,
 K = 512, a bias on the middle one), MoE at M = 1 and 48 (4 experts, top-2, H = 256, I = 128,
 SiLU), in the request's activation dtype. Each output is compared with float64 maths
-(:mod:`quantdispatch.checking`, the bounds ``verify`` uses; native W4A4 / W8A8 backends against
-the emulated quantized activations).
+(:mod:`quantdispatch.checking`: the bounds ``verify`` uses, the MoE GPU tests' for MoE; native
+W4A4 / W8A8 backends against the emulated quantized activations).
 
 * pass: recorded in ``$XDG_CACHE_HOME/quantdispatch/selfcheck.json`` (``~/.cache/...``), so
   later processes skip the probe (mode ``once``; ``always`` probes once per process);
@@ -51,6 +51,7 @@ __all__ = [
     "failures_for",
     "probe_key",
     "reset",
+    "results",
     "run_probe",
     "selfcheck_status",
     "skip_reason",
@@ -87,6 +88,12 @@ _lock = threading.RLock()
 _results: dict[tuple[str, str], CheckResult] = {}
 """(environment key, probe key) -> this process's result."""
 _warned: set[object] = set()
+
+
+def results() -> dict[tuple[str, str], CheckResult]:
+    """This process's results: (environment key, probe key) -> result (a copy)."""
+    with _lock:
+        return dict(_results)
 
 
 def reset() -> None:
@@ -331,7 +338,7 @@ def run_probe(backend: str, request: Request, device: torch.device) -> CheckResu
 
     b = get_backend(backend)
     native = not b.weight_only
-    bound = bound_for(request.act_dtype, native)
+    bound = bound_for(request.act_dtype, native, moe=request.op.value == "moe")
     start = time.perf_counter()
     errors: list[tuple[int, float]] = []
     try:
