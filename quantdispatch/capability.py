@@ -80,7 +80,7 @@ TORCH_NVFP4_MIN_TORCH = (2, 8)
 #: The FP4 data type reaches cuBLASLt only in CUDA 12.8+ builds of torch (``CUDA_R_4F_E2M1``).
 TORCH_NVFP4_MIN_CUDA = (12, 8)
 
-# -- the providers' CUTLASS NVFP4 GEMM (docs/design/native-fp4.md, section 6) -------------------
+# -- the providers' CUTLASS NVFP4 GEMM (docs/design/native-fp4.md, section 5) -------------------
 
 #: SMs with cubins of ``cutlass_scaled_fp4_mm`` in the provider builds the cutlass backend binds:
 #: sgl-kernel 0.3.21 (sm100/common_ops: sm_80, 89, 90, 100, 120 cubins, no PTX) and vLLM 0.33.0

@@ -1,7 +1,7 @@
 """Which native NVFP4 GEMM providers the cutlass backend can call, at which versions, and how.
 
 A binding is one row: a provider, the version range our adapter was written for (from the
-provider's released build: docs/design/native-fp4.md, section 6, has the sources), the GEMM
+provider's released build: docs/design/native-fp4.md, section 5, has the sources), the GEMM
 entry point and its argument convention, and which activation quantizer runs before it. A
 provider outside its row is refused with its version in the reason.
 

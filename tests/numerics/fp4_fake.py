@@ -1,5 +1,5 @@
 """Fake native NVFP4 providers for CPU tests, written from the documented contracts
-(docs/design/native-fp4.md, section 6), not from the providers' code.
+(docs/design/native-fp4.md, section 5), not from the providers' code.
 
 * ``fake_sgl_kernel()``: a module standing in for ``sgl_kernel`` 0.3.21 with
   ``scaled_fp4_quant(input, input_global_scale)`` (the quantization rule in float64 from
