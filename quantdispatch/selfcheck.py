@@ -23,6 +23,7 @@ off``. A corrupt or unwritable cache is ignored with one warning.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import logging
@@ -378,7 +379,7 @@ def _probe_linear(b, request: Request, device: torch.device) -> list[tuple[int, 
         request.format, n, k, gen, input_scale=0.05 if w4a4 else None,
         fp8_kind=request.scale_kind or "channel",
     )  # fmt: skip
-    prepared = b.prepare(weight.to(device), request)
+    prepared = b.prepare(weight.to(device), dataclasses.replace(request, n=n, k=k))
     tensors = as_op_tensors(list(prepared.tensors))
     meta = list(prepared.meta)
     out = []
@@ -420,7 +421,7 @@ def _probe_moe(b, request: Request, device: torch.device) -> list[tuple[int, flo
         [t.to(device).contiguous() for t in s2],
         STACK_NAMES[fmt],
         meta,
-        request,
+        dataclasses.replace(request, n=i, k=h, experts=e),
         gated=True,
     )
     out = []
