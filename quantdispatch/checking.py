@@ -4,14 +4,19 @@ A backend's output is compared with float64 maths on the same quantized weight: 
 dequantized exactly (float64), the activations are taken as given (weight-only backends) or
 quantized the way a native kernel quantizes them (W4A4 / W8A8 backends: the contract the
 reference backend emulates), and the measure is ||out - ref|| / ||ref|| against a bound per
-activation dtype. Nothing here picks or runs a backend.
+activation dtype. Nothing here picks a backend; the self-check's probes run the one given.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from quantdispatch.request import Request
 
 __all__ = [
     "BOUNDS",
@@ -20,6 +25,8 @@ __all__ = [
     "bound_for",
     "linear_reference64",
     "moe_reference64",
+    "probe_linear",
+    "probe_moe",
     "probe_weight",
     "rel_error",
 ]
@@ -154,4 +161,95 @@ def moe_reference64(
         second = _dequant64(fmt, ref.weight_object(fmt, [t[e].cpu() for t in w2], meta))
         h = apply_activation(x64[rows] @ first.T, activation, params)
         out.index_add_(0, rows, (h @ second.T) * wts[rows, slot][:, None])
+    return out
+
+
+# -- the self-check's probes ----------------------------------------------------------------------
+
+_LINEAR_M = (1, 48, 192)
+_LINEAR_NK = (256, 512)
+_MOE_M = (1, 48)
+_MOE = {"experts": 4, "top_k": 2, "hidden": 256, "inter": 128}
+
+
+def probe_linear(b, request: Request, device: torch.device) -> list[tuple[int, float]]:
+    """Backend ``b`` on the linear probe (M = 1, 48, 192; N 256, K 512; a bias on M = 48)
+    through the layers' custom op: [(M, rel. error vs float64)]."""
+    import quantdispatch.ops  # noqa: F401  (registers torch.ops.quantdispatch.*)
+    from quantdispatch.backends.base import as_op_tensors
+
+    gen = torch.Generator().manual_seed(25)
+    n, k = _LINEAR_NK
+    w4a4 = request.scheme.value == "weight_act" and request.format == "nvfp4"
+    weight = probe_weight(
+        request.format, n, k, gen, input_scale=0.05 if w4a4 else None,
+        fp8_kind=request.scale_kind or "channel",
+    )  # fmt: skip
+    prepared = b.prepare(weight.to(device), dataclasses.replace(request, n=n, k=k))
+    tensors = as_op_tensors(list(prepared.tensors))
+    meta = list(prepared.meta)
+    out = []
+    for i, m in enumerate(_LINEAR_M):
+        x = torch.randn(m, k, generator=gen).to(request.act_dtype)
+        bias = torch.randn(n, generator=gen) * 0.1 if i == 1 else None
+        dev_bias = None if bias is None else bias.to(device)
+        y = torch.ops.quantdispatch.linear(
+            x.to(device), tensors, dev_bias, b.name, request.format, meta, n
+        )
+        ref = linear_reference64(request.format, weight, x, bias, emulate=not b.weight_only)
+        out.append((m, rel_error(y, ref)))
+    return out
+
+
+def probe_moe(b, request: Request, device: torch.device) -> list[tuple[int, float]]:
+    """Backend ``b`` on the MoE probe (M = 1, 48; 4 experts, top-2, H 256, I 128, SiLU) through
+    the layers' custom op: [(M, rel. error vs float64)]."""
+    import quantdispatch.ops  # noqa: F401
+    from quantdispatch.moe.stacking import STACK_NAMES, stack_experts
+
+    gen = torch.Generator().manual_seed(26)
+    fmt, e, top_k = request.format, _MOE["experts"], _MOE["top_k"]
+    h, i = _MOE["hidden"], _MOE["inter"]
+    w4a4 = request.scheme.value == "weight_act" and fmt == "nvfp4"
+    kind = request.scale_kind or "channel"
+
+    def expert(n: int, k: int):
+        return probe_weight(fmt, n, k, gen, input_scale=0.05 if w4a4 else None, fp8_kind=kind)
+
+    lists = {
+        "gate": [expert(i, h) for _ in range(e)],
+        "up": [expert(i, h) for _ in range(e)],
+        "down": [expert(h, i) for _ in range(e)],
+    }
+    s13, s2, block, _ = stack_experts(fmt, lists, gated=True)
+    meta = [0, *block]
+    prepared = b.prepare_moe(
+        [t.to(device).contiguous() for t in s13],
+        [t.to(device).contiguous() for t in s2],
+        STACK_NAMES[fmt],
+        meta,
+        dataclasses.replace(request, n=i, k=h, experts=e),
+        gated=True,
+    )
+    out = []
+    for m in _MOE_M:
+        x = torch.randn(m, h, generator=gen).to(request.act_dtype)
+        ids = torch.stack([torch.randperm(e, generator=gen)[:top_k] for _ in range(m)])
+        weights = torch.rand(m, top_k, generator=gen) + 0.1
+        y = torch.ops.quantdispatch.moe(
+            x.to(device),
+            ids.to(device, torch.int32),
+            weights.to(device),
+            list(prepared.w13),
+            list(prepared.w2),
+            None,
+            None,
+            b.name,
+            fmt,
+            "silu",
+            [],
+            list(prepared.meta),
+        )
+        ref = moe_reference64(fmt, s13, s2, meta, x, ids, weights)
+        out.append((m, rel_error(y, ref)))
     return out

@@ -23,7 +23,6 @@ off``. A corrupt or unwritable cache is ignored with one warning.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import json
 import logging
@@ -326,16 +325,11 @@ def failures_for(request: Request, profile: DeviceProfile) -> dict[str, str]:
 
 # -- the probe ------------------------------------------------------------------------------------
 
-_LINEAR_M = (1, 48, 192)
-_LINEAR_NK = (256, 512)
-_MOE_M = (1, 48)
-_MOE = {"experts": 4, "top_k": 2, "hidden": 256, "inter": 128}
-
 
 def run_probe(backend: str, request: Request, device: torch.device) -> CheckResult:
     """Run the probe now (no cache): every call's error against float64 within its bound."""
     from quantdispatch.backends import get_backend
-    from quantdispatch.checking import bound_for
+    from quantdispatch.checking import bound_for, probe_linear, probe_moe
 
     b = get_backend(backend)
     native = not b.weight_only
@@ -344,9 +338,9 @@ def run_probe(backend: str, request: Request, device: torch.device) -> CheckResu
     errors: list[tuple[int, float]] = []
     try:
         if request.op.value == "moe":
-            errors = _probe_moe(b, request, device)
+            errors = probe_moe(b, request, device)
         else:
-            errors = _probe_linear(b, request, device)
+            errors = probe_linear(b, request, device)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     except Exception as exc:  # a kernel that cannot run here fails its check, with the error
@@ -365,87 +359,6 @@ def run_probe(backend: str, request: Request, device: torch.device) -> CheckResu
 def _result(backend: str, passed: bool, detail: str, worst: float, start: float) -> CheckResult:
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     return CheckResult(backend, passed, detail, worst, time.perf_counter() - start, now)
-
-
-def _probe_linear(b, request: Request, device: torch.device) -> list[tuple[int, float]]:
-    import quantdispatch.ops  # noqa: F401  (registers torch.ops.quantdispatch.*)
-    from quantdispatch.backends.base import as_op_tensors
-    from quantdispatch.checking import linear_reference64, probe_weight, rel_error
-
-    gen = torch.Generator().manual_seed(25)
-    n, k = _LINEAR_NK
-    w4a4 = request.scheme.value == "weight_act" and request.format == "nvfp4"
-    weight = probe_weight(
-        request.format, n, k, gen, input_scale=0.05 if w4a4 else None,
-        fp8_kind=request.scale_kind or "channel",
-    )  # fmt: skip
-    prepared = b.prepare(weight.to(device), dataclasses.replace(request, n=n, k=k))
-    tensors = as_op_tensors(list(prepared.tensors))
-    meta = list(prepared.meta)
-    out = []
-    for i, m in enumerate(_LINEAR_M):
-        x = torch.randn(m, k, generator=gen).to(request.act_dtype)
-        bias = torch.randn(n, generator=gen) * 0.1 if i == 1 else None
-        dev_bias = None if bias is None else bias.to(device)
-        y = torch.ops.quantdispatch.linear(
-            x.to(device), tensors, dev_bias, b.name, request.format, meta, n
-        )
-        ref = linear_reference64(request.format, weight, x, bias, emulate=not b.weight_only)
-        out.append((m, rel_error(y, ref)))
-    return out
-
-
-def _probe_moe(b, request: Request, device: torch.device) -> list[tuple[int, float]]:
-    import quantdispatch.ops  # noqa: F401
-    from quantdispatch.checking import moe_reference64, probe_weight, rel_error
-    from quantdispatch.moe.stacking import STACK_NAMES, stack_experts
-
-    gen = torch.Generator().manual_seed(26)
-    fmt, e, top_k = request.format, _MOE["experts"], _MOE["top_k"]
-    h, i = _MOE["hidden"], _MOE["inter"]
-    w4a4 = request.scheme.value == "weight_act" and fmt == "nvfp4"
-    kind = request.scale_kind or "channel"
-
-    def expert(n: int, k: int):
-        return probe_weight(fmt, n, k, gen, input_scale=0.05 if w4a4 else None, fp8_kind=kind)
-
-    lists = {
-        "gate": [expert(i, h) for _ in range(e)],
-        "up": [expert(i, h) for _ in range(e)],
-        "down": [expert(h, i) for _ in range(e)],
-    }
-    s13, s2, block, _ = stack_experts(fmt, lists, gated=True)
-    meta = [0, *block]
-    prepared = b.prepare_moe(
-        [t.to(device).contiguous() for t in s13],
-        [t.to(device).contiguous() for t in s2],
-        STACK_NAMES[fmt],
-        meta,
-        dataclasses.replace(request, n=i, k=h, experts=e),
-        gated=True,
-    )
-    out = []
-    for m in _MOE_M:
-        x = torch.randn(m, h, generator=gen).to(request.act_dtype)
-        ids = torch.stack([torch.randperm(e, generator=gen)[:top_k] for _ in range(m)])
-        weights = torch.rand(m, top_k, generator=gen) + 0.1
-        y = torch.ops.quantdispatch.moe(
-            x.to(device),
-            ids.to(device, torch.int32),
-            weights.to(device),
-            list(prepared.w13),
-            list(prepared.w2),
-            None,
-            None,
-            b.name,
-            fmt,
-            "silu",
-            [],
-            list(prepared.meta),
-        )
-        ref = moe_reference64(fmt, s13, s2, meta, x, ids, weights)
-        out.append((m, rel_error(y, ref)))
-    return out
 
 
 # -- for doctor -----------------------------------------------------------------------------------
