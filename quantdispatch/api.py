@@ -101,25 +101,23 @@ def _checked(decision: Decision, device: torch.device, settings: Settings, polic
     """The decision after the chosen backend's self-check: while the chosen one fails, resolve
     again with the failures as data (a forced backend that fails raises from resolve)."""
     request, profile = decision.request, decision.device
+    unchecked: dict[str, str] = {}  # unverified backends refused because the check is off
+    mode = settings.self_check
     while True:
         backend = decision.backend
-        mode = settings.self_check
-        skipped = selfcheck.skip_reason(backend, profile, device, mode)
         unverified = _unverified(backend, request, profile)
         if unverified and mode == "off" and not profile.simulated:
-            failed = dict(selfcheck.failures_for(request, profile))
-            failed[backend] = (
+            unchecked[backend] = (
                 f"{unverified}; it is taken only after its first-use self-check, which "
                 "QUANTDISPATCH_SELF_CHECK=off turns off"
             )
-            decision = resolve(request, profile, settings, policy, failed)
-            continue
-        if skipped is not None:
+        elif selfcheck.skip_reason(backend, profile, device, mode) is not None:
             return decision
-        result = selfcheck.ensure_checked(backend, request, profile, device, mode)
-        if result is None or result.passed:
-            return decision
-        failed = selfcheck.failures_for(request, profile)
+        else:
+            result = selfcheck.ensure_checked(backend, request, profile, device, mode)
+            if result is None or result.passed:
+                return decision
+        failed = {**selfcheck.failures_for(request, profile), **unchecked}
         decision = resolve(request, profile, settings, policy, failed)
 
 

@@ -219,3 +219,15 @@ def test_torch_self_check_catches_misread_weight_scales(monkeypatch, clean):
     assert d.backend == "reference"
     assert "failed its self-check here: rel. error M=1:" in line.reason
     assert "upgrade / reinstall torch (found torch" in line.reason
+
+
+def test_self_check_off_refuses_every_unverified_native_backend_in_turn(sgl, monkeypatch):
+    """GB10 (12.1): cutlass and torch are both unverified; with the check off both are refused
+    (each with its reason) and the weight-only kernel runs."""
+    off = load_settings({"QUANTDISPATCH_SELF_CHECK": "off"})
+    profile = preset_profile("gb10").model_copy(update={"simulated": False, "preset": None})
+    d = select("nvfp4", device=profile, settings=off, check_on="cuda")
+    lines = {c.backend: c for c in d.trace}
+    assert d.backend == "triton", d.explain()
+    for native in ("cutlass", "torch"):
+        assert "QUANTDISPATCH_SELF_CHECK=off turns off" in lines[native].reason
