@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from quantdispatch import selfcheck
 from quantdispatch.backends import backend_names
 from quantdispatch.device import PRESETS, device_profile
 from quantdispatch.formats import FORMATS
@@ -66,6 +67,7 @@ def select(
     device: object = None,
     settings: Settings | None = None,
     policy: Policy | str | Path | None = None,
+    check_on: torch.device | str | None = None,
 ) -> Decision:
     """Decide which backend computes ``format``/``op`` here (or on ``device``) and why.
 
@@ -73,6 +75,11 @@ def select(
     simulate (``"h100"``), ``"cuda:1"``, an index, or a DeviceProfile. ``settings`` default to the
     environment; ``policy`` to ``QUANTDISPATCH_POLICY`` laid over the packaged default.
     ``decision.explain()`` gives the text ``quantdispatch doctor`` prints.
+
+    ``check_on``: the torch device a layer is being built on (layers pass it). The chosen backend
+    then gets its first-use self-check there (quantdispatch.selfcheck, ``settings.self_check``);
+    one that fails is rejected for this process and the next candidate is chosen (a forced one
+    raises). Backends that failed earlier in this process are rejected either way.
     """
     request = Request.make(
         format, op, act_dtype, scheme, n=n, k=k, experts=experts, scale_kind=scale_kind
@@ -83,9 +90,43 @@ def select(
     profile = device_profile(device)
     if not isinstance(policy, Policy):
         policy = load_policy(policy if policy is not None else settings.policy)
-    decision = resolve(request, profile, settings, policy)
+    decision = resolve(request, profile, settings, policy, selfcheck.failures_for(request, profile))
+    if check_on is not None:
+        decision = _checked(decision, torch.device(check_on), settings, policy)
     _log_once(decision)
     return decision
+
+
+def _checked(decision: Decision, device: torch.device, settings: Settings, policy: Policy):
+    """The decision after the chosen backend's self-check: while the chosen one fails, resolve
+    again with the failures as data (a forced backend that fails raises from resolve)."""
+    request, profile = decision.request, decision.device
+    unchecked: dict[str, str] = {}  # unverified backends refused because the check is off
+    mode = settings.self_check
+    while True:
+        backend = decision.backend
+        unverified = _unverified(backend, request, profile)
+        if unverified and mode == "off" and not profile.simulated:
+            unchecked[backend] = (
+                f"{unverified}; it is taken only after its first-use self-check, which "
+                "QUANTDISPATCH_SELF_CHECK=off turns off"
+            )
+        elif selfcheck.skip_reason(backend, profile, device, mode) is not None:
+            return decision
+        else:
+            result = selfcheck.ensure_checked(backend, request, profile, device, mode)
+            if result is None or result.passed:
+                return decision
+        failed = {**selfcheck.failures_for(request, profile), **unchecked}
+        decision = resolve(request, profile, settings, policy, failed)
+
+
+def _unverified(backend: str, request: Request, profile) -> str | None:
+    """Why ``backend`` is accepted only behind the self-check here (None: it is not)."""
+    from quantdispatch.backends import get_backend
+
+    hook = getattr(get_backend(backend), "unverified_reason", None)
+    return hook(request, profile) if callable(hook) else None
 
 
 def _log_once(decision: Decision) -> None:

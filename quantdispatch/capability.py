@@ -10,9 +10,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = [
+    "CUTLASS_NVFP4",
+    "CUTLASS_NVFP4_UNVERIFIED",
+    "FP4_MMA",
     "FP8_MMA",
     "SM100_FAMILY",
     "SM120_FAMILY",
+    "TORCH_NVFP4_MIN_CUDA",
+    "TORCH_NVFP4_MIN_TORCH",
+    "TORCH_NVFP4_UNVERIFIED",
+    "TORCH_NVFP4_VERIFIED",
     "CapabilitySet",
     "fmt_sm",
 ]
@@ -48,3 +55,38 @@ FP8_MMA = CapabilitySet(
     "FP8 tensor cores",
     frozenset({(8, 9), (9, 0)}) | SM100_FAMILY.members | SM120_FAMILY.members,
 )
+
+#: GPUs with FP4 (e2m1) block-scaled tensor-core MMA: both Blackwell families. Their kernels are
+#: separate builds (tcgen05 on the sm100 family, mma.sync block-scaled on the sm120 family).
+FP4_MMA = CapabilitySet("FP4 tensor cores", SM100_FAMILY.members | SM120_FAMILY.members)
+
+# -- torch._scaled_mm with NVFP4 operands (docs/design/native-fp4.md, section 4) --------------
+
+#: Where torch's NVFP4 ``_scaled_mm`` (cuBLASLt's block-scaled FP4 kernel) is known to run: B200
+#: (pytorch PR #148792 and its tests) and GB300 (pytorch #187095 shows the sm_103 kernel).
+TORCH_NVFP4_VERIFIED = CapabilitySet("torch NVFP4 verified", frozenset({(10, 0), (10, 3)}))
+
+#: FP4 GPUs torch does not refuse (it checks only SM 8.9 / 9.0+ for every scaled-mm recipe)
+#: but where nothing read shows cuBLASLt running NVFP4: Thor (11.0; 10.1 before CUDA 13) and the
+#: sm120 family. The torch backend takes them only behind the first-use self-check.
+TORCH_NVFP4_UNVERIFIED = CapabilitySet(
+    "torch NVFP4 unverified", FP4_MMA.members - TORCH_NVFP4_VERIFIED.members
+)
+
+#: First torch release with NVFP4 ``_scaled_mm`` (float4_e2m1fn_x2 operands): 2.8 (torchao's
+#: NVFP4 tests skip below it).
+TORCH_NVFP4_MIN_TORCH = (2, 8)
+
+#: The FP4 data type reaches cuBLASLt only in CUDA 12.8+ builds of torch (``CUDA_R_4F_E2M1``).
+TORCH_NVFP4_MIN_CUDA = (12, 8)
+
+# -- the providers' CUTLASS NVFP4 GEMM (docs/design/native-fp4.md, section 5) -------------------
+
+#: SMs with cubins of ``cutlass_scaled_fp4_mm`` in the provider builds the cutlass backend binds:
+#: sgl-kernel 0.3.21 (sm100/common_ops: sm_80, 89, 90, 100, 120 cubins, no PTX) and vLLM 0.33.0
+#: (_C_stable_libtorch: cubins up to sm_100 and sm_120). The sm120 kernels write bf16 / fp16 only.
+CUTLASS_NVFP4 = CapabilitySet("CUTLASS NVFP4 cubins", frozenset({(10, 0), (12, 0)}))
+
+#: Same families, no cubin of their own (B300 10.3, GB10 12.1): they run only if the 10.0 / 12.0
+#: cubins are family builds, which the wheels do not show. Taken only behind the self-check.
+CUTLASS_NVFP4_UNVERIFIED = CapabilitySet("CUTLASS NVFP4 unverified", frozenset({(10, 3), (12, 1)}))

@@ -3,12 +3,14 @@
 It walks the policy's candidates for (format, op) in order and asks each backend whether it can
 run the request on the device. The first that can is chosen; every candidate stays in the
 trace, accepted or rejected with its reason. A forced backend that cannot run raises with its
-own reason: forcing never falls back.
+own reason: forcing never falls back. Backends whose first-use self-check failed in this process
+come in as data (``failed``: backend -> the measured reason) and are rejected with that reason.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,19 +109,41 @@ class Decision:
 
 
 def resolve(
-    request: Request, profile: DeviceProfile, settings: Settings, policy: Policy
+    request: Request,
+    profile: DeviceProfile,
+    settings: Settings,
+    policy: Policy,
+    failed: Mapping[str, str] | None = None,
 ) -> Decision:
-    """Decide which backend runs ``request`` on ``profile`` (cached: same inputs, same object)."""
-    return _resolve(request, profile, settings, policy)
+    """Decide which backend runs ``request`` on ``profile`` (cached: same inputs, same object).
+
+    ``failed``: backends that failed their self-check for this request here, with the reason;
+    they are rejected (a forced one raises)."""
+    return _resolve(request, profile, settings, policy, tuple(sorted((failed or {}).items())))
 
 
 @functools.lru_cache(maxsize=4096)
 def _resolve(
-    request: Request, profile: DeviceProfile, settings: Settings, policy: Policy
+    request: Request,
+    profile: DeviceProfile,
+    settings: Settings,
+    policy: Policy,
+    failed_items: tuple[tuple[str, str], ...] = (),
 ) -> Decision:
+    failed = dict(failed_items)
     entry = policy.entry(request.format, request.op)
     forced = settings.forced(request.format, request.op)
     if forced is not None:
+        if forced.backend in failed:
+            raise BackendUnavailableError(
+                format_error(
+                    f"{forced.by} forces backend {forced.backend!r}, which failed its self-check "
+                    f"for {request.describe()} on {profile.label()}: {failed[forced.backend]}",
+                    "a forced backend never falls back silently",
+                    f"unset {forced.by.split('=')[0]} to let the policy choose, or fix what the "
+                    "self-check names",
+                )
+            )
         return _resolve_forced(request, profile, settings, entry.candidates, entry.source, forced)
 
     trace: list[Candidate] = []
@@ -129,6 +153,9 @@ def _resolve(
         backend = get_backend(name)
         if name in settings.disable:
             trace.append(Candidate(name, False, f"disabled by {ENV_PREFIX}DISABLE"))
+            continue
+        if name in failed:
+            trace.append(Candidate(name, False, f"failed its self-check here: {failed[name]}"))
             continue
         why_not = backend.explain_unsupported(request, profile)
         if why_not is not None:

@@ -11,6 +11,10 @@ variable                                meaning
 ``QUANTDISPATCH_DEVICE``                a preset to simulate (explain only: kernels refuse to run)
 ``QUANTDISPATCH_PDL``                   ``0`` / ``false``: no programmatic dependent launches
                                         (default on where the GPU has them, SM 9.0+)
+``QUANTDISPATCH_SELF_CHECK``            ``once`` (default): check a backend against float64 the
+                                        first time it is chosen on this GPU / software, and
+                                        remember a pass on disk; ``always``: every process;
+                                        ``off``: never (quantdispatch.selfcheck)
 ``SGLANG_FORCE_NVFP4_MARLIN=1``         SGLang's switch, read as ``..._BACKEND_NVFP4=marlin``
 ``load_settings(backend=...)``          ``{"nvfp4": "triton"}`` every op, ``{"nvfp4:moe": ...}``
                                         one op; merged over the variables
@@ -47,12 +51,20 @@ __all__ = [
     "force_variable",
     "load_settings",
     "parse_pdl",
+    "parse_self_check",
 ]
 
 ENV_PREFIX = "QUANTDISPATCH_"
 BACKEND_PREFIX = ENV_PREFIX + "BACKEND_"
 SGLANG_MARLIN_ENV = "SGLANG_FORCE_NVFP4_MARLIN"
-_PLAIN_FIELDS = {"DISABLE": "disable", "POLICY": "policy", "DEVICE": "device", "PDL": "pdl"}
+_PLAIN_FIELDS = {
+    "DISABLE": "disable",
+    "POLICY": "policy",
+    "DEVICE": "device",
+    "PDL": "pdl",
+    "SELF_CHECK": "self_check",
+}
+SELF_CHECK_MODES = ("once", "always", "off")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
@@ -74,6 +86,23 @@ def parse_pdl(value: Any) -> bool:
             f"set {ENV_PREFIX}PDL=0 or 1, or unset it",
         )
     )
+
+
+def parse_self_check(value: Any) -> str:
+    """``QUANTDISPATCH_SELF_CHECK``: unset or empty -> ``once``, else one of the modes."""
+    if value is None or str(value).strip() == "":
+        return "once"
+    mode = str(value).strip().lower()
+    if mode not in SELF_CHECK_MODES:
+        raise ValueError(
+            format_error(
+                f"{ENV_PREFIX}SELF_CHECK={value!r} is not a self-check mode",
+                "valid values: once (check a backend the first time it is chosen on this GPU "
+                "and software, remember a pass; the default), always (every process), off",
+                f"set {ENV_PREFIX}SELF_CHECK=once, always or off, or unset it",
+            )
+        )
+    return mode
 
 
 @dataclass(frozen=True)
@@ -216,6 +245,8 @@ class Settings(BaseSettings):
     device: str | None = None
     pdl: bool = True
     """Kernels may use programmatic dependent launches (SM 9.0+); it changes no decision."""
+    self_check: str = "once"
+    """First-use self-check of a chosen backend: ``once``, ``always`` or ``off``."""
 
     @classmethod
     def settings_customise_sources(
@@ -294,6 +325,11 @@ class Settings(BaseSettings):
     @classmethod
     def _check_pdl(cls, value: Any) -> bool:
         return parse_pdl(value)
+
+    @field_validator("self_check", mode="before")
+    @classmethod
+    def _check_self_check(cls, value: Any) -> str:
+        return parse_self_check(value)
 
     @field_validator("device", mode="before")
     @classmethod
@@ -374,6 +410,7 @@ class Settings(BaseSettings):
             "policy": str(self.policy) if self.policy else None,
             "device": self.device,
             "pdl": self.pdl,
+            "self_check": self.self_check,
         }
 
 

@@ -14,13 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
+from quantdispatch.checking import bound_for, linear_reference64, probe_weight, rel_error
 from quantdispatch.errors import BackendUnavailableError, format_error
 
 __all__ = ["VerifyResult", "verify"]
 
-#: Bound on ||out - ref|| / ||ref|| per activation dtype: one rounding of the output plus fp32
-#: accumulation order, with margin (bf16 half-ulp 2^-9 ~ 2e-3, fp16 2^-12 ~ 2.4e-4).
-BOUNDS = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 SHAPES = ((1, 384, 512), (33, 384, 512))  # (M, N, K): a GEMV-like and a tiled call
 
 
@@ -36,18 +34,6 @@ class VerifyResult:
     bound: float
     ok: bool
     note: str = ""
-
-
-def _weight(fmt: str, n: int, k: int, gen: torch.Generator):
-    from quantdispatch.formats import quantize_fp8, quantize_mxfp4, quantize_nvfp4
-
-    w = torch.randn(n, k, generator=gen) * 0.02
-    w[0] *= 1e-3  # tiny rows: subnormal block scales
-    if fmt == "nvfp4":
-        return quantize_nvfp4(w, with_input_scale=0.05)
-    if fmt == "mxfp4":
-        return quantize_mxfp4(w)
-    return quantize_fp8(w, kind="channel")
 
 
 def verify(formats: Sequence[str] | None = None) -> list[VerifyResult]:
@@ -76,24 +62,17 @@ def verify(formats: Sequence[str] | None = None) -> list[VerifyResult]:
             decision = select(fmt, act_dtype=act, device=profile)
             runnable = [c.backend for c in decision.trace if c.accepted]
             for m, n, k in SHAPES:
-                weight = _weight(fmt, n, k, gen)
+                weight = probe_weight(fmt, n, k, gen)
                 x = torch.randn(m, k, generator=gen).to(act)
                 for backend in runnable:
-                    forced = load_settings({}, backend={fmt: backend})
+                    # verify is the check itself: its layers run with the self-check off
+                    forced = load_settings({}, backend={fmt: backend}, self_check="off")
                     layer = QuantLinear(weight, act_dtype=act, device=device, settings=forced)
                     native = not get_backend(backend).weight_only
-                    ref_layer = QuantLinear(
-                        weight,
-                        act_dtype=act,
-                        device="cpu",
-                        settings=load_settings({}, backend={fmt: "reference"}),
-                        emulate_activations=native,
-                    )
-                    ref = _float64_reference(ref_layer, x)
-                    out = layer(x.to(device)).to("cpu", torch.float64)
-                    finite = bool(torch.isfinite(out).all())
-                    err = float((out - ref).norm() / ref.norm()) if finite else float("inf")
-                    bound = BOUNDS[act] * (3 if native else 1)
+                    ref = linear_reference64(fmt, weight, x, emulate=native)
+                    out = layer(x.to(device))
+                    err = rel_error(out, ref)
+                    bound = bound_for(act, native)
                     results.append(
                         VerifyResult(
                             fmt,
@@ -109,28 +88,3 @@ def verify(formats: Sequence[str] | None = None) -> list[VerifyResult]:
                         )
                     )
     return results
-
-
-def _float64_reference(ref_layer, x: torch.Tensor) -> torch.Tensor:
-    """x @ W.T in float64, W dequantized exactly (float32 dequant is exact for these formats)."""
-    from quantdispatch.backends import get_backend
-    from quantdispatch.formats import dequantize_fp8, dequantize_mxfp4, dequantize_nvfp4
-    from quantdispatch.formats import fake_quantize_nvfp4_activations as fq
-
-    weight = get_backend("reference").weight_object(
-        ref_layer.format, ref_layer._tensors(), ref_layer._meta
-    )
-    dequant = {"nvfp4": dequantize_nvfp4, "mxfp4": dequantize_mxfp4, "fp8": dequantize_fp8}
-    w64 = dequant[ref_layer.format](weight, dtype=torch.float64)
-    xin = x
-    if ref_layer._meta and ref_layer._meta[0]:
-        from quantdispatch.backends.reference import fake_quantize_fp8_activations
-
-        if ref_layer.format == "nvfp4":
-            xin = fq(x, weight.input_scale)
-        else:
-            xin = fake_quantize_fp8_activations(x, weight.input_scale)
-    y = xin.to(torch.float64) @ w64.T
-    if ref_layer.bias is not None:
-        y = y + ref_layer.bias.to(torch.float64)
-    return y

@@ -3,11 +3,14 @@
 - Without a CUDA GPU, Triton kernels run through the interpreter: TRITON_INTERPRET=1 must be set
   before triton is imported (it is read when kernels are decorated).
 - Tests marked ``gpu`` are skipped without a CUDA GPU, with the resolver's own reason.
+- The first-use self-check records its results under a temporary XDG_CACHE_HOME, never in the
+  user's cache.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 import torch
@@ -21,6 +24,7 @@ for _key in [k for k in os.environ if k.startswith("QUANTDISPATCH_")] + [
     "SGLANG_FORCE_NVFP4_MARLIN"
 ]:
     os.environ.pop(_key, None)
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="quantdispatch-tests-cache-")
 
 
 def _gpu_skip_reason() -> str:

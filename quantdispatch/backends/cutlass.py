@@ -1,30 +1,76 @@
-"""sgl-kernel's CUTLASS GEMMs: native NVFP4 W4A4 (FP4 tensor cores) and FP8 W8A8.
+"""CUTLASS native NVFP4 W4A4 GEMM from an installed provider (sgl-kernel or vLLM).
 
 Facts: NVFP4 needs FP4 MMA, which exists in two separate families with separate kernels, the
 sm100 family (B200/GB200 10.0, B300 10.3, Thor 11.0) and the sm120 family (RTX 50xx / RTX PRO
-6000 12.0, GB10 12.1); FP8 needs SM89+. Both quantize activations, so they serve W4A4 / W8A8
-checkpoints only. Not bound yet: it explains itself but does not run.
+6000 12.0, GB10 12.1). The bound provider builds (fp4_providers.py; sources in
+docs/design/native-fp4.md) carry cubins for SM 10.0 and 12.0 (quantdispatch.capability.
+CUTLASS_NVFP4); SM 10.3 and 12.1 run only if those are family builds, so they are taken only
+behind the first-use self-check; Thor has no cubin. The GEMM quantizes activations, so it
+serves W4A4 checkpoints only (W4A16 keeps the weight-only kernels).
+
+Per call: activations quantized to NVFP4 with the checkpoint's encode scale (the provider's
+quantizer, or ours: the same rule), the provider's GEMM with alpha = a * w fused in its
+epilogue, writing the activation dtype; a bias is added in fp32. MoE: no provider offers a
+fused NVFP4 MoE kernel we bind (their MoE is engine Python around grouped GEMMs), so NVFP4 MoE
+stays on the triton backend. FP8 through CUTLASS is stated but not bound.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from quantdispatch.backends.base import Backend
-from quantdispatch.capability import FP8_MMA, SM100_FAMILY, SM120_FAMILY, fmt_sm
-from quantdispatch.request import Op, Request
+import torch
+
+from quantdispatch.backends import fp4_providers
+from quantdispatch.backends.base import Backend, PreparedWeight
+from quantdispatch.capability import (
+    CUTLASS_NVFP4,
+    CUTLASS_NVFP4_UNVERIFIED,
+    FP8_MMA,
+    SM100_FAMILY,
+    SM120_FAMILY,
+    fmt_sm,
+)
+from quantdispatch.errors import CheckpointError, format_error
+from quantdispatch.request import Op, Request, Scheme
 
 if TYPE_CHECKING:
     from quantdispatch.device import DeviceProfile
 
+__all__ = ["NVFP4_MULTIPLE", "CutlassBackend"]
+
+#: K and N multiples the providers' NVFP4 GEMM checks ("Expected k / n to be divisible by 32").
+NVFP4_MULTIPLE = 32
+_NAMES = ("cutlass_weight", "cutlass_weight_scale", "cutlass_alpha", "cutlass_encode_scale")
+_NO_MOE = (
+    "cutlass does not compute nvfp4 moe: no fused NVFP4 MoE kernel is bound: the providers "
+    "ship grouped FP4 GEMMs and expert quantizers (sgl-kernel cutlass_fp4_group_mm, vLLM "
+    "_C::cutlass_fp4_group_mm), while the fused MoE around them (routing, permutation, "
+    "activation) is SGLang / vLLM Python; NVFP4 MoE runs on the triton backend"
+)
+
 
 class CutlassBackend(Backend):
     name = "cutlass"
-    title = "sgl-kernel CUTLASS native tensor-core GEMM (quantized activations)"
+    title = "CUTLASS native FP4 tensor-core GEMM from sgl-kernel / vLLM (quantized activations)"
     supports = {"nvfp4": frozenset({Op.LINEAR}), "fp8": frozenset({Op.LINEAR})}
-    implemented = {}
-    provider = "sgl-kernel"
+    implemented = {"nvfp4": frozenset({Op.LINEAR})}
+    provider = None  # detected by fp4_providers (package metadata, or vLLM's registered library)
     weight_only = False
+
+    # -- facts --------------------------------------------------------------------------------
+
+    def unsupported_reasons(self, request: Request, profile: DeviceProfile) -> list[str]:
+        if request.format == "nvfp4" and request.op is Op.MOE:
+            return [_NO_MOE]
+        reasons = super().unsupported_reasons(request, profile)
+        if reasons and reasons[0].startswith(f"{self.name} does not compute"):
+            return reasons
+        if request.format == "nvfp4" and fp4_providers.active() is None:
+            found = "; ".join(s.describe() for s in fp4_providers.statuses())
+            reasons.append(f"no usable NVFP4 GEMM provider ({found})")
+        return reasons
 
     def device_reasons(self, request: Request, profile: DeviceProfile) -> list[str]:
         gpu = self.gpu_reasons(profile)
@@ -34,10 +80,13 @@ class CutlassBackend(Backend):
         if cc is None:
             return []
         if request.format == "nvfp4":
-            if cc in SM100_FAMILY:
+            if cc in CUTLASS_NVFP4 or cc in CUTLASS_NVFP4_UNVERIFIED:
                 return []
-            if cc in SM120_FAMILY:
-                return []  # sgl-kernel ships separate sm120 kernels; a separate fact, same answer
+            if cc in SM100_FAMILY or cc in SM120_FAMILY:
+                return [
+                    f"SM {fmt_sm(cc)} has FP4 tensor cores but the bound provider builds carry no "
+                    f"NVFP4 GEMM for it (cubins for {CUTLASS_NVFP4.describe()})"
+                ]
             return [
                 f"SM {fmt_sm(cc)} has no FP4 tensor cores (native NVFP4 needs the "
                 f"{SM100_FAMILY.describe()} or the {SM120_FAMILY.describe()})"
@@ -46,11 +95,145 @@ class CutlassBackend(Backend):
             return [f"SM {fmt_sm(cc)} has no FP8 tensor cores (needs SM 8.9+)"]
         return []
 
+    def scheme_reasons(self, request: Request) -> list[str]:
+        reasons = super().scheme_reasons(request)
+        if reasons and request.format == "nvfp4":
+            reasons[0] += (
+                "; the native FP4 GEMM multiplies FP4 activations, so it serves W4A4 "
+                "checkpoints only (the weight-only kernels run W4A16)"
+            )
+        return reasons
+
+    def shape_reasons(self, request: Request) -> list[str]:
+        if request.format != "nvfp4" or request.op is not Op.LINEAR:
+            return []
+        return [
+            f"{label}={value} is not a multiple of {NVFP4_MULTIPLE} (the provider's NVFP4 GEMM "
+            "rule)"
+            for label, value in (("N", request.n), ("K", request.k))
+            if value is not None and value % NVFP4_MULTIPLE
+        ]
+
     def variant(self, request: Request, profile: DeviceProfile) -> str | None:
         cc = profile.capability
         if request.format != "nvfp4" or cc is None:
             return None
-        for family in (SM100_FAMILY, SM120_FAMILY):
-            if cc in family:
-                return f"{family.name} kernels"
-        return None
+        family = next((f for f in (SM100_FAMILY, SM120_FAMILY) if cc in f), None)
+        if family is None:
+            return None
+        status = fp4_providers.active()
+        if status is None or status.binding is None:
+            return f"{family.name} kernels"
+        b = status.binding
+        quant = "its quantizer" if b.quantizer == "provider" else "quantdispatch's quantizer"
+        return (
+            f"{family.name} kernels: {status.name} {status.version} {b.gemm}, activations by "
+            f"{quant}; binding from the provider's sources, not yet GPU-verified"
+        )
+
+    def unverified_reason(self, request: Request, profile: DeviceProfile) -> str | None:
+        """Why this SM takes the native path only behind the first-use self-check (or None)."""
+        cc = profile.capability
+        if request.format != "nvfp4" or cc is None or cc not in CUTLASS_NVFP4_UNVERIFIED:
+            return None
+        return (
+            f"the provider builds carry NVFP4 cubins for SM 10.0 / 12.0, none for SM {fmt_sm(cc)}: "
+            "they run here only if they are family builds, which the wheels do not show"
+        )
+
+    def accepted_note(self, request: Request, profile: DeviceProfile) -> str:
+        note = super().accepted_note(request, profile)
+        unverified = self.unverified_reason(request, profile)
+        if unverified:
+            note += f"; accepted only behind the first-use self-check: {unverified}"
+        return note
+
+    def selfcheck_identity(self, profile: DeviceProfile) -> str:
+        """The NVFP4 provider and version (the self-check's cache key)."""
+        status = fp4_providers.active()
+        return f"{status.name} {status.version}" if status is not None else "no provider"
+
+    # -- life cycle ---------------------------------------------------------------------------
+
+    def prepare(self, weight: object, request: Request) -> PreparedWeight:
+        from quantdispatch.formats import Nvfp4Weight
+        from quantdispatch.formats.nvfp4_act import (
+            activation_scale,
+            gemm_alpha,
+            swizzle_block_scales,
+            swizzled_scale_shape,
+        )
+
+        if not isinstance(weight, Nvfp4Weight) or request.scheme is not Scheme.WEIGHT_ACT:
+            return super().prepare(weight, request)
+        if weight.input_scale is None:
+            raise CheckpointError(
+                format_error(
+                    "the NVFP4 weight has no input_scale",
+                    "the native NVFP4 GEMM quantizes activations with the checkpoint's input "
+                    "scale (W4A4)",
+                    "load input_scale / input_global_scale with the weight, or run the layer "
+                    "weight-only (scheme='weight_only')",
+                )
+            )
+        status = fp4_providers.active()
+        if status is None:
+            found = "; ".join(s.describe() for s in fp4_providers.statuses())
+            status = fp4_providers.statuses()[0]
+            status = fp4_providers.Fp4ProviderStatus(status.name, status.version, None, found)
+        fp4_providers.load(status)  # imports / loads it now; raises with the reason
+        n, k = weight.shape
+        device = weight.packed.device
+        scale = activation_scale(input_scale=weight.input_scale, device=device)
+        w_scale = swizzle_block_scales(weight.block_scale.view(torch.float8_e4m3fn))
+        tensors = (
+            weight.packed.contiguous(),
+            w_scale.reshape(swizzled_scale_shape(n, k // 16)),
+            gemm_alpha(scale.decode, weight.global_scale.to(device)),
+            scale.encode,
+        )
+        index = fp4_providers.BINDINGS.index(status.binding)  # type: ignore[arg-type]
+        return PreparedWeight(_NAMES, tensors, (index,), out_features=n, in_features=k)
+
+    def linear(
+        self,
+        x: torch.Tensor,
+        tensors: Sequence[torch.Tensor],
+        bias: torch.Tensor | None,
+        fmt: str,
+        meta: Sequence[int],
+    ) -> torch.Tensor:
+        from quantdispatch.backends.base import op_view
+        from quantdispatch.formats.nvfp4_act import (
+            quantize_nvfp4_activations_raw,
+            swizzled_scale_shape,
+        )
+
+        binding = fp4_providers.BINDINGS[int(meta[0])]
+        status = fp4_providers.active()
+        if status is None or status.binding != binding:
+            status = fp4_providers.Fp4ProviderStatus(binding.provider, None, binding)
+        provider = fp4_providers.load(status)
+        w, w_scale = op_view(tensors[0], torch.uint8), op_view(tensors[1], torch.float8_e4m3fn)
+        alpha, encode = tensors[2], tensors[3]
+        m, n = x.shape[0], w.shape[0]
+        if m == 0:
+            return x.new_empty((0, n))
+        if binding.quantizer == "provider":
+            a, a_scale = provider.scaled_fp4_quant(x, encode)
+            out = provider.cutlass_scaled_fp4_mm(a, w, a_scale, w_scale, alpha, x.dtype)
+        else:
+            if x.is_cuda:
+                from quantdispatch.kernels.native.nvfp4_quant import (
+                    quantize_nvfp4_activations_triton,
+                )
+
+                a, flat = quantize_nvfp4_activations_triton(x, encode, swizzle=True)
+            else:
+                a, flat = quantize_nvfp4_activations_raw(x, encode, swizzle=True)
+            a_scale = flat.reshape(swizzled_scale_shape(m, x.shape[1] // 16))
+            out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+            provider(out, a, w, a_scale, w_scale, alpha)
+        if bias is not None:
+            out = (out.to(torch.float32) + bias.to(torch.float32)).to(x.dtype)
+        return out

@@ -1,10 +1,17 @@
-"""torch's native scaled matmul (``torch._scaled_mm``): FP8 W8A8 on SM89+, nothing to install.
+"""torch's native scaled matmul (``torch._scaled_mm``): FP8 W8A8 on SM89+ and NVFP4 W4A4 on FP4
+tensor cores, nothing to install.
 
 FP8: e4m3 weight and e4m3 activations on FP8 tensor cores (Ada, Hopper, Blackwell), per-tensor
 or per-channel (row-wise) weight scales; activations are quantized per token at run time (or
 with the checkpoint's static scale). Block-scaled (128x128) FP8 checkpoints go to the Triton
-weight-only kernel instead. NVFP4 through ``_scaled_mm`` needs the sm100 family and a CUDA >= 12.8
-build; it is stated here but not bound yet.
+weight-only kernel instead.
+
+NVFP4 (W4A4 checkpoints only): activations quantized per call to NVFP4 with the checkpoint's
+input scale, cuBLASLt's block-scaled FP4 GEMM through ``torch._scaled_mm``
+(kernels/native/scaled_mm_fp4.py), the two per-tensor scales applied in fp32. Facts
+(quantdispatch.capability, docs/design/native-fp4.md): torch >= 2.8 built with CUDA >= 12.8;
+verified on SM 10.0 / 10.3; SM 11.0 and the sm120 family are not refused by torch but not
+established either, so there it is taken only behind the first-use self-check.
 """
 
 from __future__ import annotations
@@ -13,8 +20,17 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from quantdispatch.backends.base import Backend, PreparedWeight
-from quantdispatch.capability import FP8_MMA, SM100_FAMILY, SM120_FAMILY, fmt_sm
-from quantdispatch.request import Op, Request
+from quantdispatch.capability import (
+    FP4_MMA,
+    FP8_MMA,
+    SM120_FAMILY,
+    TORCH_NVFP4_MIN_CUDA,
+    TORCH_NVFP4_MIN_TORCH,
+    TORCH_NVFP4_UNVERIFIED,
+    TORCH_NVFP4_VERIFIED,
+    fmt_sm,
+)
+from quantdispatch.request import Op, Request, Scheme
 
 if TYPE_CHECKING:
     import torch
@@ -22,21 +38,31 @@ if TYPE_CHECKING:
     from quantdispatch.device import DeviceProfile
 
 
-def _cuda_at_least(version: str | None, need: tuple[int, int]) -> bool:
+_NVFP4_NAMES = ("fp4_weight", "fp4_weight_scale_swizzled", "fp4_alpha", "fp4_encode_scale")
+
+
+def _at_least(version: str | None, need: tuple[int, int]) -> bool:
+    """``"2.9.1+cu128"`` >= (2, 8); an unreadable version is not."""
     if not version:
         return False
     try:
-        major, minor = (int(p) for p in version.split(".")[:2])
-    except ValueError:
+        parts = version.split("+")[0].split(".")
+        major = int(parts[0])
+        minor = int("".join(ch for ch in parts[1] if ch.isdigit()) or 0)
+    except (ValueError, IndexError):
         return False
     return (major, minor) >= need
+
+
+def _cuda_at_least(version: str | None, need: tuple[int, int]) -> bool:
+    return _at_least(version, need)
 
 
 class TorchScaledMMBackend(Backend):
     name = "torch"
     title = "torch._scaled_mm native tensor-core GEMM (quantized activations)"
     supports = {"fp8": frozenset({Op.LINEAR}), "nvfp4": frozenset({Op.LINEAR})}
-    implemented = {"fp8": frozenset({Op.LINEAR})}
+    implemented = {"fp8": frozenset({Op.LINEAR}), "nvfp4": frozenset({Op.LINEAR})}
     weight_only = False
 
     def device_reasons(self, request: Request, profile: DeviceProfile) -> list[str]:
@@ -47,27 +73,86 @@ class TorchScaledMMBackend(Backend):
         if cc is None:
             return []
         if request.format == "nvfp4":
-            reasons = []
-            if cc in SM120_FAMILY:
-                reasons.append(
-                    f"SM {fmt_sm(cc)} belongs to the {SM120_FAMILY.describe()}, not the "
-                    f"{SM100_FAMILY.describe()} that torch._scaled_mm's NVFP4 path needs"
-                )
-            elif cc not in SM100_FAMILY:
-                reasons.append(
-                    f"SM {fmt_sm(cc)} has no FP4 tensor cores (torch._scaled_mm NVFP4 needs the "
-                    f"{SM100_FAMILY.describe()})"
-                )
-            if not _cuda_at_least(profile.cuda_version, (12, 8)):
-                reasons.append(
-                    f"torch's CUDA build is {profile.cuda_version or 'none'}; NVFP4 needs >= 12.8"
-                )
-            return reasons
+            return self._nvfp4_reasons(cc, profile)
         if cc not in FP8_MMA:
             return [f"SM {fmt_sm(cc)} has no FP8 tensor cores (torch._scaled_mm FP8 needs SM 8.9+)"]
         return []
 
+    @staticmethod
+    def _nvfp4_reasons(cc: tuple[int, int], profile: DeviceProfile) -> list[str]:
+        reasons = []
+        if cc not in FP4_MMA:
+            reasons.append(
+                f"SM {fmt_sm(cc)} has no FP4 tensor cores (torch._scaled_mm NVFP4 needs the "
+                f"{FP4_MMA.describe()})"
+            )
+        if not _at_least(profile.torch_version, TORCH_NVFP4_MIN_TORCH):
+            need = ".".join(map(str, TORCH_NVFP4_MIN_TORCH))
+            reasons.append(
+                f"torch {profile.torch_version} has no NVFP4 torch._scaled_mm (needs >= {need})"
+            )
+        if not _cuda_at_least(profile.cuda_version, TORCH_NVFP4_MIN_CUDA):
+            need = ".".join(map(str, TORCH_NVFP4_MIN_CUDA))
+            reasons.append(
+                f"torch's CUDA build is {profile.cuda_version or 'none'}; the FP4 data type "
+                f"needs CUDA >= {need}"
+            )
+        return reasons
+
+    def scheme_reasons(self, request: Request) -> list[str]:
+        reasons = super().scheme_reasons(request)
+        if reasons and request.format == "nvfp4":
+            reasons[0] += (
+                "; the native FP4 GEMM multiplies FP4 activations, so it serves W4A4 "
+                "checkpoints only (the weight-only kernels run W4A16)"
+            )
+        return reasons
+
+    def unverified_reason(self, request: Request, profile: DeviceProfile) -> str | None:
+        """Why this SM takes the NVFP4 path only behind the first-use self-check (or None)."""
+        cc = profile.capability
+        if request.format != "nvfp4" or cc is None or cc not in TORCH_NVFP4_UNVERIFIED:
+            return None
+        family = f" ({SM120_FAMILY.describe()})" if cc in SM120_FAMILY else ""
+        verified = ", ".join(fmt_sm(c) for c in sorted(TORCH_NVFP4_VERIFIED.members))
+        return (
+            f"NVFP4 torch._scaled_mm is not verified on SM {fmt_sm(cc)}{family}: torch does not "
+            f"refuse it, but runs are established on SM {verified} only"
+        )
+
+    def variant(self, request: Request, profile: DeviceProfile) -> str | None:
+        if request.format != "nvfp4":
+            return None
+        return (
+            "cuBLASLt block-scaled FP4 GEMM; activations quantized to NVFP4 per call (Triton), "
+            "alpha and bias in fp32"
+        )
+
+    def accepted_note(self, request: Request, profile: DeviceProfile) -> str:
+        note = super().accepted_note(request, profile)
+        unverified = self.unverified_reason(request, profile)
+        if unverified:
+            note += f"; accepted only behind the first-use self-check: {unverified}"
+        return note
+
+    def selfcheck_identity(self, profile: DeviceProfile) -> str:
+        """The kernel provider for the self-check's cache key: this torch build's cuBLASLt."""
+        return f"torch {profile.torch_version}"
+
     def shape_reasons(self, request: Request) -> list[str]:
+        if request.format == "nvfp4":
+            from quantdispatch.kernels.native.scaled_mm_fp4 import FP4_SCALED_MM
+
+            out = []
+            for label, value, mult in (
+                ("N", request.n, FP4_SCALED_MM.n_multiple),
+                ("K", request.k, FP4_SCALED_MM.k_multiple),
+            ):
+                if value is not None and value % mult:
+                    out.append(
+                        f"{label}={value} is not a multiple of {mult} (torch._scaled_mm FP4 rule)"
+                    )
+            return out
         reasons = []
         if request.format == "fp8" and request.scale_kind == "block":
             reasons.append(
@@ -80,9 +165,12 @@ class TorchScaledMMBackend(Backend):
         return reasons
 
     def prepare(self, weight: object, request: Request) -> PreparedWeight:
+        from quantdispatch.formats import Nvfp4Weight
         from quantdispatch.formats.fp8 import Fp8Weight
         from quantdispatch.kernels.native.scaled_mm import prepare_fp8_scaled_mm
 
+        if isinstance(weight, Nvfp4Weight) and request.scheme is Scheme.WEIGHT_ACT:
+            return _prepare_nvfp4(weight)
         if not isinstance(weight, Fp8Weight) or weight.block_size is not None:
             return super().prepare(weight, request)
         w, scale = prepare_fp8_scaled_mm(weight.weight, weight.scale)
@@ -108,6 +196,44 @@ class TorchScaledMMBackend(Backend):
         from quantdispatch.backends.base import op_view
         from quantdispatch.kernels.native.scaled_mm import fp8_scaled_mm_linear
 
+        if fmt == "nvfp4":
+            from quantdispatch.kernels.native.scaled_mm_fp4 import (
+                PreparedNvfp4ScaledMm,
+                nvfp4_scaled_mm_linear,
+            )
+
+            prepared = PreparedNvfp4ScaledMm(
+                weight_packed=op_view(tensors[0], torch.uint8),
+                weight_scale_swizzled=op_view(tensors[1], torch.float8_e4m3fn),
+                alpha=tensors[2],
+                encode_scale=tensors[3],
+            )
+            quantizer = "triton" if x.is_cuda else "torch"
+            return nvfp4_scaled_mm_linear(x, prepared, bias=bias, quantizer=quantizer)
+
         weight = op_view(tensors[0], torch.float8_e4m3fn)
         input_scale = tensors[2] if len(tensors) > 2 else None
         return fp8_scaled_mm_linear(x, weight, tensors[1], input_scale=input_scale, bias=bias)
+
+
+def _prepare_nvfp4(weight) -> PreparedWeight:
+    """Load-time NVFP4 state: codes, swizzled block scales, alpha = a * w and the encode scale."""
+    from quantdispatch.errors import CheckpointError, format_error
+    from quantdispatch.kernels.native.scaled_mm_fp4 import prepare_nvfp4_scaled_mm
+
+    if weight.input_scale is None:
+        raise CheckpointError(
+            format_error(
+                "the NVFP4 weight has no input_scale",
+                "torch._scaled_mm NVFP4 quantizes activations with the checkpoint's input scale "
+                "(W4A4)",
+                "load input_scale / input_global_scale with the weight, or run the layer "
+                "weight-only (scheme='weight_only')",
+            )
+        )
+    p = prepare_nvfp4_scaled_mm(
+        weight.packed, weight.block_scale, weight.global_scale, input_scale=weight.input_scale
+    )
+    n, k = p.shape
+    tensors = (p.weight_packed, p.weight_scale_swizzled, p.alpha, p.encode_scale)
+    return PreparedWeight(names=_NVFP4_NAMES, tensors=tensors, out_features=n, in_features=k)

@@ -16,7 +16,14 @@ import sys
 from quantdispatch import __version__
 from quantdispatch.cli.common import ACT_DTYPE_NAMES, EXIT_DECISION, EXIT_OK, OPS
 from quantdispatch.cli.report import Answer, Row, collect, to_json
-from quantdispatch.cli.text import Header, concise, marlin_lines, pdl_applies, shard_label
+from quantdispatch.cli.text import (
+    Header,
+    concise,
+    marlin_lines,
+    pdl_applies,
+    selfcheck_lines,
+    shard_label,
+)
 from quantdispatch.errors import ConfigurationError, QuantDispatchError
 
 __all__ = ["run_doctor", "run_presets", "verbose"]
@@ -76,8 +83,12 @@ def _model(args: argparse.Namespace, settings: object, policy: object) -> int:
 
 
 def verbose(h: Header, rows: list[Row], tp: int | None = None) -> list[str]:
+    from quantdispatch.backends import backend_names
+
     lines = _verbose_header(h)
-    lines.append("Decisions (-> chosen; 'no' rejected; 'ok' could also run)")
+    lines.append("Self-check on first use (QUANTDISPATCH_SELF_CHECK)")
+    lines += [f"  {x}" for x in selfcheck_lines(h.profile, backend_names())]
+    lines += ["", "Decisions (-> chosen; 'no' rejected; 'ok' could also run)"]
     for row in rows:
         a = row.answer
         if a.decision is None:

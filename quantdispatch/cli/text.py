@@ -81,8 +81,24 @@ def shorten(text: str, width: int = REASON_WIDTH) -> str:
 # Concise
 
 
+def selfcheck_lines(profile, backends) -> list[str]:
+    """The first-use self-check's state per backend (``selfcheck_status``), for ``backends``."""
+    from quantdispatch.selfcheck import selfcheck_status
+
+    return [f"{b}: {selfcheck_status(b, profile)}" for b in backends if b != "reference"]
+
+
+def chosen_backends(rows: list[Row]) -> list[str]:
+    seen = [r.answer.decision.backend for r in rows if r.answer.decision is not None]
+    return list(dict.fromkeys(seen))
+
+
 def concise(h: Header, rows: list[Row], tp: int | None) -> list[str]:
     lines = _concise_header(h)
+    if h.profile.kind == "cuda" and not h.profile.simulated:  # a real GPU: what was checked
+        lines += [
+            _cut(f"checked   {x}", WIDTH) for x in selfcheck_lines(h.profile, chosen_backends(rows))
+        ]
     lines += ["", "Decisions: -> chosen, no: rejected (first clause; --verbose: every word)"]
     blocks: list[tuple[tuple, list[str], Row]] = []  # (facts, dtypes, row)
     for row in rows:

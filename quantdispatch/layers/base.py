@@ -179,8 +179,9 @@ class QuantLayer(FixedDtypeBuffers):
         policy: Policy | str | Path | None,
         **shape: Any,
     ) -> tuple[Backend, torch.device]:
-        """Select the backend for this layer on its target device and refuse a simulated one
-        (presets explain, they do not run). Returns the backend and the target device."""
+        """Select the backend for this layer on its target device (a backend chosen there for
+        the first time is self-checked first) and refuse a simulated one (presets explain, they
+        do not run). Returns the backend and the target device."""
         target = target_device(device, weight_device)
         decision = select(
             fmt,
@@ -191,6 +192,7 @@ class QuantLayer(FixedDtypeBuffers):
             device=profile_for(target, device),
             settings=settings,
             policy=policy,
+            check_on=target,  # the chosen backend's first-use self-check (quantdispatch.selfcheck)
         )
         backend = get_backend(decision.backend)
         backend.refuse_simulated(decision.device)

@@ -559,3 +559,19 @@ def test_shorten_cuts_at_a_word():
 
     out = shorten("word " * 40, 30)
     assert len(out) <= 30 and out.endswith("...") and not out.endswith(" ...")
+
+
+def test_doctor_on_a_real_gpu_says_what_the_self_check_found(monkeypatch, capsys):
+    """A probed (not simulated) GPU: one 'checked' line per chosen backend; --verbose lists every
+    backend. Nothing was probed in this process, so the triton backend is not yet checked."""
+    import quantdispatch.device as device_pkg
+    from quantdispatch.device import preset_profile
+
+    gpu = preset_profile("h100").model_copy(update={"simulated": False, "preset": None})
+    monkeypatch.setattr(device_pkg, "device_profile", lambda *_a, **_k: gpu)
+    assert main(["doctor", "--format", "nvfp4", "--op", "linear"]) == 0
+    out = capsys.readouterr().out
+    assert "checked   triton: not yet checked here" in out
+    assert main(["doctor", "--format", "nvfp4", "--op", "linear", "--verbose"]) == 0
+    out = capsys.readouterr().out
+    assert "Self-check on first use" in out and "  marlin: not yet checked here" in out
