@@ -75,3 +75,36 @@ def decode64(codes: torch.Tensor, scale: torch.Tensor, block_rows: int, block_co
     rows, k = codes.shape
     full = scale.to(F64).repeat_interleave(block_rows, 0)[:rows].repeat_interleave(block_cols, 1)
     return e4m3_from_bits(codes.to(torch.int64)) * full[:, :k]
+
+
+def linear_bound64(x, w, x_scale_full, w_scale_full, y_ref, w_rel: float = 1 / 21):
+    """Componentwise bound on |y_fp8 - y_ref| for y_ref = x @ w.T (float64, exact operands):
+
+    per element, |x^ - x| <= ex = max(|x| / 17, 2^-10 s_x) and |w^ - w| <= ew = max(w_rel |w|,
+    2^-10 s_w) (the proven bounds; s the block scale), so |x^ w^ - x w| <= ex (|w| + ew) + |x|
+    ew; plus 2^-10 sum |x^ w^| for the GEMM's accumulation (fp32, or FP8 tensor cores' narrower
+    adder inside a 128-block: generous) and 2^-8 |y| + 2^-24 for the 16-bit output."""
+    ax, aw = x.abs(), w.abs()
+    ex = torch.maximum(ax / 17, 2.0**-10 * x_scale_full)
+    ew = torch.maximum(aw * w_rel, 2.0**-10 * w_scale_full)
+    term = ex @ (aw + ew).T + ax @ ew.T
+    acc = (ax + ex) @ (aw + ew).T
+    return term + 2.0**-10 * acc + 2.0**-8 * y_ref.abs() + 2.0**-24
+
+
+def fp4_weight(n: int, k: int, fmt: str, seed: int):
+    """Random codes; NVFP4 scales over the whole e4m3 range (subnormals, zeros, 448), MXFP4
+    exponents over 2^-100 .. 2^100 (spread within rows so blocks differ); zero groups and -0."""
+    g = torch.Generator().manual_seed(seed)
+    packed = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
+    packed[1, :8] = 0x88  # -0 codes
+    packed[2] = 0  # an all-zero row
+    if fmt == "nvfp4":
+        scale = torch.randint(0, 0x7F, (n, k // 16), generator=g, dtype=torch.uint8)
+        scale[3] = torch.randint(0, 8, (k // 16,), generator=g, dtype=torch.uint8)  # subnormal
+        scale[4, 0] = 0x7E  # 448
+        return packed, scale, torch.tensor(3.7e-3, dtype=torch.float32)
+    base = torch.randint(100, 155, (n, 1), generator=g)
+    scale = (base + torch.randint(-6, 7, (n, k // 32), generator=g)).to(torch.uint8)
+    scale[5, 0], scale[6, 0] = 27, 227  # the range ends
+    return packed, scale, None

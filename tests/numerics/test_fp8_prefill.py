@@ -14,6 +14,7 @@ from fp8_prefill_ref import (
     decode64,
     e4m3_round64,
     encode64,
+    fp4_weight,
     unit_values64,
 )
 from ref64 import e2m1_from_bits, e4m3_from_bits
@@ -27,24 +28,6 @@ from quantdispatch.kernels.native.fp8_prefill_quant import (
 
 F64 = torch.float64
 BLOCKS = [(128, 128), (1, 128), (1, None), (128, 256)]  # None: the whole row (K)
-
-
-def fp4_weight(n: int, k: int, fmt: str, seed: int):
-    """Random codes; NVFP4 scales over the whole e4m3 range (subnormals, zeros, 448), MXFP4
-    exponents over 2^-100 .. 2^100 (spread within rows so blocks differ); zero groups and -0."""
-    g = torch.Generator().manual_seed(seed)
-    packed = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
-    packed[1, :8] = 0x88  # -0 codes
-    packed[2] = 0  # an all-zero row
-    if fmt == "nvfp4":
-        scale = torch.randint(0, 0x7F, (n, k // 16), generator=g, dtype=torch.uint8)
-        scale[3] = torch.randint(0, 8, (k // 16,), generator=g, dtype=torch.uint8)  # subnormal
-        scale[4, 0] = 0x7E  # 448
-        return packed, scale, torch.tensor(3.7e-3, dtype=torch.float32)
-    base = torch.randint(100, 155, (n, 1), generator=g)
-    scale = (base + torch.randint(-6, 7, (n, k // 32), generator=g)).to(torch.uint8)
-    scale[5, 0], scale[6, 0] = 27, 227  # the range ends
-    return packed, scale, None
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
