@@ -14,7 +14,8 @@ The rule, for one block of a matrix (128 x 128, 1 x 128 or one whole row; K a mu
    nearest e4m3 value, ties to the even code, subnormals kept, sign kept (-0 -> 0x80); never
    saturates, since |u * 2^-e| <= 448; +-inf gives the NaN code 0x7F | sign, NaN gives 0x7F;
 4. the block's fp32 scale is ``fl32(2^e * mult)``, with ``mult`` the NVFP4 global scale (exact
-   for global scales in [2^-100, 2^100]) or 1.
+   for global scales in [2^-100, 2^100]) or 1; an all-zero block's scale is 0 (so every
+   layout and multiplier gives the same bits for it).
 
 Why a power of two and not amax / 448: the scaling step is then exact, so the only rounding is
 step 3, and e2m1 x e4m3 products with at most 4 significant bits stay exact (74% of the
@@ -115,7 +116,7 @@ def _quantize_unit(
     scale = pow2(e)
     if mult is not None:
         scale = scale * mult.to(torch.float32).reshape(())
-    return codes, scale
+    return codes, torch.where(amax == 0, torch.zeros_like(scale), scale)
 
 
 def quantize_blocks_torch(

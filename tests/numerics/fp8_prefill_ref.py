@@ -1,7 +1,8 @@
 """Float64 reference of the FP8 prefill operands, written from the rule alone
 (docs/design/fp8-prefill.md): per block, e = the smallest integer with amax <= 448 * 2^e (0 for
 an all-zero block, clamped to [-126, 126]); code = the e4m3 value nearest to u * 2^-e, ties to
-the even code, sign kept; 0x7F | sign for +-inf, 0x7F for NaN; scale = fl32(2^e * mult).
+the even code, sign kept; 0x7F | sign for +-inf, 0x7F for NaN; scale = fl32(2^e * mult), 0
+for an all-zero block.
 
 Every step is exact in float64 (u has at most 24 significant bits, scaling by 2^-e is exact),
 and the e4m3 rounding is done on the value grid: spacing 2^(E - 3) in [2^E, 2^(E + 1)), 2^-9
@@ -59,6 +60,7 @@ def encode64(
     nan = torch.where(torch.signbit(blocks) & ~torch.isnan(blocks), 0xFF, 0x7F)
     codes = torch.where(finite, codes, nan).reshape(rb * block_rows, k)[:rows]
     scale = torch.pow(2.0, e.to(F64)) * (1.0 if mult is None else float(mult))
+    scale = torch.where(amax.amax(dim=(1, 3)) == 0, 0.0, scale)
     return codes, scale.to(torch.float32).to(F64)
 
 

@@ -23,7 +23,15 @@ import triton.language as tl
 from quantdispatch.kernels.common.checks import interpreting
 from quantdispatch.kernels.common.decode import e2m1_pair_to_f32
 
-__all__ = ["hardware_fp8", "quantize_blocks_triton", "reencode_fp4_triton"]
+__all__ = [
+    "block_exponent",
+    "e2m1_magnitude",
+    "e4m3_code",
+    "hardware_fp8",
+    "pow2",
+    "quantize_blocks_triton",
+    "reencode_fp4_triton",
+]
 
 
 def hardware_fp8(device: torch.device) -> bool:
@@ -34,13 +42,13 @@ def hardware_fp8(device: torch.device) -> bool:
 
 
 @triton.jit
-def _pow2(e):
+def pow2(e):
     """2^e as exact fp32 for int32 e in [-126, 127]."""
     return ((e + 127) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _block_exponent(amax):
+def block_exponent(amax):
     """Smallest e with amax <= 448 * 2^e (0 for amax == 0), clamped to [-126, 126]."""
     bits = amax.to(tl.int32, bitcast=True)
     e = ((bits >> 23) & 0xFF) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
@@ -49,7 +57,7 @@ def _block_exponent(amax):
 
 
 @triton.jit
-def _e4m3_code(v, HW: tl.constexpr):
+def e4m3_code(v, HW: tl.constexpr):
     """fp32 (|v| <= 448 or non-finite) -> e4m3 code as int32 0..255: nearest, ties to even,
     subnormals kept, sign kept; +-inf -> 0x7F | sign, NaN -> 0x7F."""
     bits = v.to(tl.int32, bitcast=True)
@@ -74,7 +82,7 @@ def _e4m3_code(v, HW: tl.constexpr):
 
 
 @triton.jit
-def _e2m1_magnitude(i):
+def e2m1_magnitude(i):
     """E2M1 magnitude code 0..7 (int32) -> its value 0, 0.5, 1, 1.5, 2, 3, 4, 6 (fp32)."""
     big = (((i >> 1) + 126) << 23) | ((i & 1) << 22)
     return tl.where(i < 2, i.to(tl.float32) * 0.5, big.to(tl.float32, bitcast=True))
@@ -108,10 +116,10 @@ def _fp4_group_max(sbits, byte, MX: tl.constexpr):
     """Largest |unit value| of each group [R, G]: the largest magnitude code times the scale."""
     mag = tl.max(tl.maximum(byte & 7, (byte >> 4) & 7), axis=2)
     if MX:  # noqa: SIM108 (constexpr branches read better in kernel code)
-        sv = _pow2(sbits - 127)
+        sv = pow2(sbits - 127)
     else:
         sv = _e4m3_value(sbits)
-    return _e2m1_magnitude(mag) * sv
+    return e2m1_magnitude(mag) * sv
 
 
 @triton.jit
@@ -122,12 +130,12 @@ def _fp4_encode(q32_ptr, sbits, byte, e_rows, rows64, rmask, kc, stride_q32, MX:
     stored as 32-bit words of four codes."""
     if MX:
         ge = tl.minimum(tl.maximum(sbits - 113 - e_rows[:, None], -100), 127)
-        gm = _pow2(ge)
+        gm = pow2(ge)
     else:
-        gm = _e4m3_value(sbits) * _pow2(14 - e_rows[:, None])
+        gm = _e4m3_value(sbits) * pow2(14 - e_rows[:, None])
     lo, hi = e2m1_pair_to_f32(byte)
-    c_lo = _e4m3_code(lo * gm[:, :, None], HW)
-    c_hi = _e4m3_code(hi * gm[:, :, None], HW)
+    c_lo = e4m3_code(lo * gm[:, :, None], HW)
+    c_hi = e4m3_code(hi * gm[:, :, None], HW)
     w16 = c_lo | (c_hi << 8)  # one 16-bit pair per packed byte, element 2j in the low byte
     a, b = tl.split(tl.reshape(w16, (BLOCK_R, G, BPG // 2, 2)))
     w32 = a | (b << 16)
@@ -158,17 +166,20 @@ def _fp4_to_fp8_kernel(p_ptr, s_ptr, gs_ptr, q32_ptr, qs_ptr, n_rows, chunks, st
                                BPG, G)  # fmt: skip
             amax = tl.maximum(amax, tl.max(_fp4_group_max(sb, by, MX), axis=1))
     if SHARE_ROWS:
-        e = _block_exponent(tl.max(amax, axis=0))
-        scale = _pow2(e)
+        bmax = tl.max(amax, axis=0)
+        e = block_exponent(bmax)
+        scale = pow2(e)
         if HAS_GS:
             scale = scale * tl.load(gs_ptr)
+        scale = tl.where(bmax == 0.0, 0.0, scale)  # an all-zero block: scale 0
         tl.store(qs_ptr + pid_r * stride_qs_r + kb * stride_qs_k, scale)
         e_rows = tl.zeros((BLOCK_R,), dtype=tl.int32) + e
     else:
-        e_rows = _block_exponent(amax)
-        scale = _pow2(e_rows)
+        e_rows = block_exponent(amax)
+        scale = pow2(e_rows)
         if HAS_GS:
             scale = scale * tl.load(gs_ptr)
+        scale = tl.where(amax == 0.0, 0.0, scale)
         tl.store(qs_ptr + rows64 * stride_qs_r + kb * stride_qs_k, scale, mask=rmask)
     if ONE_CHUNK:
         _fp4_encode(q32_ptr, sbits, byte, e_rows, rows64, rmask, kb, stride_q32, MX, HW, BPG, G,
@@ -202,7 +213,7 @@ def _dense_amax(x):
 @triton.jit
 def _dense_encode(q32_ptr, x, e_rows, rows64, inside, kc, stride_q32, HW: tl.constexpr,
                   BLOCK_R: tl.constexpr):  # fmt: skip
-    c = _e4m3_code(x * _pow2(-e_rows)[:, None], HW)
+    c = e4m3_code(x * pow2(-e_rows)[:, None], HW)
     a, b = tl.split(tl.reshape(c, (BLOCK_R, 64, 2)))
     h = a | (b << 8)
     a, b = tl.split(tl.reshape(h, (BLOCK_R, 32, 2)))
@@ -220,7 +231,7 @@ def _dense_to_fp8_kernel(x_ptr, mult_ptr, q32_ptr, qs_ptr, n_valid, n_rows, chun
     pid_r = tl.program_id(0)
     kb = tl.program_id(1)
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    valid = rows < n_valid  # rows past n_valid (up to n_rows) are written as zeros, scale 1
+    valid = rows < n_valid  # rows past n_valid (up to n_rows) are written as zeros, scale 0
     inside = rows < n_rows
     rows64 = rows.to(tl.int64)
     if ONE_CHUNK:
@@ -232,17 +243,20 @@ def _dense_to_fp8_kernel(x_ptr, mult_ptr, q32_ptr, qs_ptr, n_valid, n_rows, chun
             x = _dense_load(x_ptr, rows64, valid, kb * chunks + c, stride_x, BF16_BITS)
             amax = tl.maximum(amax, _dense_amax(x))
     if SHARE_ROWS:
-        e = _block_exponent(tl.max(amax, axis=0))
-        scale = _pow2(e)
+        bmax = tl.max(amax, axis=0)
+        e = block_exponent(bmax)
+        scale = pow2(e)
         if HAS_MULT:
             scale = scale * tl.load(mult_ptr)
+        scale = tl.where(bmax == 0.0, 0.0, scale)  # an all-zero block: scale 0
         tl.store(qs_ptr + pid_r * stride_qs_r + kb * stride_qs_k, scale)
         e_rows = tl.zeros((BLOCK_R,), dtype=tl.int32) + e
     else:
-        e_rows = _block_exponent(amax)
-        scale = _pow2(e_rows)
+        e_rows = block_exponent(amax)
+        scale = pow2(e_rows)
         if HAS_MULT:
             scale = scale * tl.load(mult_ptr)
+        scale = tl.where(amax == 0.0, 0.0, scale)
         tl.store(qs_ptr + rows64 * stride_qs_r + kb * stride_qs_k, scale, mask=inside)
     if ONE_CHUNK:
         _dense_encode(q32_ptr, x, e_rows, rows64, inside, kb, stride_q32, HW, BLOCK_R)
@@ -308,7 +322,7 @@ def quantize_blocks_triton(
     rows_per_program: int = 16,
 ) -> None:
     """Quantize x [M, K] (16/32-bit, K contiguous) into ``q`` [Mq, K] (Mq >= M; rows M.. are
-    written as zero codes with scale 1 * mult, the padding the GEMM may need) and ``scale``
+    written as zero codes with scale 0, the padding the GEMM may need) and ``scale``
     (fp32 [row blocks of Mq, K / block_cols], any strides). Same trust as above."""
     m, k = x.shape
     rows = q.shape[0]
