@@ -9,7 +9,7 @@ backend), FP8 prefill re-encoding the weight per call, and FP8 prefill on a resi
 Every output is checked before it is timed (a failing path is not timed). Then the crossover M
 per shape, the issue's targets (8B shapes: >= 1.5x bf16 from M = 1024, >= 1.2x at M = 256),
 and extras: re-encoder and activation-quantizer rates, the 1x128 weight recipe, slab sizes, the
-mma-layout path (dequantized unit rows re-encoded), MXFP4.
+mma16x64-layout path (re-encoded from the layout the triton backend holds), MXFP4.
 
 Timing as benchmarks/linear.py: median us per call over CUDA-graph replays, weights and
 activations rotated past L2. Writes fp8-prefill-<gpu>-<date>.json / .md under --out.
@@ -218,24 +218,17 @@ class Shape:
         ]
 
     def _mma_calls(self, xs, recipe, kw):
-        """The mma16x64 layout (what the triton backend holds on SM 8.0+): its dequantizer
-        writes exact unit rows (global scale 1), the dense quantizer re-encodes them."""
-        from quantdispatch.kernels.mma_layout.dequant import mma_dequant_rows
+        """The mma16x64 layout (what the triton backend holds on SM 8.0+), re-encoded straight
+        from its words."""
         from quantdispatch.kernels.native import fp8_prefill as fp8p
 
-        one = torch.ones((), dtype=torch.float32, device=DEV)
+        kw = {a: b for a, b in kw.items() if a != "impl"}
         calls = []
         for x, lay in zip(xs, self.layers() * 64, strict=False):
-            words, scales, gs = (
-                getattr(lay, nm) for nm in ("mma_words", "mma_scales", "global_scale")
-            )
-
-            def unit(a, b, out, words=words, scales=scales):
-                mma_dequant_rows(words, scales, one, a, b, out)
-
+            t = (lay.mma_words, lay.mma_scales, lay.global_scale)
             calls.append(
-                lambda x=x, unit=unit, gs=gs: fp8p.fp8_prefill_linear_rows(
-                    x, self.n, unit, gs, fmt=self.fmt, recipe=recipe, **kw
+                lambda x=x, t=t: fp8p.fp8_prefill_linear_mma(
+                    x, *t, fmt=self.fmt, recipe=recipe, **kw
                 )
             )
         return calls

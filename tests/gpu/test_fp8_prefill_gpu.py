@@ -1,8 +1,9 @@
 """GPU: FP8 prefill. The Triton re-encoder and activation quantizer (hardware FP8 conversion and
 the integer path) bit-equal with the plain-torch rule at real sizes (which the CPU tests tie to
 the float64 rule), and the FP8 prefill linear within its proven componentwise bound of the
-float64 W4A16 result on two Llama-3-8B shapes, per call, resident and through the mma16x64
-layout's unit rows. Needs SM 8.9+ (block recipes: SM 9.0 and CUDA 12.9+)."""
+float64 W4A16 result on two Llama-3-8B shapes, per call and resident; the re-encoder reading
+the mma16x64 layout equal to the checkpoint path. Needs SM 8.9+ (block recipes: SM 9.0 and
+CUDA 12.9+)."""
 
 from __future__ import annotations
 
@@ -151,33 +152,40 @@ def test_linear_within_bound(mods, shape, recipe):
     assert err < 0.06  # e4m3 activations: ~3% for N(0, 1) inputs
 
 
-@pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-    reason="the mma16x64 rows path is timed on SM 9.0",
-)
-def test_mma_layout_rows_equal_checkpoint_path(mods):
-    """The mma layout's dequantizer (global scale 1) writes exact unit rows; re-encoded they
-    give the checkpoint path's values (zero-scale blocks: +0 where the checkpoint has -0)."""
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_mma_layout_equal_checkpoint_path(mods, fmt):
+    """The re-encoder reading the mma16x64 layout gives the checkpoint path's bits (hardware
+    conversion and integer path), and the linear on it the same output."""
+    from quantdispatch.formats.mxfp4 import quantize_mxfp4
     from quantdispatch.formats.nvfp4 import quantize_nvfp4
-    from quantdispatch.kernels.mma_layout.dequant import mma_dequant_rows
-    from quantdispatch.kernels.mma_layout.layout import repack
+    from quantdispatch.kernels.mma_layout.layout import repack, repack_mx
+    from quantdispatch.kernels.native.fp8_prefill_mma import reencode_mma_triton
 
-    _, fp8p, _ = mods
-    n, k, m = 4096, 4096, 512
+    _, fp8p, kq = mods
+    n, k, m = 6144, 4096, 512
     g = torch.Generator(device=DEV).manual_seed(3)
-    q = quantize_nvfp4(torch.randn(n, k, generator=g, device=DEV) * 0.02)
+    w = torch.randn(n, k, generator=g, device=DEV) * 0.02
+    q = quantize_nvfp4(w) if fmt == "nvfp4" else quantize_mxfp4(w)
     sf = q.block_scale.view(torch.uint8)
-    words, scales = repack(q.packed, sf, torch.bfloat16)
-    one = torch.ones((), device=DEV)
+    if fmt == "nvfp4":
+        words, scales = repack(q.packed, sf, torch.bfloat16)
+        gs = layout_gs = q.global_scale
+    else:
+        words, scales, layout_gs = repack_mx(q.packed, sf, torch.bfloat16)
+        gs = None
+    recipe = fp8p.default_recipe(k, torch.cuda.get_device_capability())
+    br, bc = fp8p.weight_blocks(recipe, k)
+    ref_q = torch.empty(n, k, dtype=torch.uint8, device=DEV)
+    ref_s = torch.empty(-(-n // br), k // bc, device=DEV)
+    kq.reencode_fp4_triton(q.packed, sf, gs, ref_q, ref_s, scale_format="e4m3" if fmt ==
+                           "nvfp4" else "e8m0", block_rows=br, block_cols=bc)  # fmt: skip
+    for hw in (True, False):
+        qq = torch.empty_like(ref_q)
+        ss = torch.empty_like(ref_s)
+        reencode_mma_triton(words, scales, layout_gs, 0, n, qq, ss, act_dtype=torch.bfloat16,
+                            block_rows=br, block_cols=bc, hw=hw)  # fmt: skip
+        assert torch.equal(qq, ref_q) and torch.equal(ss, ref_s), f"hw={hw}"
     x = torch.randn(m, k, generator=g, device=DEV).to(torch.bfloat16)
-
-    def unit(a, b, out):
-        mma_dequant_rows(words, scales, one, a, b, out)
-
-    y_rows = fp8p.fp8_prefill_linear_rows(x, n, unit, q.global_scale, fmt="nvfp4")
-    y = fp8p.fp8_prefill_linear(x, q.packed, sf, q.global_scale, fmt="nvfp4")
-    assert torch.equal(y_rows.float(), y.float())
-    r1 = fp8p.make_resident_from_rows(n, k, unit, q.global_scale, recipe="1x128",
-                                      dtype=torch.bfloat16, device=x.device)  # fmt: skip
-    r2 = fp8p.make_resident(q.packed, sf, q.global_scale, fmt="nvfp4", recipe="1x128")
-    assert torch.equal(r1.q.float(), r2.q.float()) and torch.equal(r1.scale, r2.scale)
+    y = fp8p.fp8_prefill_linear(x, q.packed, sf, gs, fmt=fmt, recipe=recipe)
+    y_mma = fp8p.fp8_prefill_linear_mma(x, words, scales, layout_gs, fmt=fmt, recipe=recipe)
+    assert torch.equal(y_mma, y)

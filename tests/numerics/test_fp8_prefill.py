@@ -21,6 +21,8 @@ from ref64 import e2m1_from_bits, e4m3_from_bits
 
 from quantdispatch.errors import InputError, WeightFormatError
 from quantdispatch.formats import fp8_prefill as rule
+from quantdispatch.kernels.mma_layout.layout import repack, repack_mx
+from quantdispatch.kernels.native.fp8_prefill_mma import reencode_mma_triton
 from quantdispatch.kernels.native.fp8_prefill_quant import (
     quantize_blocks_triton,
     reencode_fp4_triton,
@@ -46,6 +48,34 @@ def test_reencode_bit_equal(fmt, blocks):
     s = torch.empty(s_t.shape, dtype=torch.float32)
     reencode_fp4_triton(packed, scale, gs, q, s, scale_format=sf, block_rows=br, block_cols=bc,
                         hw=False)  # fmt: skip
+    assert torch.equal(q.to(torch.int64), codes64)
+    assert torch.equal(s.to(F64), scale64)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("act", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("blocks", [(128, 128), (1, 128), (1, None)])
+def test_mma_layout_reencode_bit_equal(fmt, act, blocks):
+    """The re-encoder on the mma16x64 layout's words writes the checkpoint path's bits (a zero
+    NVFP4 block's -0 codes, which the layout drops, excepted: +0 there)."""
+    n, k = (208, 256) if blocks[0] == 128 else (32, 256)  # 208: a partial 128-row block
+    br, bc = blocks[0], blocks[1] or k
+    packed, scale, gs = fp4_weight(n, k, fmt, seed=bc + n)
+    if fmt == "nvfp4":
+        words, scales = repack(packed, scale, act)
+        layout_gs = gs
+    else:
+        scale = torch.randint(118, 136, scale.shape, generator=torch.Generator().manual_seed(1))
+        scale = scale.to(torch.uint8)
+        words, scales, layout_gs = repack_mx(packed, scale, act)
+    codes64, scale64 = encode64(unit_values64(packed, scale, fmt), br, bc, gs)
+    if fmt == "nvfp4":  # the layout drops the codes of zero-scale blocks: +0
+        zero = (scale == 0).repeat_interleave(16, dim=1)
+        codes64 = torch.where(zero, torch.zeros_like(codes64), codes64)
+    q = torch.empty(n, k, dtype=torch.uint8)
+    s = torch.empty(-(-n // br), k // bc)
+    reencode_mma_triton(words, scales, layout_gs, 0, n, q, s, act_dtype=act, block_rows=br,
+                        block_cols=bc, hw=False)  # fmt: skip
     assert torch.equal(q.to(torch.int64), codes64)
     assert torch.equal(s.to(F64), scale64)
 
@@ -78,7 +108,7 @@ def test_quantize_blocks_bit_equal(dtype, blocks):
     q_t, s_t = rule.quantize_blocks_torch(x, block_rows=br, block_cols=bc)
     assert torch.equal(q_t.to(torch.int64), codes64)
     assert torch.equal(s_t.to(F64), scale64)
-    rows = x.shape[0] + 11  # padding rows: zero codes, scale 1
+    rows = x.shape[0] + 11  # padding rows: zero codes, scale 0
     q = torch.full((rows, k), 0x55, dtype=torch.uint8)
     s = torch.empty((-(-rows // br), k // bc), dtype=torch.float32)
     quantize_blocks_triton(x, q, s, block_rows=br, block_cols=bc, hw=False)

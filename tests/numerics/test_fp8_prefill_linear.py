@@ -13,7 +13,7 @@ from fp8_prefill_ref import decode64, encode64, fp4_weight, linear_bound64, unit
 from ref64 import e4m3_from_bits
 
 from quantdispatch.errors import BackendUnavailableError, InputError, WeightFormatError
-from quantdispatch.formats.fp8_prefill import fp4_unit_values
+from quantdispatch.kernels.mma_layout.layout import repack, repack_mx
 from quantdispatch.kernels.native import fp8_prefill as fp8p
 
 F64 = torch.float64
@@ -128,34 +128,33 @@ def test_triton_impl_matches_torch(monkeypatch, hopper):
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-def test_resident_and_unit_rows_paths(monkeypatch, hopper, fmt):
-    """A resident copy and another layout's exact 16-bit unit rows give the same bits."""
+def test_resident_and_mma_layout_paths(monkeypatch, hopper, fmt):
+    """A resident copy, and the same weight in the mma16x64 layout (per call and resident),
+    give the checkpoint path's bits."""
     n, k, m = 256, 256, 16
     packed, scale, gs = fp4_weight(n, k, fmt, seed=9)
+    if fmt == "nvfp4":
+        scale[scale == 0] = 1  # zero blocks: the layout drops -0 codes (tested below)
+        words, mma_scales = repack(packed, scale, torch.bfloat16)
+        layout_gs = gs
+    else:
+        scale = torch.randint(118, 136, scale.shape, dtype=torch.uint8)  # the layout's span
+        words, mma_scales, layout_gs = repack_mx(packed, scale, torch.bfloat16)
     x = activations(m, k, torch.bfloat16, seed=2)
     monkeypatch.setattr(torch, "_scaled_mm", ScaledMmEmulator("1x128"))
-    kw = dict(fmt=fmt, recipe="1x128", capability=(9, 0), impl="torch")
-    y = fp8p.fp8_prefill_linear(x, packed, scale, gs, **kw)
+    kw = dict(fmt=fmt, recipe="1x128", capability=(9, 0))
+    y = fp8p.fp8_prefill_linear(x, packed, scale, gs, impl="torch", **kw)
     res = fp8p.make_resident(packed, scale, gs, fmt=fmt, recipe="1x128", impl="torch")
     assert res.nbytes() == n * k + n * (k // 128) * 4
     assert res.scale.t().is_contiguous()
-    y_res = fp8p.fp8_prefill_linear(x, packed, scale, gs, resident=res, **kw)
-    sf = "e4m3" if fmt == "nvfp4" else "e8m0"
-    mult = gs if gs is not None else torch.tensor(1.0)
-
-    def unit_rows(a, b, out):
-        out.copy_(fp4_unit_values(packed[a:b], scale[a:b], sf))  # exact in bf16
-
-    if fmt == "nvfp4":  # MXFP4 units span 2^-100..2^100 here: not 16-bit; the GPU test covers it
-        y_rows = fp8p.fp8_prefill_linear_rows(x, n, unit_rows, mult, workspace_bytes=128 * k,
-                                              **kw)  # fmt: skip
-        assert torch.equal(y_rows, y)
-        res2 = fp8p.make_resident_from_rows(n, k, unit_rows, mult, recipe="1x128",
-                                            dtype=torch.bfloat16, device=x.device,
-                                            workspace_bytes=128 * k, impl="torch")  # fmt: skip
-        assert torch.equal(res2.q.view(torch.uint8), res.q.view(torch.uint8))
-        assert torch.equal(res2.scale, res.scale)
-    assert torch.equal(y_res, y)
+    assert torch.equal(y, fp8p.fp8_prefill_linear(x, packed, scale, gs, resident=res, **kw))
+    y_mma = fp8p.fp8_prefill_linear_mma(x, words, mma_scales, layout_gs, workspace_bytes=128 * k,
+                                        **kw)  # fmt: skip
+    assert torch.equal(y_mma, y)
+    res_mma = fp8p.make_resident_mma(words, mma_scales, layout_gs, recipe="1x128",
+                                     act_dtype=torch.bfloat16)  # fmt: skip
+    assert torch.equal(res_mma.q.view(torch.uint8), res.q.view(torch.uint8))
+    assert torch.equal(res_mma.scale, res.scale)
 
 
 def test_fallback_without_fused_bias(monkeypatch, hopper):

@@ -6,7 +6,8 @@ the activations are quantized per token and per 128 columns, and each slab runs 
 ``torch._scaled_mm`` whose fp32 epilogue applies both block scales (the NVFP4 global scale is
 folded exactly into the weight's power-of-two scales) and the bias, rounding once to the output
 dtype. Optionally the re-encoded weight is kept (:func:`make_resident`): 1 B per weight more,
-no re-encoding per call.
+no re-encoding per call. Weights in the mma16x64 layout (what the triton backend holds on SM
+8.0+) are re-encoded straight from its words (:func:`fp8_prefill_linear_mma`, same bits).
 
 Recipes (``torch._scaled_mm`` scale layouts, docs/design/fp8-prefill.md has the sources):
 
@@ -39,9 +40,10 @@ __all__ = [
     "PrefillWeight",
     "default_recipe",
     "fp8_prefill_linear",
+    "fp8_prefill_linear_mma",
     "gemm_notes",
     "make_resident",
-    "make_resident_from_rows",
+    "make_resident_mma",
     "prefill_reasons",
     "quantize_activations",
     "reencode_rows",
@@ -387,49 +389,43 @@ def fp8_prefill_linear(
     return _run_slabs(x, n, k, recipe, bias, workspace_bytes, impl, encode)
 
 
-def fp8_prefill_linear_rows(
+def fp8_prefill_linear_mma(
     x: torch.Tensor,
-    n: int,
-    unit_rows: Callable[[int, int, torch.Tensor], None],
-    mult: torch.Tensor,
+    words: torch.Tensor,
+    scales: torch.Tensor,
+    global_scale: torch.Tensor,
     *,
     fmt: str,
     bias: torch.Tensor | None = None,
     recipe: str | None = None,
+    resident: PrefillWeight | None = None,
     workspace_bytes: int = WORKSPACE_BYTES,
     capability: tuple[int, int] | None = None,
-    impl: str = "triton",
 ) -> torch.Tensor:
-    """As :func:`fp8_prefill_linear` for a weight in another layout: ``unit_rows(a, b, out16)``
-    writes rows a..b of its exact unit values (e2m1 x block scale, 16-bit, e.g. the mma layout's
-    dequantizer with a global scale of 1) and ``mult`` (fp32, 0-d) is the factor to the true
-    weight. Same bits as the checkpoint path; 4 more bytes of traffic per weight."""
-    k = x.shape[1] if isinstance(x, torch.Tensor) and x.dim() == 2 else -1
+    """:func:`fp8_prefill_linear` for a weight in the mma16x64 layout (``words``, ``scales``,
+    ``global_scale`` as the triton backend holds them, packed for ``x.dtype``): re-encoded
+    straight from the layout's words, the same bits as from the checkpoint layout."""
+    n, k = words.shape[0] * 16, words.shape[1] * 64
     _check_call(x, n, k, bias)
-    recipe, _ = _plan(x, fmt, n, k, recipe, capability)
-    br, bc = weight_blocks(recipe, k)
-    unit = torch.empty((_slab_rows(n, k, workspace_bytes), k), dtype=x.dtype, device=x.device)
+    recipe, _ = _plan(x, fmt, n, k, recipe if resident is None else resident.recipe, capability)
+    if resident is not None:
+        return _run_slabs(x, n, k, recipe, bias, 0, "triton", None, resident)
 
     def encode(a: int, b: int, ws: torch.Tensor) -> PrefillWeight:
-        u = unit[: b - a]
-        unit_rows(a, b, u)
-        scale = _scale_buffer(b - a, k, recipe, x.device)
-        q = _quantize_dense_into(u, ws, scale, br, bc, mult, impl)
-        return PrefillWeight(q, scale, recipe)
+        return _reencode_mma(words, scales, global_scale, a, b, ws, recipe, x.dtype)
 
-    return _run_slabs(x, n, k, recipe, bias, workspace_bytes, impl, encode)
+    return _run_slabs(x, n, k, recipe, bias, workspace_bytes, "triton", encode)
 
 
-def _quantize_dense_into(u, ws, scale, br, bc, mult, impl) -> torch.Tensor:
-    if impl == "torch":
-        codes, s = rule.quantize_blocks_torch(u, block_rows=br, block_cols=bc, mult=mult)
-        ws.copy_(codes)
-        scale.copy_(s)
-    else:
-        from quantdispatch.kernels.native.fp8_prefill_quant import quantize_blocks_triton
+def _reencode_mma(words, scales, global_scale, a, b, q, recipe, act_dtype) -> PrefillWeight:
+    from quantdispatch.kernels.native.fp8_prefill_mma import reencode_mma_triton
 
-        quantize_blocks_triton(u, ws, scale, block_rows=br, block_cols=bc, mult=mult)
-    return ws.view(torch.float8_e4m3fn)
+    k = words.shape[1] * 64
+    br, bc = weight_blocks(recipe, k)
+    scale = _scale_buffer(b - a, k, recipe, words.device)
+    reencode_mma_triton(words, scales, global_scale, a, b, q, scale, act_dtype=act_dtype,
+                        block_rows=br, block_cols=bc)  # fmt: skip
+    return PrefillWeight(q.view(torch.float8_e4m3fn), scale, recipe)
 
 
 def make_resident(
@@ -448,30 +444,15 @@ def make_resident(
     return reencode_rows(packed, block_scale_u8, global_scale, fmt=fmt, recipe=recipe, impl=impl)
 
 
-def make_resident_from_rows(
-    n: int,
-    k: int,
-    unit_rows: Callable[[int, int, torch.Tensor], None],
-    mult: torch.Tensor,
+def make_resident_mma(
+    words: torch.Tensor,
+    scales: torch.Tensor,
+    global_scale: torch.Tensor,
     *,
     recipe: str,
-    dtype: torch.dtype,
-    device: torch.device,
-    workspace_bytes: int = WORKSPACE_BYTES,
-    impl: str = "triton",
+    act_dtype: torch.dtype,
 ) -> PrefillWeight:
-    """:func:`make_resident` for another layout's exact unit rows (see
-    :func:`fp8_prefill_linear_rows`), built slab by slab."""
-    br, bc = weight_blocks(recipe, k)
-    q = torch.empty((n, k), dtype=torch.uint8, device=device)
-    scale = _scale_buffer(n, k, recipe, device)
-    rows = _slab_rows(n, k, workspace_bytes)
-    unit = torch.empty((rows, k), dtype=dtype, device=device)
-    for a in range(0, n, rows):
-        b = min(n, a + rows)
-        unit_rows(a, b, unit[: b - a])
-        rb0, rb1 = a // br, -(-b // br)
-        s = torch.empty((rb1 - rb0, scale.shape[1]), dtype=torch.float32, device=device)
-        _quantize_dense_into(unit[: b - a], q[a:b], s, br, bc, mult, impl)
-        scale[rb0:rb1] = s
-    return PrefillWeight(q.view(torch.float8_e4m3fn), scale, recipe)
+    """:func:`make_resident` for an mma16x64 weight packed for ``act_dtype``."""
+    n, k = words.shape[0] * 16, words.shape[1] * 64
+    q = torch.empty((n, k), dtype=torch.uint8, device=words.device)
+    return _reencode_mma(words, scales, global_scale, 0, n, q, recipe, act_dtype)
