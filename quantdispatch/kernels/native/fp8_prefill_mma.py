@@ -84,8 +84,8 @@ def _half_max(w, sv, S0: tl.constexpr, M0: tl.constexpr, S1: tl.constexpr, M1: t
               S2: tl.constexpr, M2: tl.constexpr, S3: tl.constexpr,
               M3: tl.constexpr):  # fmt: skip
     """Per row of one half: the largest |unit value| over the chunk pair [8 TT]."""
-    m = tl.maximum(tl.maximum(_unit(w, S0, M0)[1], _unit(w, S1, M1)[1]),
-                   tl.maximum(_unit(w, S2, M2)[1], _unit(w, S3, M3)[1]))  # fmt: skip
+    m = tl.maximum(tl.maximum((w >> M0) & 7, (w >> M1) & 7), tl.maximum((w >> M2) & 7,
+                                                                        (w >> M3) & 7))  # fmt: skip
     return tl.max(e2m1_magnitude(m) * sv, axis=1)
 
 
