@@ -1,0 +1,342 @@
+"""FP8 prefill operands in Triton, bit-equal with the plain-torch rule of
+:mod:`quantdispatch.formats.fp8_prefill` (power-of-two block scales, one rounding to e4m3):
+
+* :func:`reencode_fp4_triton`: checkpoint-layout NVFP4 / MXFP4 rows -> e4m3 codes and fp32 block
+  scales, one program per block row range and column block. Pass 1 takes each block-16 (32)
+  group's largest magnitude code with integer max (codes 0..7 are ordered like their values)
+  and times its scale; pass 2 decodes, multiplies by scale * 2^-e (exact) and rounds.
+* :func:`quantize_blocks_triton`: any 16/32-bit matrix -> the same (activations per token and
+  per 128, or the exact unit rows another layout's dequantizer wrote).
+
+The rounding is the GPU's ``cvt.rn.satfinite.e4m3x2.f32`` where FP8 conversion exists (SM 8.9+;
+the values are exact and at most 448, so nothing saturates) and integer code everywhere else,
+the interpreter included: Triton's interpreted FP8 cast does not round to nearest even. Both
+paths give the same bits (tests/gpu/test_fp8_prefill_gpu.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from quantdispatch.kernels.common.checks import interpreting
+from quantdispatch.kernels.common.decode import e2m1_pair_to_f32
+
+__all__ = [
+    "block_exponent",
+    "e2m1_magnitude",
+    "e4m3_code",
+    "hardware_fp8",
+    "pow2",
+    "quantize_blocks_triton",
+    "reencode_fp4_triton",
+]
+
+
+def hardware_fp8(device: torch.device) -> bool:
+    """Whether kernels on ``device`` may use the FP8 conversion instruction (SM 8.9+)."""
+    if device.type != "cuda" or interpreting():
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+@triton.jit
+def pow2(e):
+    """2^e as exact fp32 for int32 e in [-126, 127]."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def block_exponent(amax):
+    """Smallest e with amax <= 448 * 2^e (0 for amax == 0), clamped to [-126, 126]."""
+    bits = amax.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    e = tl.where(amax == 0.0, 0, e)
+    return tl.minimum(tl.maximum(e, -126), 126)
+
+
+@triton.jit
+def e4m3_code(v, HW: tl.constexpr):
+    """fp32 (|v| <= 448 or non-finite) -> e4m3 code as int32 0..255: nearest, ties to even,
+    subnormals kept, sign kept; +-inf -> 0x7F | sign, NaN -> 0x7F."""
+    bits = v.to(tl.int32, bitcast=True)
+    sign = (bits >> 31) & 1
+    ab = bits & 0x7FFFFFFF
+    if HW:
+        mag = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32) & 0x7F
+    else:
+        ex = ab >> 23
+        # normal results (>= 2^-6): drop 20 mantissa bits, half to even, rebias 127 -> 7
+        normal = ((ab + 0x7FFFF + ((ab >> 20) & 1)) >> 20) - (120 << 3)
+        # subnormal results: round v / 2^-9 to an integer, half to even (8 is 2^-6, code 8)
+        mant = tl.where(ex > 0, (ab & 0x7FFFFF) | 0x800000, ab & 0x7FFFFF)
+        sh = tl.minimum(tl.maximum(141 - tl.maximum(ex, 1), 1), 31)
+        q = mant >> sh
+        rem = mant - (q << sh)
+        half = 1 << (sh - 1)
+        up = (rem > half) | ((rem == half) & ((q & 1) == 1))
+        mag = tl.where(ex >= 121, normal, q + up.to(tl.int32))
+    mag = tl.where(ab >= 0x7F800000, 0x7F, mag)
+    return tl.where(ab > 0x7F800000, 0x7F, mag | (sign << 7))  # NaN signs are not kept
+
+
+@triton.jit
+def e2m1_magnitude(i):
+    """E2M1 magnitude code 0..7 (int32) -> its value 0, 0.5, 1, 1.5, 2, 3, 4, 6 (fp32)."""
+    big = (((i >> 1) + 126) << 23) | ((i & 1) << 22)
+    return tl.where(i < 2, i.to(tl.float32) * 0.5, big.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _e4m3_value(c):
+    """Non-negative e4m3 code (int32) -> its fp32 value, exactly."""
+    e = c >> 3
+    m = c & 7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    return tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+
+
+@triton.jit
+def _fp4_load(p_ptr, s_ptr, rows64, rmask, kc, stride_p, stride_s,
+              BPG: tl.constexpr, G: tl.constexpr):  # fmt: skip
+    """Scale bits [R, G] and packed bytes [R, G, BPG] of 128-column chunk ``kc``."""
+    grp = tl.arange(0, G)
+    j = tl.arange(0, BPG)
+    sbits = tl.load(
+        s_ptr + rows64[:, None] * stride_s + kc * G + grp[None, :], mask=rmask[:, None], other=0
+    ).to(tl.int32)
+    offs = rows64[:, None, None] * stride_p + kc * 64 + grp[None, :, None] * BPG + j[None, None, :]
+    byte = tl.load(p_ptr + offs, mask=rmask[:, None, None], other=0).to(tl.int32)
+    return sbits, byte
+
+
+@triton.jit
+def _fp4_group_max(sbits, byte, MX: tl.constexpr):
+    """Largest |unit value| of each group [R, G]: the largest magnitude code times the scale."""
+    mag = tl.max(tl.maximum(byte & 7, (byte >> 4) & 7), axis=2)
+    if MX:  # noqa: SIM108 (constexpr branches read better in kernel code)
+        sv = pow2(sbits - 127)
+    else:
+        sv = _e4m3_value(sbits)
+    return e2m1_magnitude(mag) * sv
+
+
+@triton.jit
+def _fp4_encode(q32_ptr, sbits, byte, e_rows, rows64, rmask, kc, stride_q32, MX: tl.constexpr,
+                HW: tl.constexpr, BPG: tl.constexpr, G: tl.constexpr,
+                BLOCK_R: tl.constexpr):  # fmt: skip
+    """Codes of one chunk: e2m1 * 2^-14 (decoded) times scale * 2^(14 - e) (exact), rounded;
+    stored as 32-bit words of four codes."""
+    if MX:
+        ge = tl.minimum(tl.maximum(sbits - 113 - e_rows[:, None], -100), 127)
+        gm = pow2(ge)
+    else:
+        gm = _e4m3_value(sbits) * pow2(14 - e_rows[:, None])
+    lo, hi = e2m1_pair_to_f32(byte)
+    c_lo = e4m3_code(lo * gm[:, :, None], HW)
+    c_hi = e4m3_code(hi * gm[:, :, None], HW)
+    w16 = c_lo | (c_hi << 8)  # one 16-bit pair per packed byte, element 2j in the low byte
+    a, b = tl.split(tl.reshape(w16, (BLOCK_R, G, BPG // 2, 2)))
+    w32 = a | (b << 16)
+    grp = tl.arange(0, G)
+    jj = tl.arange(0, BPG // 2)
+    offs = rows64[:, None, None] * stride_q32 + kc * 32 + grp[None, :, None] * (BPG // 2)
+    tl.store(q32_ptr + offs + jj[None, None, :], w32, mask=rmask[:, None, None])
+
+
+@triton.jit
+def _fp4_to_fp8_kernel(p_ptr, s_ptr, gs_ptr, q32_ptr, qs_ptr, n_rows, chunks, stride_p,
+                       stride_s, stride_q32, stride_qs_r, stride_qs_k, MX: tl.constexpr,
+                       HAS_GS: tl.constexpr, SHARE_ROWS: tl.constexpr, ONE_CHUNK: tl.constexpr,
+                       HW: tl.constexpr, BPG: tl.constexpr, G: tl.constexpr,
+                       BLOCK_R: tl.constexpr):  # fmt: skip
+    pid_r = tl.program_id(0)
+    kb = tl.program_id(1)
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < n_rows
+    rows64 = rows.to(tl.int64)
+    if ONE_CHUNK:
+        sbits, byte = _fp4_load(p_ptr, s_ptr, rows64, rmask, kb, stride_p, stride_s, BPG, G)
+        amax = tl.max(_fp4_group_max(sbits, byte, MX), axis=1)
+    else:
+        amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        for c in range(chunks):
+            sb, by = _fp4_load(p_ptr, s_ptr, rows64, rmask, kb * chunks + c, stride_p, stride_s,
+                               BPG, G)  # fmt: skip
+            amax = tl.maximum(amax, tl.max(_fp4_group_max(sb, by, MX), axis=1))
+    if SHARE_ROWS:
+        bmax = tl.max(amax, axis=0)
+        e = block_exponent(bmax)
+        scale = pow2(e)
+        if HAS_GS:
+            scale = scale * tl.load(gs_ptr)
+        scale = tl.where(bmax == 0.0, 0.0, scale)  # an all-zero block: scale 0
+        tl.store(qs_ptr + pid_r * stride_qs_r + kb * stride_qs_k, scale)
+        e_rows = tl.zeros((BLOCK_R,), dtype=tl.int32) + e
+    else:
+        e_rows = block_exponent(amax)
+        scale = pow2(e_rows)
+        if HAS_GS:
+            scale = scale * tl.load(gs_ptr)
+        scale = tl.where(amax == 0.0, 0.0, scale)
+        tl.store(qs_ptr + rows64 * stride_qs_r + kb * stride_qs_k, scale, mask=rmask)
+    if ONE_CHUNK:
+        _fp4_encode(q32_ptr, sbits, byte, e_rows, rows64, rmask, kb, stride_q32, MX, HW, BPG, G,
+                    BLOCK_R)  # fmt: skip
+    else:
+        for c in range(chunks):
+            sb, by = _fp4_load(p_ptr, s_ptr, rows64, rmask, kb * chunks + c, stride_p, stride_s,
+                               BPG, G)  # fmt: skip
+            _fp4_encode(q32_ptr, sb, by, e_rows, rows64, rmask, kb * chunks + c, stride_q32, MX,
+                        HW, BPG, G, BLOCK_R)  # fmt: skip
+
+
+@triton.jit
+def _dense_load(x_ptr, rows64, valid, kc, stride_x, BF16_BITS: tl.constexpr):
+    """One 128-column chunk as fp32. bf16 comes in as its int16 bits and is widened by a shift
+    (exact for subnormals too, which the interpreter's bf16 conversion gets wrong)."""
+    cols = tl.arange(0, 128)
+    x = tl.load(x_ptr + rows64[:, None] * stride_x + kc * 128 + cols[None, :],
+                mask=valid[:, None], other=0)  # fmt: skip
+    if BF16_BITS:
+        return ((x.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _dense_amax(x):
+    a = tl.abs(x)
+    return tl.max(tl.where(a != a, float("inf"), a), axis=1)  # NaN counts as infinite
+
+
+@triton.jit
+def _dense_encode(q32_ptr, x, e_rows, rows64, inside, kc, stride_q32, HW: tl.constexpr,
+                  BLOCK_R: tl.constexpr):  # fmt: skip
+    c = e4m3_code(x * pow2(-e_rows)[:, None], HW)
+    a, b = tl.split(tl.reshape(c, (BLOCK_R, 64, 2)))
+    h = a | (b << 8)
+    a, b = tl.split(tl.reshape(h, (BLOCK_R, 32, 2)))
+    w = a | (b << 16)
+    cols = tl.arange(0, 32)
+    tl.store(q32_ptr + rows64[:, None] * stride_q32 + kc * 32 + cols[None, :], w,
+             mask=inside[:, None])  # fmt: skip
+
+
+@triton.jit
+def _dense_to_fp8_kernel(x_ptr, mult_ptr, q32_ptr, qs_ptr, n_valid, n_rows, chunks, stride_x,
+                         stride_q32, stride_qs_r, stride_qs_k, HAS_MULT: tl.constexpr,
+                         SHARE_ROWS: tl.constexpr, ONE_CHUNK: tl.constexpr, HW: tl.constexpr,
+                         BF16_BITS: tl.constexpr, BLOCK_R: tl.constexpr):  # fmt: skip
+    pid_r = tl.program_id(0)
+    kb = tl.program_id(1)
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    valid = rows < n_valid  # rows past n_valid (up to n_rows) are written as zeros, scale 0
+    inside = rows < n_rows
+    rows64 = rows.to(tl.int64)
+    if ONE_CHUNK:
+        x = _dense_load(x_ptr, rows64, valid, kb, stride_x, BF16_BITS)
+        amax = _dense_amax(x)
+    else:
+        amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        for c in range(chunks):
+            x = _dense_load(x_ptr, rows64, valid, kb * chunks + c, stride_x, BF16_BITS)
+            amax = tl.maximum(amax, _dense_amax(x))
+    if SHARE_ROWS:
+        bmax = tl.max(amax, axis=0)
+        e = block_exponent(bmax)
+        scale = pow2(e)
+        if HAS_MULT:
+            scale = scale * tl.load(mult_ptr)
+        scale = tl.where(bmax == 0.0, 0.0, scale)  # an all-zero block: scale 0
+        tl.store(qs_ptr + pid_r * stride_qs_r + kb * stride_qs_k, scale)
+        e_rows = tl.zeros((BLOCK_R,), dtype=tl.int32) + e
+    else:
+        e_rows = block_exponent(amax)
+        scale = pow2(e_rows)
+        if HAS_MULT:
+            scale = scale * tl.load(mult_ptr)
+        scale = tl.where(amax == 0.0, 0.0, scale)
+        tl.store(qs_ptr + rows64 * stride_qs_r + kb * stride_qs_k, scale, mask=inside)
+    if ONE_CHUNK:
+        _dense_encode(q32_ptr, x, e_rows, rows64, inside, kb, stride_q32, HW, BLOCK_R)
+    else:
+        for c in range(chunks):
+            x = _dense_load(x_ptr, rows64, valid, kb * chunks + c, stride_x, BF16_BITS)
+            _dense_encode(q32_ptr, x, e_rows, rows64, inside, kb * chunks + c, stride_q32, HW,
+                          BLOCK_R)  # fmt: skip
+
+
+def _as_words(q: torch.Tensor) -> torch.Tensor:
+    """The uint8 / e4m3 codes [rows, K] as int32 words [rows, K / 4] (rows 16-byte aligned)."""
+    return q.view(torch.uint8).view(torch.int32)
+
+
+def reencode_fp4_triton(
+    packed: torch.Tensor,
+    block_scale_u8: torch.Tensor,
+    global_scale: torch.Tensor | None,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    scale_format: str,
+    block_rows: int,
+    block_cols: int,
+    hw: bool | None = None,
+    rows_per_program: int = 32,
+) -> None:
+    """Re-encode FP4 rows into ``q`` (uint8 or e4m3 [rows, K], rows contiguous) and ``scale``
+    (fp32 [row blocks, K / block_cols], any strides: the GEMM's scale layout is a view).
+
+    Trusts its caller (:mod:`.fp8_prefill` checks shapes once): K % 128 == 0, block_rows 1 or
+    128, block_cols a multiple of 128 dividing K, MXFP4 exponents within
+    :data:`quantdispatch.formats.fp8_prefill.MX_EXPONENT_RANGE`."""
+    rows, k = packed.shape[0], packed.shape[1] * 2
+    if rows == 0:
+        return
+    mx = scale_format == "e8m0"
+    bpg = 16 if mx else 8
+    share = block_rows > 1
+    block_r = block_rows if share else rows_per_program
+    q32 = _as_words(q)
+    hw = hardware_fp8(packed.device) if hw is None else hw
+    grid = (triton.cdiv(rows, block_r), k // block_cols)
+    _fp4_to_fp8_kernel[grid](
+        packed, block_scale_u8, global_scale if global_scale is not None else scale, q32, scale,
+        rows, block_cols // 128, packed.stride(0), block_scale_u8.stride(0), q32.stride(0),
+        scale.stride(0), scale.stride(1), MX=mx, HAS_GS=global_scale is not None,
+        SHARE_ROWS=share, ONE_CHUNK=block_cols == 128, HW=hw, BPG=bpg, G=64 // bpg,
+        BLOCK_R=block_r, num_warps=8 if block_r >= 64 else 4,
+    )  # fmt: skip
+
+
+def quantize_blocks_triton(
+    x: torch.Tensor,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    block_rows: int = 1,
+    block_cols: int = 128,
+    mult: torch.Tensor | None = None,
+    hw: bool | None = None,
+    rows_per_program: int = 16,
+) -> None:
+    """Quantize x [M, K] (16/32-bit, K contiguous) into ``q`` [Mq, K] (Mq >= M; rows M.. are
+    written as zero codes with scale 0, the padding the GEMM may need) and ``scale``
+    (fp32 [row blocks of Mq, K / block_cols], any strides). Same trust as above."""
+    m, k = x.shape
+    rows = q.shape[0]
+    if rows == 0:
+        return
+    share = block_rows > 1
+    block_r = block_rows if share else rows_per_program
+    q32 = _as_words(q)
+    hw = hardware_fp8(x.device) if hw is None else hw
+    grid = (triton.cdiv(rows, block_r), k // block_cols)
+    bf16 = x.dtype == torch.bfloat16
+    _dense_to_fp8_kernel[grid](
+        x.view(torch.int16) if bf16 else x, mult if mult is not None else scale, q32, scale, m,
+        rows, block_cols // 128, x.stride(0), q32.stride(0), scale.stride(0), scale.stride(1),
+        HAS_MULT=mult is not None, SHARE_ROWS=share, ONE_CHUNK=block_cols == 128, HW=hw,
+        BF16_BITS=bf16, BLOCK_R=block_r, num_warps=8 if block_r >= 64 else 4,
+    )  # fmt: skip
