@@ -10,7 +10,7 @@ import torch
 import triton
 
 from quantdispatch.errors import InputError, WeightFormatError, format_error
-from quantdispatch.kernels.common.configs import device_info
+from quantdispatch.kernels.common.device_facts import device_facts
 
 __all__ = [
     "SCALE_GROUP",
@@ -88,7 +88,8 @@ def check_activation(x: torch.Tensor, k: int, where: str) -> torch.Tensor:
             )
         )
     if x.device.type == "cuda" and x.dtype == torch.bfloat16:
-        name, cap = device_info(x.device)
+        facts = device_facts(x.device)
+        name, cap = facts.name, facts.capability or (0, 0)
         if cap < (8, 0):
             raise InputError(
                 format_error(
