@@ -125,7 +125,7 @@ def _float64_reference(ref_layer, x: torch.Tensor) -> torch.Tensor:
     dequant = {"nvfp4": dequantize_nvfp4, "mxfp4": dequantize_mxfp4, "fp8": dequantize_fp8}
     w64 = dequant[ref_layer.format](weight, dtype=torch.float64)
     xin = x
-    if ref_layer._meta and ref_layer._meta[0]:
+    if ref_layer._meta.emulate_activations:
         from quantdispatch.backends.reference import fake_quantize_fp8_activations
 
         if ref_layer.format == "nvfp4":

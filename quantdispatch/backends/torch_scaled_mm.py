@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from quantdispatch.backends.base import Backend, PreparedWeight
+from quantdispatch.backends.base import Backend, Layout, LayoutMeta, PreparedWeight, ScaledMmMeta
 from quantdispatch.capability import FP8_MMA, SM100_FAMILY, SM120_FAMILY, fmt_sm
 from quantdispatch.request import Op, Request
 
@@ -92,7 +92,12 @@ class TorchScaledMMBackend(Backend):
             tensors.append(weight.input_scale)
         n, k = weight.shape
         return PreparedWeight(
-            names=tuple(names), tensors=tuple(tensors), out_features=n, in_features=k
+            names=tuple(names),
+            tensors=tuple(tensors),
+            layout=Layout.SCALED_MM,
+            meta=ScaledMmMeta(),
+            out_features=n,
+            in_features=k,
         )
 
     def linear(
@@ -101,7 +106,10 @@ class TorchScaledMMBackend(Backend):
         tensors: Sequence[torch.Tensor],
         bias: torch.Tensor | None,
         fmt: str,
-        meta: Sequence[int],
+        layout: Layout,
+        meta: LayoutMeta,
+        *,
+        pdl: bool = True,
     ) -> torch.Tensor:
         import torch
 

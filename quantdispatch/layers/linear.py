@@ -105,7 +105,7 @@ class QuantLinear(QuantLayer):
         self.format = fmt
         self.in_features, self.out_features = k, n
         self._names = tuple(prepared.names)
-        self._hold(prepared.names, prepared.tensors, prepared.meta)
+        self._hold(prepared.names, prepared.tensors, prepared.layout, prepared.meta)
         if bias is not None:
             bias = bias.detach()
             if bias.shape != (n,):
@@ -224,8 +224,9 @@ class QuantLinear(QuantLayer):
             self.bias,
             self.backend,
             self.format,
-            self._meta,
+            self._meta_args,
             self.out_features,
+            self.decision.pdl,
         )
         return y.reshape(*lead, self.out_features)
 
