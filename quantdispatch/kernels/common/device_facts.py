@@ -106,7 +106,7 @@ def device_facts(device: torch.device) -> DeviceFacts:
 
 def _interpreting() -> bool:
     try:
-        from quantdispatch.kernels.common.checks import interpreting
+        from quantdispatch.kernels.common.interpreter import interpreting
     except ImportError:  # no triton: nothing is interpreted
         return False
     return interpreting()
