@@ -187,6 +187,10 @@ def test_the_moe_run_path_runs_the_family_of_kernel_for(monkeypatch, calls, pres
                 from quantdispatch.kernels.mma_layout.moe_plan import describe_moe_config
 
                 assert describe_moe_config(kw["config"]) == want.detail
+        calls.clear()  # an empty batch: no plan (the launcher returns [0, H] before one)
+        x0, ids0 = torch.empty((0, hidden), dtype=torch.bfloat16), torch.zeros((0, top_k))
+        run.moe(MoeCall(x0, ids0, ids0, w13, w2, None, None, fmt, "silu", (), layout, meta))
+        assert calls[0][1]["config"] is None
 
 
 def test_every_threshold_exists_once_in_the_table():

@@ -143,9 +143,12 @@ def _checkpoint_fp8(
 
 def moe_config(call: MoeCall, facts: DeviceFacts) -> object | None:
     """The launch config the layout's plan picks for this call (its ``family`` is the kernel
-    family); None when the inputs are malformed (the launcher then says what is wrong)."""
+    family); None for an empty batch (nothing runs) or malformed inputs (the launcher then says
+    what is wrong)."""
     x, ids, w13, w2 = call.x, call.topk_ids, call.w13, call.w2
-    if x.dim() != 2 or ids.dim() != 2 or w13[0].dim() < 3 or w2[0].dim() < 3:
+    if x.dim() != 2 or ids.dim() != 2 or x.shape[0] == 0 or not w13 or not w2:
+        return None
+    if w13[0].dim() < 3 or w2[0].dim() < 3:
         return None
     m, top_k, experts = x.shape[0], ids.shape[1], w13[0].shape[0]
     if call.layout is Layout.MMA16X64:  # words [E, N/16, K/64, ...]
