@@ -82,11 +82,24 @@ def linear_row(
     return linear_regime(fmt, layout.value, facts.capability, n, k, flags)
 
 
+@functools.lru_cache(maxsize=1024)
+def _steps(
+    fmt: str, layout: Layout, meta: LayoutMeta, n: int, k: int, facts: DeviceFacts
+) -> tuple[tuple[int | None, Family], ...]:
+    """(largest M, family) per step of the weight's row (cached: a layer's weight asks each
+    call)."""
+    row = linear_row(fmt, layout, meta, n, k, facts)
+    return tuple((top, s.family) for s, top in zip(row.steps, row.max_ms(n, k), strict=True))
+
+
 def linear_family(
     fmt: str, layout: Layout, meta: LayoutMeta, m: int, n: int, k: int, facts: DeviceFacts
 ) -> Family:
-    """The kernel family a call with ``m`` rows runs."""
-    return linear_row(fmt, layout, meta, n, k, facts).family(m, n, k)
+    """The kernel family a call with ``m`` rows runs (:meth:`LinearRegime.family`)."""
+    for top, family in _steps(fmt, layout, meta, n, k, facts):
+        if top is None or m <= top:
+            return family
+    raise AssertionError(f"the last step of the {fmt} {layout.value} row must take any M")
 
 
 def linear_ranges(

@@ -199,7 +199,7 @@ def moe_layout_config(
     pdl: bool = True,
     allow_dequant: bool = True,
 ) -> SmallMoeConfig | MmaMoeConfig | MoeGemmTile | DequantMoeConfig:
-    """:func:`moe_plan` (kept as the launcher's name for it)."""
+    """The launcher's entry to :func:`moe_plan` (same arguments)."""
     return moe_plan(m, top_k, experts, inter, hidden, facts, pdl=pdl, allow_dequant=allow_dequant)
 
 
