@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import linear as L  # benchmarks/linear.py: Problem, timing, reference
 
-from quantdispatch.kernels.common.wgmma_guard import rs_wgmma_hazard
+from quantdispatch.kernels.common.device_facts import device_facts
 from quantdispatch.kernels.mma_layout import gemm
 from quantdispatch.kernels.mma_layout.activation_order import kappa_order, kappa_order_torch
 from quantdispatch.kernels.mma_layout.gemm_tiles import parse_tile
@@ -54,7 +54,7 @@ def main() -> None:
     bw = L.copy_bandwidth()
     tbps = max(bw.values())
     L.log(f"bandwidth copy {bw['copy'] / 1e12:.2f} TB/s, sm {bw['sm_elementwise'] / 1e12:.2f} TB/s")
-    if rs_wgmma_hazard(torch.device("cuda")):
+    if device_facts(torch.device("cuda")).rs_wgmma_hazard:
         L.log("register-operand wgmma guard: every tile settles its accumulator each K step")
     tiles = [(parse_tile(t), True) for t in args.tiles.split(",")]
     if args.pad_ab:

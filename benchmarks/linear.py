@@ -39,7 +39,7 @@ from quantdispatch.kernels.checkpoint_layout.fp8 import fp8_weight_only_linear
 from quantdispatch.kernels.checkpoint_layout.linear import fp4_linear
 from quantdispatch.kernels.common import configs
 from quantdispatch.kernels.common.configs import GemmConfig
-from quantdispatch.kernels.common.wgmma_guard import rs_wgmma_hazard
+from quantdispatch.kernels.common.device_facts import device_facts
 from quantdispatch.kernels.native.scaled_mm import fp8_scaled_mm_linear, prepare_fp8_scaled_mm
 
 SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
@@ -186,9 +186,9 @@ class Problem:
         self.bf16_copies = max(2, math.ceil(ROTATE_BYTES / (2 * n * k)))
         self.bf16s = [self.bf16.clone() for _ in range(self.bf16_copies)]
 
-    def prepared_nvfp4(self) -> tuple[list[tuple[torch.Tensor, ...]], list[int]]:
+    def prepared_nvfp4(self) -> tuple[list[tuple[torch.Tensor, ...]], tuple]:
         """The rotated NVFP4 copies as TritonBackend.prepare lays them out on this GPU (the
-        kernel tensors before the global scale), and its meta."""
+        kernel tensors before the global scale), and its (layout, meta)."""
         if getattr(self, "_prepared", None) is None:
             from quantdispatch.backends.triton import TritonBackend
             from quantdispatch.formats.nvfp4 import Nvfp4Weight
@@ -199,12 +199,15 @@ class Problem:
                 TritonBackend().prepare(Nvfp4Weight(pk, sc, self.gscale), request)
                 for pk, sc in self.nv
             ]
-            self._prepared = ([w.tensors[:2] for w in prepared], list(prepared[0].meta))
+            self._prepared = (
+                [w.tensors[:2] for w in prepared],
+                (prepared[0].layout, prepared[0].meta),
+            )
         return self._prepared
 
-    def prepared_mxfp4(self) -> tuple[list[tuple[torch.Tensor, ...]], list[int]]:
+    def prepared_mxfp4(self) -> tuple[list[tuple[torch.Tensor, ...]], tuple]:
         """The rotated MXFP4 copies as TritonBackend.prepare lays them out on this GPU (all
-        its tensors), and its meta."""
+        its tensors), and its (layout, meta)."""
         if getattr(self, "_prepared_mx", None) is None:
             from quantdispatch.backends.triton import TritonBackend
             from quantdispatch.formats.mxfp4 import Mxfp4Weight
@@ -212,7 +215,10 @@ class Problem:
 
             request = Request.make("mxfp4", "linear", torch.bfloat16, n=self.n, k=self.k)
             prepared = [TritonBackend().prepare(Mxfp4Weight(pk, sc), request) for pk, sc in self.mx]
-            self._prepared_mx = ([w.tensors for w in prepared], list(prepared[0].meta))
+            self._prepared_mx = (
+                [w.tensors for w in prepared],
+                (prepared[0].layout, prepared[0].meta),
+            )
         return self._prepared_mx
 
     def xs(self, m: int, count: int, gen: torch.Generator) -> list[torch.Tensor]:
@@ -232,6 +238,20 @@ def _deq_nvfp4(x, w, gscale):
     return dequant_gemm(x, packed.shape[0], packed.shape[1] * 2, rows)
 
 
+def auto_family(p: Problem, kernel: str, m: int, facts) -> str | None:
+    """The regime table's kernel family a QuantLinear call runs (the *_auto columns)."""
+    if kernel not in ("nvfp4_auto", "mxfp4_auto"):
+        return None
+    from quantdispatch.backends.triton.dispatch import linear_family
+
+    fmt = kernel.split("_")[0]
+    try:
+        layout, meta = (p.prepared_nvfp4() if fmt == "nvfp4" else p.prepared_mxfp4())[1]
+    except Exception:  # the column failed already (logged there)
+        return None
+    return str(linear_family(fmt, layout, meta, m, p.n, p.k, facts))
+
+
 def make_calls(p: Problem, kernel: str, m: int, gen, cfg: GemmConfig | None = None):
     """(list of rotated zero-arg calls, check call returning (out, ref64))."""
     if kernel in ("nvfp4_deq", "nvfp4_auto"):
@@ -246,7 +266,7 @@ def make_calls(p: Problem, kernel: str, m: int, gen, cfg: GemmConfig | None = No
         else:  # what QuantLinear runs: prepare's layout, then the backend picks the path by M
             weights, meta = p.prepared_nvfp4()
             calls = [
-                (lambda x=x, w=w: backend.linear(x, [*w, p.gscale], None, "nvfp4", meta))
+                (lambda x=x, w=w: backend.linear(x, [*w, p.gscale], None, "nvfp4", *meta))
                 for x, w in zip(xs, weights, strict=True)
             ]
         ref = lambda: xs[0].double() @ p.w64["nvfp4"].T
@@ -269,7 +289,7 @@ def make_calls(p: Problem, kernel: str, m: int, gen, cfg: GemmConfig | None = No
         xs = p.xs(m, p.copies, gen)
         weights, meta = p.prepared_mxfp4()
         calls = [
-            (lambda x=x, w=w: backend.linear(x, list(w), None, "mxfp4", meta))
+            (lambda x=x, w=w: backend.linear(x, list(w), None, "mxfp4", *meta))
             for x, w in zip(xs, weights, strict=True)
         ]
         ref = lambda: xs[0].double() @ p.w64["mxfp4"].T
@@ -473,7 +493,8 @@ def main() -> None:
         "cuda": torch.version.cuda,
         "triton": triton.__version__,
         # register-operand wgmma launches settle each K step (kernels/common/wgmma_guard.py)
-        "rs_wgmma_settled": torch.cuda.is_available() and rs_wgmma_hazard(torch.device("cuda")),
+        "rs_wgmma_settled": torch.cuda.is_available()
+        and device_facts(torch.device("cuda")).rs_wgmma_hazard,
         "date": date,
         "shapes": shapes,
         "ms": ms,
@@ -521,7 +542,8 @@ def main() -> None:
                     "mxfp4": "mxfp4",
                     "fp8_w8a16": "fp8",
                 }.get(kern)
-                src = configs.get_config(kind, torch.device(DEVICE), n, k, m) if kind else None
+                facts = device_facts(torch.device(DEVICE))
+                src = configs.get_config(kind, facts, n, k, m) if kind else None
                 try:
                     us, err = checked_time(p, kern, m, gen)
                 except Exception as exc:  # keep the other columns
@@ -539,6 +561,7 @@ def main() -> None:
                         "floor_us": floor,
                         "config": src[0].to_dict() if src else None,
                         "config_source": src[1] if src else None,
+                        "family": auto_family(p, kern, m, facts),
                     }
                 )
                 line.append(f"{kern}={'FAIL' if us is None else f'{us:.1f}'}(e={err:.1e})")

@@ -62,20 +62,25 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from quantdispatch.api import current_settings
+from quantdispatch.backends.base import CheckpointMeta, Layout, MoeCall
 from quantdispatch.backends.reference import ReferenceBackend
 from quantdispatch.kernels.checkpoint_layout import moe_plan as ckpt_plan
 from quantdispatch.kernels.checkpoint_layout.moe import fused_moe
 from quantdispatch.kernels.checkpoint_layout.moe_plan import MmaGemmConfig, MmaMoeConfig
-from quantdispatch.kernels.common.wgmma_guard import rs_wgmma_hazard
+from quantdispatch.kernels.common.device_facts import device_facts
 from quantdispatch.kernels.mma_layout.moe_gemm import mma_layout_moe
 from quantdispatch.kernels.mma_layout.moe_plan import (
-    MMA_MAX_TOKENS_PER_EXPERT,
     MoeGemmTile,
     SmallMoeConfig,
     moe_layout_config,
 )
 from quantdispatch.kernels.mma_layout.moe_stacks import repack_experts, repack_experts_mx
+from quantdispatch.kernels.regimes import MMA_LAYOUT_MOE, Family
 from quantdispatch.moe.activations import apply_activation
+
+#: QUANTDISPATCH_PDL as the layers would pass it (kernels read no environment).
+PDL = current_settings().pdl
 
 MODELS: dict[str, tuple[int, int, int, int]] = {
     "qwen3-30b-a3b": (128, 8, 2048, 768),
@@ -268,24 +273,27 @@ class Layer:
 
     def config(self, m: int):
         """The repacked path's regime; the CPU interpreter runs no PTX: the GEMM there."""
-        cfg = moe_layout_config(m, self.top_k, self.e, self.i, self.h, self.dev)
+        facts = device_facts(self.dev)
+        cfg = moe_layout_config(m, self.top_k, self.e, self.i, self.h, facts, pdl=PDL)
         return cfg if self.dev.type == "cuda" or isinstance(cfg, MoeGemmTile) else MoeGemmTile(16)
 
     def nvfp4(self, x, ids, w, config=None):
         """The repacked stacks (named for the default format; MXFP4 runs here too)."""
         return mma_layout_moe(x, ids, w, self.r13, self.r2, self.b13, self.b2,
                               activation=self.act, params=list(self.params),
-                              packed_for=torch.bfloat16,
+                              packed_for=torch.bfloat16, pdl=PDL,
                               config=config or self.config(x.shape[0]))  # fmt: skip
 
     def nvfp4_ckpt(self, x, ids, w, config=None):
         return fused_moe(x, ids, w, self.w13, self.w2, self.b13, self.b2, fmt=self.fmt,
-                            activation=self.act, params=list(self.params), meta=[0],
+                            activation=self.act, params=list(self.params),
                             config=config)  # fmt: skip
 
     def reference(self, x, ids, w):
-        return ReferenceBackend().moe(x, ids, w, self.w13, self.w2, self.b13, self.b2, self.fmt,
-                                      self.act, list(self.params), [0])  # fmt: skip
+        w13, w2, params = tuple(self.w13), tuple(self.w2), tuple(self.params)
+        call = MoeCall(x, ids, w, w13, w2, self.b13, self.b2, self.fmt, self.act, params,
+                       Layout.CHECKPOINT, CheckpointMeta())  # fmt: skip
+        return ReferenceBackend().moe(call)
 
     def bf16(self, x, ids, w):
         """Unquantized MoE: sort pairs by expert, two grouped GEMMs (+ the experts' biases),
@@ -344,14 +352,16 @@ def distinct_experts(ids: torch.Tensor) -> int:
 def config_dict(
     cfg: ckpt_plan.MoeConfig | MmaMoeConfig | ckpt_plan.DequantMoeConfig | MoeGemmTile,
 ) -> dict:
+    family: Family = cfg.family  # the regime table's name for it
     if isinstance(cfg, SmallMoeConfig):
-        return {"kernel": "topk-sum", **vars(cfg)}
+        return {"kernel": "topk-sum", "family": family.value, **vars(cfg)}
     if isinstance(cfg, ckpt_plan.DequantMoeConfig):
-        return {"kernel": "dequant+grouped_mm"}
+        return {"kernel": "dequant+grouped_mm", "family": family.value}
     if isinstance(cfg, MoeGemmTile):
-        return {"kernel": "gemm", **vars(cfg)}
+        return {"kernel": "gemm", "family": family.value, **vars(cfg)}
     return {
         "kernel": "mma" if isinstance(cfg, MmaMoeConfig) else "tl.dot",
+        "family": family.value,
         "block_m": cfg.block_m,
         "direct": cfg.direct,
         "gemm1": vars(cfg.gemm1).copy(),
@@ -365,11 +375,12 @@ def config_label(c: dict) -> str:
     if c.get("kernel") == "dequant+grouped_mm":
         return "dequant + grouped_mm"
     if c.get("kernel") in ("topk-sum", "fused") and "warps_down" in c:  # "fused": early JSONs
-        return SmallMoeConfig(**{k: v for k, v in c.items() if k != "kernel"}).label()
+        fields = {k: v for k, v in c.items() if k not in ("kernel", "family")}
+        return SmallMoeConfig(**fields).label()
     if c.get("kernel") == "fused":  # session 6's removed grid-barrier kernel (its sweep JSONs)
         return f"grid barrier w{c.get('warps')}u{c.get('unroll')} x{c.get('programs_per_sm')}/SM"
     if c.get("kernel") == "gemm":
-        tile = {k: v for k, v in c.items() if k != "kernel"}
+        tile = {k: v for k, v in c.items() if k not in ("kernel", "family")}
         return MoeGemmTile(**tile).label()
     if c.get("kernel") == "mma":
         return (
@@ -389,7 +400,8 @@ def run_point(layer: Layer, name: str, m: int, gen, bw: float, graphs: bool) -> 
     cfg = layer.config(m)
     rows = []
     fmt = layer.fmt
-    ckpt_cfg = ckpt_plan.moe_config(m, layer.top_k, layer.e, layer.i, layer.h, fmt, x0.device)
+    facts = device_facts(x0.device)
+    ckpt_cfg = ckpt_plan.moe_config(m, layer.top_k, layer.e, layer.i, layer.h, fmt, facts)
     for kern in [fmt, f"{fmt}_ckpt", "bf16"]:
         fn = {fmt: layer.nvfp4, f"{fmt}_ckpt": layer.nvfp4_ckpt, "bf16": layer.bf16}[kern]
         row = {"model": name, "M": m, "kernel": kern, "us": None, "rel_err": math.nan,
@@ -498,7 +510,7 @@ def sweep_configs(m: int, top_k: int, e: int, i: int, h: int, only_small: bool =
     tpe = m * top_k / e
     out: list = []
     if 4 * m * top_k <= e:  # single pairs: the top-k sum inside the down kernel
-        pick = moe_layout_config(m, top_k, e, i, h, torch.device("cuda"))
+        pick = moe_layout_config(m, top_k, e, i, h, device_facts(torch.device("cuda")), pdl=PDL)
         out.append(pick)
         out.append(replace(pick, pdl=False, prefetch=0))
         if pick.pdl:  # the down launch dependent on gate/up: L2 prefetch of 0 .. all chunks
@@ -530,7 +542,7 @@ def sweep_configs(m: int, top_k: int, e: int, i: int, h: int, only_small: bool =
         return out
     if tpe <= 16:
         out += [mma_moe_config(m * top_k, e, i, h, direct=False, nt=nt) for nt in (1, 2)]
-    if tpe <= MMA_MAX_TOKENS_PER_EXPERT:  # 8-pair blocks picked: their warps per GEMM too
+    if tpe <= MMA_LAYOUT_MOE.mma.max_tokens_per_expert:  # 8-pair blocks picked: their warps too
         out += [MmaMoeConfig(1, MmaGemmConfig(*g1), MmaGemmConfig(*g2)) for g1, g2 in WARP_SWEEP]
     if tpe >= 2:
         blocks = [bm for bm in (16, 32, 64, 128) if bm <= max(16, 4 * tpe)]
@@ -655,7 +667,8 @@ def main() -> None:
         "cuda": torch.version.cuda,
         "triton": triton.__version__,
         # register-operand wgmma launches settle each K step (kernels/common/wgmma_guard.py)
-        "rs_wgmma_settled": torch.cuda.is_available() and rs_wgmma_hazard(torch.device("cuda")),
+        "rs_wgmma_settled": torch.cuda.is_available()
+        and device_facts(torch.device("cuda")).rs_wgmma_hazard,
         "date": date,
         "format": args.format,
         "models": models,

@@ -77,7 +77,7 @@ def main() -> None:
 
             def call() -> torch.Tensor:
                 return fused_moe(x, ids, tw, w13, w2, None, None, fmt="nvfp4",
-                                           activation="silu", params=[], meta=[0])  # fmt: skip
+                                           activation="silu", params=[])  # fmt: skip
     else:
         n, k = SHAPES[args.shape]
         packed = torch.randint(0, 256, (n, k // 2), generator=g, device=dev).to(torch.uint8)

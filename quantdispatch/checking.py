@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from quantdispatch.backends.prepared import CheckpointMeta
     from quantdispatch.request import Request
 
 __all__ = [
@@ -137,7 +138,7 @@ def moe_reference64(
     fmt: str,
     w13: Sequence[torch.Tensor],
     w2: Sequence[torch.Tensor],
-    meta: Sequence[int],
+    meta: CheckpointMeta,
     x: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
@@ -187,7 +188,7 @@ def probe_linear(b, request: Request, device: torch.device) -> list[tuple[int, f
     )  # fmt: skip
     prepared = b.prepare(weight.to(device), dataclasses.replace(request, n=n, k=k))
     tensors = as_op_tensors(list(prepared.tensors))
-    meta = list(prepared.meta)
+    meta = prepared.meta_args()
     out = []
     for i, m in enumerate(_LINEAR_M):
         x = torch.randn(m, k, generator=gen).to(request.act_dtype)
@@ -205,6 +206,7 @@ def probe_moe(b, request: Request, device: torch.device) -> list[tuple[int, floa
     """Backend ``b`` on the MoE probe (M = 1, 48; 4 experts, top-2, H 256, I 128, SiLU) through
     the layers' custom op: [(M, rel. error vs float64)]."""
     import quantdispatch.ops  # noqa: F401
+    from quantdispatch.backends.base import CheckpointMeta
     from quantdispatch.moe.stacking import STACK_NAMES, stack_expert_lists
 
     gen = torch.Generator().manual_seed(26)
@@ -222,7 +224,7 @@ def probe_moe(b, request: Request, device: torch.device) -> list[tuple[int, floa
         "down": [expert(h, i) for _ in range(e)],
     }
     s13, s2, block, _ = stack_expert_lists(fmt, lists, gated=True)
-    meta = [0, *block]
+    meta = CheckpointMeta(block_size=tuple(block) if block else None)  # type: ignore[arg-type]
     prepared = b.prepare_moe(
         [t.to(device).contiguous() for t in s13],
         [t.to(device).contiguous() for t in s2],
@@ -248,7 +250,7 @@ def probe_moe(b, request: Request, device: torch.device) -> list[tuple[int, floa
             fmt,
             "silu",
             [],
-            list(prepared.meta),
+            prepared.meta_args(),
         )
         ref = moe_reference64(fmt, s13, s2, meta, x, ids, weights)
         out.append((m, rel_error(y, ref)))

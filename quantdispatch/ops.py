@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from quantdispatch.backends import get_backend
+from quantdispatch.backends.base import MoeCall, decode_meta
 
 __all__ = ["linear", "moe"]
 
@@ -26,9 +27,11 @@ def linear(
     fmt: str,
     meta: list[int],
     out_features: int,
+    pdl: bool = True,
 ) -> torch.Tensor:
     """y[M, N] = x[M, K] @ W.T (+ bias), W given as ``backend``'s prepared tensors."""
-    return get_backend(backend).linear(x, weights, bias, fmt, meta)
+    layout, typed = decode_meta(meta)
+    return get_backend(backend).linear(x, weights, bias, fmt, layout, typed, pdl=pdl)
 
 
 @linear.register_fake
@@ -40,6 +43,7 @@ def _linear_fake(
     fmt: str,
     meta: list[int],
     out_features: int,
+    pdl: bool = True,
 ) -> torch.Tensor:
     return x.new_empty((x.shape[0], out_features))
 
@@ -58,11 +62,15 @@ def moe(
     activation: str,
     params: list[float],
     meta: list[int],
+    pdl: bool = True,
 ) -> torch.Tensor:
     """out[t] = sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]), shape [M, H]."""
-    return get_backend(backend).moe(
-        x, topk_ids, topk_weights, w13, w2, w13_bias, w2_bias, fmt, activation, params, meta
-    )
+    layout, typed = decode_meta(meta)
+    call = MoeCall(
+        x, topk_ids, topk_weights, tuple(w13), tuple(w2), w13_bias, w2_bias, fmt, activation,
+        tuple(params), layout, typed, pdl,
+    )  # fmt: skip
+    return get_backend(backend).moe(call)
 
 
 @moe.register_fake
@@ -79,5 +87,6 @@ def _moe_fake(
     activation: str,
     params: list[float],
     meta: list[int],
+    pdl: bool = True,
 ) -> torch.Tensor:
     return x.new_empty(x.shape)

@@ -48,6 +48,9 @@ class Decision:
     trace: tuple[Candidate, ...]
     forced_by: str | None
     policy_source: str
+    pdl: bool = True
+    """Kernels may use programmatic dependent launches (the Settings.pdl it was made with);
+    layers pass it to every call."""
 
     @property
     def is_fallback(self) -> bool:
@@ -69,7 +72,8 @@ class Decision:
 
     def kernel_ranges(self, *, top_k: int | None = None) -> tuple[KernelRange, ...]:
         """The kernel family the chosen backend runs for each range of M, on this device."""
-        return get_backend(self.backend).kernel_ranges(self.request, self.device, top_k=top_k)
+        backend = get_backend(self.backend)
+        return backend.kernel_ranges(self.request, self.device, top_k=top_k, pdl=self.pdl)
 
     def kernel_for(self, m: int, *, top_k: int | None = None) -> KernelRange:
         """The kernel family a call with ``m`` rows runs (the trace down to the kernel)."""
@@ -187,6 +191,7 @@ def _resolve(
         trace=tuple(trace),
         forced_by=None,
         policy_source=entry.source,
+        pdl=settings.pdl,
     )
 
 
@@ -248,4 +253,5 @@ def _resolve_forced(
         trace=tuple(trace),
         forced_by=by,
         policy_source=source,
+        pdl=settings.pdl,
     )

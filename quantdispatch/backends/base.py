@@ -9,11 +9,25 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from quantdispatch.backends.prepared import (
+    CheckpointMeta,
+    CutlassFp4Meta,
+    Layout,
+    LayoutMeta,
+    MarlinMeta,
+    Mma16x64Meta,
+    MoeCall,
+    PreparedMoe,
+    PreparedWeight,
+    ScaledMmMeta,
+    decode_meta,
+    encode_meta,
+)
 from quantdispatch.capability import fmt_sm
 from quantdispatch.errors import BackendUnavailableError, format_error
 from quantdispatch.request import Op, Request, Scheme
@@ -23,10 +37,20 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Backend",
+    "CheckpointMeta",
+    "CutlassFp4Meta",
     "KernelRange",
+    "Layout",
+    "LayoutMeta",
+    "MarlinMeta",
+    "Mma16x64Meta",
+    "MoeCall",
     "PreparedMoe",
     "PreparedWeight",
+    "ScaledMmMeta",
     "as_op_tensors",
+    "decode_meta",
+    "encode_meta",
     "op_view",
 ]
 
@@ -46,40 +70,6 @@ def as_op_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 def op_view(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The tensor as ``dtype`` again (a no-op view when it already is)."""
     return t if t.dtype == dtype else t.view(dtype)
-
-
-@dataclass(frozen=True)
-class PreparedWeight:
-    """The tensors a backend's kernel reads, in its own order, plus small integer metadata.
-
-    ``names`` label the tensors (they become the layer's buffer names); ``meta`` carries what
-    the kernel needs besides tensors (e.g. an FP8 block size). Nothing here may be a dequantized
-    copy of the weight.
-    """
-
-    names: tuple[str, ...]
-    tensors: tuple[torch.Tensor, ...]
-    meta: tuple[int, ...] = ()
-    out_features: int = 0
-    in_features: int = 0
-    extra: dict[str, object] = field(default_factory=dict)
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors)
-
-
-@dataclass(frozen=True)
-class PreparedMoe:
-    """A MoE layer's stacked expert tensors as a backend's kernels read them.
-
-    ``names`` label each stack's tensors (the layer's buffers are ``w13_<name>`` and
-    ``w2_<name>``), ``meta`` is passed to every call. The canonical stacks (quantdispatch.moe)
-    are what most backends keep; a backend may repack them once here (same bytes)."""
-
-    names: tuple[str, ...]
-    w13: tuple[torch.Tensor, ...]
-    w2: tuple[torch.Tensor, ...]
-    meta: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -166,10 +156,16 @@ class Backend(ABC):
         return None
 
     def kernel_ranges(
-        self, request: Request, profile: DeviceProfile, *, top_k: int | None = None
+        self,
+        request: Request,
+        profile: DeviceProfile,
+        *,
+        top_k: int | None = None,
+        pdl: bool = True,
     ) -> tuple[KernelRange, ...]:
         """The kernel family for every range of M (MoE: ``top_k`` and the request's experts,
-        N = I and K = H). Default: one family at every M."""
+        N = I and K = H; ``pdl``: the decision's Settings.pdl). Default: one family at every
+        M."""
         return (KernelRange(1, None, self.name, self.title),)
 
     def kernel_summary(self, request: Request, profile: DeviceProfile) -> str:
@@ -269,15 +265,16 @@ class Backend(ABC):
         w13: Sequence[torch.Tensor],
         w2: Sequence[torch.Tensor],
         names: Sequence[str],
-        meta: Sequence[int],
+        meta: CheckpointMeta,
         request: Request,
         *,
         gated: bool,
     ) -> PreparedMoe:
-        """The stacked canonical expert tensors (on the layer's device) as this backend's MoE
-        kernel reads them, once, at load (``gated``: w13 is gate rows then up rows). Default:
-        kept as they are."""
-        return PreparedMoe(tuple(names), tuple(w13), tuple(w2), tuple(meta))
+        """The stacked canonical expert tensors (on the layer's device; ``meta``: their
+        checkpoint-layout meta, e.g. the FP8 block size) as this backend's MoE kernel reads
+        them, once, at load (``gated``: w13 is gate rows then up rows). Default: kept as they
+        are."""
+        return PreparedMoe(tuple(names), tuple(w13), tuple(w2), Layout.CHECKPOINT, meta)
 
     def linear(
         self,
@@ -285,27 +282,19 @@ class Backend(ABC):
         tensors: Sequence[torch.Tensor],
         bias: torch.Tensor | None,
         fmt: str,
-        meta: Sequence[int],
+        layout: Layout,
+        meta: LayoutMeta,
+        *,
+        pdl: bool = True,
     ) -> torch.Tensor:
-        """y = x @ W.T (+ bias) for 2-D x [M, K]; returns [M, N] in x.dtype."""
+        """y = x @ W.T (+ bias) for 2-D x [M, K] and a weight prepared in ``layout`` with
+        ``meta``; returns [M, N] in x.dtype. ``pdl``: kernels may use programmatic dependent
+        launches (the decision's Settings.pdl)."""
         raise BackendUnavailableError(
             format_error(f"backend {self.name} has no linear kernel", "not implemented yet", "")
         )
 
-    def moe(
-        self,
-        x: torch.Tensor,
-        topk_ids: torch.Tensor,
-        topk_weights: torch.Tensor,
-        w13: Sequence[torch.Tensor],
-        w2: Sequence[torch.Tensor],
-        w13_bias: torch.Tensor | None,
-        w2_bias: torch.Tensor | None,
-        fmt: str,
-        activation: str,
-        params: Sequence[float],
-        meta: Sequence[int],
-    ) -> torch.Tensor:
+    def moe(self, call: MoeCall) -> torch.Tensor:
         """Routed experts: out[t] = sum_k w[t, k] * expert_{id[t, k]}(x[t]); [M, H] in x.dtype."""
         raise BackendUnavailableError(
             format_error(f"backend {self.name} has no MoE kernel", "not implemented yet", "")

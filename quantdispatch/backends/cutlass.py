@@ -23,7 +23,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from quantdispatch.backends import fp4_providers
-from quantdispatch.backends.base import Backend, PreparedWeight
+from quantdispatch.backends.base import (
+    Backend,
+    CutlassFp4Meta,
+    Layout,
+    LayoutMeta,
+    PreparedWeight,
+)
 from quantdispatch.capability import (
     CUTLASS_NVFP4,
     CUTLASS_NVFP4_UNVERIFIED,
@@ -193,7 +199,14 @@ class CutlassBackend(Backend):
             scale.encode,
         )
         index = fp4_providers.BINDINGS.index(status.binding)  # type: ignore[arg-type]
-        return PreparedWeight(_NAMES, tensors, (index,), out_features=n, in_features=k)
+        return PreparedWeight(
+            _NAMES,
+            tensors,
+            layout=Layout.CUTLASS_FP4,
+            meta=CutlassFp4Meta(index),
+            out_features=n,
+            in_features=k,
+        )
 
     def linear(
         self,
@@ -201,7 +214,10 @@ class CutlassBackend(Backend):
         tensors: Sequence[torch.Tensor],
         bias: torch.Tensor | None,
         fmt: str,
-        meta: Sequence[int],
+        layout: Layout,
+        meta: LayoutMeta,
+        *,
+        pdl: bool = True,
     ) -> torch.Tensor:
         from quantdispatch.backends.base import op_view
         from quantdispatch.formats.nvfp4_act import (
@@ -209,7 +225,8 @@ class CutlassBackend(Backend):
             swizzled_scale_shape,
         )
 
-        binding = fp4_providers.BINDINGS[int(meta[0])]
+        assert isinstance(meta, CutlassFp4Meta), meta
+        binding = fp4_providers.BINDINGS[meta.binding]
         status = fp4_providers.active()
         if status is None or status.binding != binding:
             status = fp4_providers.Fp4ProviderStatus(binding.provider, None, binding)

@@ -18,7 +18,16 @@ from typing import TYPE_CHECKING
 import torch
 
 from quantdispatch.backends import marlin_providers as providers
-from quantdispatch.backends.base import Backend, PreparedMoe, PreparedWeight
+from quantdispatch.backends.base import (
+    Backend,
+    CheckpointMeta,
+    Layout,
+    LayoutMeta,
+    MarlinMeta,
+    MoeCall,
+    PreparedMoe,
+    PreparedWeight,
+)
 from quantdispatch.backends.marlin_contract import (
     FLOAT4_E2M1F_ID,
     moe_padded_intermediate,
@@ -34,8 +43,6 @@ if TYPE_CHECKING:
 __all__ = ["MarlinBackend"]
 
 _GROUP = {"nvfp4": 16, "mxfp4": 32}
-_ACT = {torch.bfloat16: 0, torch.float16: 1}
-_ACT_OF = {v: k for k, v in _ACT.items()}
 
 
 def _contract_index(key: str) -> int:
@@ -45,11 +52,9 @@ def _contract_index(key: str) -> int:
 def _workspace(device: torch.device) -> torch.Tensor:
     """Zeroed int32 locks, one per thread block the kernel may launch (SMs x 4); the kernel
     leaves them zero after each call, so a layer keeps its own."""
-    sms = (
-        torch.cuda.get_device_properties(device).multi_processor_count
-        if device.type == "cuda"
-        else 1
-    )
+    from quantdispatch.kernels.common.device_facts import device_facts
+
+    sms = device_facts(device).sm_count if device.type == "cuda" else 1
     return torch.zeros(sms * 4, dtype=torch.int32, device=device)
 
 
@@ -189,8 +194,10 @@ class MarlinBackend(Backend):
             tensors.append(t.global_scale)
         names.append("marlin_workspace")
         tensors.append(_workspace(weight.packed.device))
-        meta = (_contract_index(status.contract.key), _ACT[act], n, k, t.n_pad, t.k_pad)
-        return PreparedWeight(tuple(names), tuple(tensors), meta, out_features=n, in_features=k)
+        meta = MarlinMeta(_contract_index(status.contract.key), act, n, k, t.n_pad, t.k_pad)
+        return PreparedWeight(
+            tuple(names), tuple(tensors), Layout.MARLIN, meta, out_features=n, in_features=k
+        )
 
     def linear(
         self,
@@ -198,15 +205,18 @@ class MarlinBackend(Backend):
         tensors: Sequence[torch.Tensor],
         bias: torch.Tensor | None,
         fmt: str,
-        meta: Sequence[int],
+        layout: Layout,
+        meta: LayoutMeta,
+        *,
+        pdl: bool = True,
     ) -> torch.Tensor:
-        row = providers.CONTRACTS[int(meta[0])]
-        n, k, n_pad, k_pad = (int(v) for v in meta[2:6])
-        if x.dtype != _ACT_OF[int(meta[1])]:
+        assert isinstance(meta, MarlinMeta), meta
+        row = providers.CONTRACTS[meta.contract]
+        n, k, n_pad, k_pad = meta.n, meta.k, meta.n_pad, meta.k_pad
+        if x.dtype != meta.act_dtype:
             raise InputError(
                 format_error(
-                    f"input is {x.dtype} but the Marlin weight was prepared for "
-                    f"{_ACT_OF[int(meta[1])]}",
+                    f"input is {x.dtype} but the Marlin weight was prepared for {meta.act_dtype}",
                     "Marlin's NVFP4 scale encoding depends on the activation dtype",
                     "call the layer with the activation dtype it was built for",
                 )
@@ -231,7 +241,7 @@ class MarlinBackend(Backend):
         w13: Sequence[torch.Tensor],
         w2: Sequence[torch.Tensor],
         names: Sequence[str],
-        meta: Sequence[int],
+        meta: CheckpointMeta,
         request: Request,
         *,
         gated: bool,
@@ -261,26 +271,18 @@ class MarlinBackend(Backend):
         s2.append(_workspace(device))
         out_names = ["marlin_qweight", "marlin_scales"]
         out_names += ["marlin_global_scale"] if fmt == "nvfp4" else []
-        meta_out = (_contract_index(status.contract.key), _ACT[act], inter, inter_pad, int(gated))
-        return PreparedMoe((*out_names, "marlin_workspace"), tuple(s13), tuple(s2), meta_out)
+        key = _contract_index(status.contract.key)
+        meta_out = MarlinMeta(key, act, inter, hidden, inter_pad, hidden, gated)
+        return PreparedMoe(
+            (*out_names, "marlin_workspace"), tuple(s13), tuple(s2), Layout.MARLIN, meta_out
+        )
 
-    def moe(
-        self,
-        x: torch.Tensor,
-        topk_ids: torch.Tensor,
-        topk_weights: torch.Tensor,
-        w13: Sequence[torch.Tensor],
-        w2: Sequence[torch.Tensor],
-        w13_bias: torch.Tensor | None,
-        w2_bias: torch.Tensor | None,
-        fmt: str,
-        activation: str,
-        params: Sequence[float],
-        meta: Sequence[int],
-    ) -> torch.Tensor:
+    def moe(self, call: MoeCall) -> torch.Tensor:
         from quantdispatch.backends.marlin_moe import run_moe
 
-        row = providers.CONTRACTS[int(meta[0])]
+        meta, fmt, x = call.meta, call.fmt, call.x
+        assert isinstance(meta, MarlinMeta), meta
+        row = providers.CONTRACTS[meta.contract]
         scale_dtype = torch.float8_e4m3fn if fmt == "nvfp4" else torch.float8_e8m0fnu
 
         def fix(stack: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -293,17 +295,17 @@ class MarlinBackend(Backend):
         return run_moe(
             row,
             x,
-            topk_ids,
-            topk_weights,
-            fix(w13),
-            fix(w2),
-            w13_bias,
-            w2_bias,
-            activation,
-            params,
-            inter=int(meta[2]),
-            inter_pad=int(meta[3]),
-            gated=bool(meta[4]),
+            call.topk_ids,
+            call.topk_weights,
+            fix(call.w13),
+            fix(call.w2),
+            call.w13_bias,
+            call.w2_bias,
+            call.activation,
+            call.params,
+            inter=meta.n,
+            inter_pad=meta.n_pad,
+            gated=meta.gated,
         )
 
 

@@ -17,7 +17,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from quantdispatch.backends.base import Backend, PreparedWeight
+from quantdispatch.backends.base import (
+    Backend,
+    CheckpointMeta,
+    Layout,
+    LayoutMeta,
+    MoeCall,
+    PreparedWeight,
+)
 from quantdispatch.request import Op, Request, Scheme
 
 if TYPE_CHECKING:
@@ -102,19 +109,22 @@ class ReferenceBackend(Backend):
                     "load the checkpoint's input_scale / input_global_scale with the weight",
                 )
             )
-        meta: tuple[int, ...] = (int(emulate_activations),)
-        if isinstance(weight, Fp8Weight) and weight.block_size is not None:
-            meta += tuple(weight.block_size)
+        block = weight.block_size if isinstance(weight, Fp8Weight) else None
+        meta = CheckpointMeta(
+            block_size=tuple(block) if block is not None else None,  # type: ignore[arg-type]
+            emulate_activations=emulate_activations,
+        )
         n, k = weight.shape
         return PreparedWeight(
             names=tuple(tensors),
             tensors=tuple(tensors.values()),
+            layout=Layout.CHECKPOINT,
             meta=meta,
             out_features=n,
             in_features=k,
         )
 
-    def weight_object(self, fmt: str, tensors: Sequence[torch.Tensor], meta: Sequence[int]) -> Any:
+    def weight_object(self, fmt: str, tensors: Sequence[torch.Tensor], meta: CheckpointMeta) -> Any:
         """The canonical weight (Nvfp4Weight, ...) behind this backend's prepared tensors."""
         from quantdispatch.backends.base import op_view
         from quantdispatch.formats import Fp8Weight, Mxfp4Weight, Nvfp4Weight
@@ -131,8 +141,7 @@ class ReferenceBackend(Backend):
             names = ("weight", "scale", "input_scale")
             fields = dict(zip(names, tensors, strict=False))
             fields["weight"] = op_view(fields["weight"], e4m3)
-            block = (int(meta[1]), int(meta[2])) if len(meta) >= 3 else None
-            return _trusted(Fp8Weight, block_size=block, **fields)
+            return _trusted(Fp8Weight, block_size=meta.block_size, **fields)
         raise ValueError(f"reference backend: unknown format {fmt!r}")
 
     def linear(
@@ -141,30 +150,21 @@ class ReferenceBackend(Backend):
         tensors: Sequence[torch.Tensor],
         bias: torch.Tensor | None,
         fmt: str,
-        meta: Sequence[int],
+        layout: Layout,
+        meta: LayoutMeta,
+        *,
+        pdl: bool = True,
     ) -> torch.Tensor:
+        assert isinstance(meta, CheckpointMeta), meta  # prepare keeps the checkpoint layout
         weight = self.weight_object(fmt, tensors, meta)
-        emulate = bool(meta and meta[0])
+        emulate = meta.emulate_activations
         if emulate and fmt == "nvfp4":
             return _w4a4_matmul(x, weight, bias).to(x.dtype)
         if emulate and fmt == "fp8":
             x = fake_quantize_fp8_activations(x, weight.input_scale)
         return _chunked_matmul(x.to(torch.float32), weight, fmt, bias).to(x.dtype)
 
-    def moe(
-        self,
-        x: torch.Tensor,
-        topk_ids: torch.Tensor,
-        topk_weights: torch.Tensor,
-        w13: Sequence[torch.Tensor],
-        w2: Sequence[torch.Tensor],
-        w13_bias: torch.Tensor | None,
-        w2_bias: torch.Tensor | None,
-        fmt: str,
-        activation: str,
-        params: Sequence[float],
-        meta: Sequence[int],
-    ) -> torch.Tensor:
+    def moe(self, call: MoeCall) -> torch.Tensor:
         """Loop over the experts that received tokens; fp32 accumulation, chunked dequant.
 
         ``topk_ids`` hold local expert indices; ids outside [0, E) (experts another rank
@@ -174,6 +174,9 @@ class ReferenceBackend(Backend):
         """
         from quantdispatch.moe.activations import apply_activation
 
+        x, topk_ids, topk_weights, fmt = call.x, call.topk_ids, call.topk_weights, call.fmt
+        w13, w2, w13_bias, w2_bias, meta = call.w13, call.w2, call.w13_bias, call.w2_bias, call.meta
+        assert isinstance(meta, CheckpointMeta), meta
         num_experts = w13[0].shape[0]
         xf = x.to(torch.float32)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
@@ -186,7 +189,7 @@ class ReferenceBackend(Backend):
             h = _chunked_matmul(
                 xf[token_idx], w13_e, fmt, None if w13_bias is None else w13_bias[e]
             )
-            a = apply_activation(h, activation, params)
+            a = apply_activation(h, call.activation, call.params)
             y = _chunked_matmul(a, w2_e, fmt, None if w2_bias is None else w2_bias[e])
             out.index_add_(
                 0, token_idx, y * topk_weights[token_idx, slot].to(torch.float32)[:, None]

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from quantdispatch.backends.base import Backend, PreparedWeight
+from quantdispatch.backends.base import Backend, Layout, LayoutMeta, PreparedWeight, ScaledMmMeta
 from quantdispatch.capability import (
     FP4_MMA,
     FP8_MMA,
@@ -180,7 +180,12 @@ class TorchScaledMMBackend(Backend):
             tensors.append(weight.input_scale)
         n, k = weight.shape
         return PreparedWeight(
-            names=tuple(names), tensors=tuple(tensors), out_features=n, in_features=k
+            names=tuple(names),
+            tensors=tuple(tensors),
+            layout=Layout.SCALED_MM,
+            meta=ScaledMmMeta(),
+            out_features=n,
+            in_features=k,
         )
 
     def linear(
@@ -189,7 +194,10 @@ class TorchScaledMMBackend(Backend):
         tensors: Sequence[torch.Tensor],
         bias: torch.Tensor | None,
         fmt: str,
-        meta: Sequence[int],
+        layout: Layout,
+        meta: LayoutMeta,
+        *,
+        pdl: bool = True,
     ) -> torch.Tensor:
         import torch
 
@@ -236,4 +244,11 @@ def _prepare_nvfp4(weight) -> PreparedWeight:
     )
     n, k = p.shape
     tensors = (p.weight_packed, p.weight_scale_swizzled, p.alpha, p.encode_scale)
-    return PreparedWeight(names=_NVFP4_NAMES, tensors=tensors, out_features=n, in_features=k)
+    return PreparedWeight(
+        names=_NVFP4_NAMES,
+        tensors=tensors,
+        layout=Layout.SCALED_MM,
+        meta=ScaledMmMeta(),
+        out_features=n,
+        in_features=k,
+    )

@@ -14,6 +14,7 @@ from torch import nn
 
 from quantdispatch.api import select
 from quantdispatch.backends import get_backend
+from quantdispatch.backends.base import encode_meta
 from quantdispatch.checkpoints import QuantConfig, load_quant_config, parse_quant_config
 from quantdispatch.device import DeviceProfile, device_profile
 from quantdispatch.errors import ConfigurationError, InputError, format_error
@@ -24,7 +25,7 @@ from quantdispatch.resolver import Decision
 from quantdispatch.settings import Settings
 
 if TYPE_CHECKING:
-    from quantdispatch.backends.base import Backend
+    from quantdispatch.backends.base import Backend, Layout, LayoutMeta
 
 __all__ = [
     "FixedDtypeBuffers",
@@ -201,10 +202,17 @@ class QuantLayer(FixedDtypeBuffers):
         return backend, target
 
     def _hold(
-        self, names: Sequence[str], tensors: Sequence[torch.Tensor], meta: Sequence[int]
+        self,
+        names: Sequence[str],
+        tensors: Sequence[torch.Tensor],
+        layout: Layout,
+        meta: LayoutMeta,
     ) -> None:
-        """Keep the prepared tensors as buffers under the backend's names, and its meta."""
-        self._meta = list(meta)
+        """Keep the prepared tensors as buffers under the backend's names, their layout and
+        typed meta, and the meta's flat form the op takes (``_meta_args``)."""
+        self._layout = layout
+        self._meta = meta
+        self._meta_args = encode_meta(layout, meta)
         for name, tensor in zip(names, tensors, strict=True):
             self.register_buffer(name, tensor)
 

@@ -113,7 +113,7 @@ class QuantLinear(QuantLayer):
         self.format = fmt
         self.in_features, self.out_features = k, n
         self._names = tuple(prepared.names)
-        self._hold(prepared.names, prepared.tensors, prepared.meta)
+        self._hold(prepared.names, prepared.tensors, prepared.layout, prepared.meta)
         if bias is not None:
             bias = bias.detach()
             if bias.shape != (n,):
@@ -247,8 +247,9 @@ class QuantLinear(QuantLayer):
             self.bias,
             self.backend,
             self.format,
-            self._meta,
+            self._meta_args,
             self.out_features,
+            self.decision.pdl,
         )
         return y.reshape(*lead, self.out_features)
 

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 import quantdispatch.ops  # noqa: F401  (registers torch.ops.quantdispatch.*)
+from quantdispatch.backends.base import CheckpointMeta
 from quantdispatch.checkpoints import MoeShard, QuantWeight, read_moe_shard
 from quantdispatch.errors import CheckpointError, ConfigurationError, InputError, format_error
 from quantdispatch.layers.base import QuantLayer, activations_2d, format_of, resolve_quant_config
@@ -148,13 +149,14 @@ class QuantMoE(QuantLayer):
             [t.detach().to(target).contiguous() for t in stacked13],
             [t.detach().to(target).contiguous() for t in stacked2],
             STACK_NAMES[fmt],
-            [0, *block],
+            CheckpointMeta(block_size=tuple(block) if block else None),  # type: ignore[arg-type]
             self.decision.request,
             gated=spec.gated,
         )
         self._names13 = tuple(f"w13_{n}" for n in prepared.names)
         self._names2 = tuple(f"w2_{n}" for n in prepared.names)
-        self._hold(self._names13 + self._names2, [*prepared.w13, *prepared.w2], prepared.meta)
+        stacks = [*prepared.w13, *prepared.w2]
+        self._hold(self._names13 + self._names2, stacks, prepared.layout, prepared.meta)
         self.register_buffer("w13_bias", check_bias(w13_bias, (e, n13), "w13_bias", target))
         self.register_buffer("w2_bias", check_bias(w2_bias, (e, hidden), "w2_bias", target))
         if e_score_correction_bias is not None:
@@ -339,7 +341,8 @@ class QuantMoE(QuantLayer):
             self.format,
             self.activation,
             self._params,
-            self._meta,
+            self._meta_args,
+            self.decision.pdl,
         )
         return y.reshape(*lead, self.hidden_size)
 

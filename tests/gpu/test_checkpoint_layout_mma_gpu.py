@@ -20,6 +20,7 @@ from quantdispatch.kernels.checkpoint_layout import moe_plan
 from quantdispatch.kernels.checkpoint_layout.mma_linear import mma_ckpt_linear
 from quantdispatch.kernels.checkpoint_layout.moe_plan import MmaGemmConfig, MmaMoeConfig
 from quantdispatch.kernels.common import checks
+from quantdispatch.kernels.common.device_facts import device_facts
 from tests.gpu.test_linear_kernels_gpu import check, fp4_w64, gen, nvfp4_weights
 from tests.gpu.test_moe_gpu import BOUND, DEV, moe64, rel, stacks
 
@@ -128,7 +129,7 @@ def routing(m, e, top_k, gen, dtype, h):
 
 def run(x, ids, w, w13, w2, cfg=None, b13=None, b2=None, activation="silu", params=()):
     return fm.fused_moe(x, ids, w, w13, w2, b13, b2, fmt="nvfp4", activation=activation,
-                        params=list(params), meta=[0], config=cfg)  # fmt: skip
+                        params=list(params), config=cfg)  # fmt: skip
 
 
 def gemm(wt=1, wk=4, unroll=2):
@@ -156,10 +157,12 @@ def test_every_path_matches_float64(m, cfg, dtype):
 
 
 def test_heuristic_takes_the_mma_kernels_for_few_tokens_per_expert():
-    cfg = moe_plan.moe_config(4, 8, 128, 768, 2048, "nvfp4", DEV)
+    facts = device_facts(DEV)
+    cfg = moe_plan.moe_config(4, 8, 128, 768, 2048, "nvfp4", facts)
     assert isinstance(cfg, MmaMoeConfig)
-    assert not isinstance(moe_plan.moe_config(4096, 8, 128, 768, 2048, "nvfp4", DEV), MmaMoeConfig)
-    assert not isinstance(moe_plan.moe_config(4, 8, 128, 768, 2048, "mxfp4", DEV), MmaMoeConfig)
+    many = moe_plan.moe_config(4096, 8, 128, 768, 2048, "nvfp4", facts)
+    assert not isinstance(many, MmaMoeConfig)
+    assert not isinstance(moe_plan.moe_config(4, 8, 128, 768, 2048, "mxfp4", facts), MmaMoeConfig)
 
 
 def test_real_sizes_match_the_tl_dot_kernels():
@@ -169,7 +172,7 @@ def test_real_sizes_match_the_tl_dot_kernels():
                               (32, 8, 7168, 2048, 4)):  # fmt: skip
         w13, w2, gen = weights(e, h, i, seed=h + m)
         x, ids, w = routing(m, e, top_k, gen, torch.bfloat16, h)
-        cfg = moe_plan.moe_config(m, top_k, e, i, h, "nvfp4", DEV)
+        cfg = moe_plan.moe_config(m, top_k, e, i, h, "nvfp4", device_facts(DEV))
         assert isinstance(cfg, MmaMoeConfig), cfg
         out = run(x, ids, w, w13, w2)
         assert rel(out, moe64("nvfp4", x, ids, w, w13, w2)) < BOUND[torch.bfloat16]

@@ -84,15 +84,13 @@ def test_cuda_graph_replay_equals_eager(m):
     """Each path QuantLinear runs on this GPU (the mma kernel, the mid-M GEMM with its
     permuted activations and K-split workspace, dequantized slabs + cuBLAS): captured, replayed
     over a poisoned output and after new inputs, bit-equal to eager."""
-    from quantdispatch.backends.triton import mma_path
-
     cap = torch.cuda.get_device_capability()
-    expected = {8: "mma", 200: "gemm", 600: "dequant"}[m]
-    if cap < (9, 0) and expected == "gemm":
+    expected = {8: "mma GEMV", 200: "wgmma GEMM", 600: "dequantize + cuBLAS"}[m]
+    if cap < (9, 0) and m == 200:
         pytest.skip("the mid-M GEMM runs on SM 9.x only")
-    if cap >= (9, 0):
-        assert mma_path(m, 4096, 4096, cap) == expected
     layer = QuantLinear(quantize_nvfp4(_w(4096, 4096, seed=4)), device=DEV)
+    if cap >= (9, 0):
+        assert layer.decision.kernel_for(m).family == expected
     x = torch.randn(m, 4096, device=DEV).to(torch.bfloat16)
     eager = layer(x)
     static_x = x.clone()
@@ -190,7 +188,6 @@ def test_mxfp4_fp16_scales_outside_fp16(m):
     layout, whose kernels round the decoded weight to fp16): prepare rebases the codes, the
     fused kernels' fp32 epilogue applies 2^d, at every M (M=600 would otherwise take the
     dequantized fp16 slabs). Without it 2^14+ scales gave inf."""
-    from quantdispatch.backends.triton import MX_FP16_REBASE_TAG
     from quantdispatch.formats.mxfp4 import Mxfp4Weight
 
     n, k = 4096, 4096
@@ -199,7 +196,7 @@ def test_mxfp4_fp16_scales_outside_fp16(m):
     e8 = torch.randint(100, 146, (n, k // 32), generator=g, device=DEV, dtype=torch.uint8)
     q = Mxfp4Weight(packed=packed, block_scale=e8)
     layer = QuantLinear(q, act_dtype=torch.float16, device=DEV)
-    assert layer.backend == "triton" and layer._meta[0] == MX_FP16_REBASE_TAG, layer._meta
+    assert layer.backend == "triton" and layer._meta.fp16_rebased, layer._meta
     x = (torch.randn(m, k, generator=g, device=DEV) * 2.0**-16).to(torch.float16)
     out = layer(x)
     ref = x.double() @ _w64("mxfp4", q).T

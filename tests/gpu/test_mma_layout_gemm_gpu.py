@@ -171,14 +171,20 @@ def test_cuda_graph_replay_equals_eager(mg, tma):
 
 
 def test_the_backend_takes_the_gemm_at_mid_m_on_sm90(mg):
-    from quantdispatch.backends import triton as tb
+    from quantdispatch.backends.base import Layout, Mma16x64Meta
+    from quantdispatch.backends.triton.dispatch import linear_family
+    from quantdispatch.kernels.common.device_facts import device_facts
 
     cap = torch.cuda.get_device_capability()
-    paths = [tb.mma_path(m, 4096, 4096, cap) for m in (16, 64, 256, 512)]
+    facts, meta = device_facts(torch.device("cuda")), Mma16x64Meta(torch.bfloat16)
+    paths = [
+        linear_family("nvfp4", Layout.MMA16X64, meta, m, 4096, 4096, facts)
+        for m in (16, 64, 256, 512)
+    ]
     if cap[0] == 9:
-        assert paths == ["mma", "gemm", "gemm", "dequant"]
+        assert paths == ["mma GEMV", "wgmma GEMM", "wgmma GEMM", "dequantize + cuBLAS"]
     else:
-        assert "gemm" not in paths
+        assert "wgmma GEMM" not in paths
 
 
 @pytest.mark.parametrize(("shape", "m"), [((6144, 4096), 256), ((28672, 4096), 128)])
@@ -187,9 +193,10 @@ def test_tiles_that_raced_on_triton_36_match_float64(mg, shape, m):
     (relative error 1-2.5e-2, not every call: the next step's decode overwrote wgmma A registers
     still in flight, kernels/common/wgmma_guard.py). mma_gemm runs them with safe stages: every
     repetition matches float64 and equals the first bit for bit."""
-    from quantdispatch.kernels.mma_layout.gemm_tiles import GemmTile, tma_capable
+    from quantdispatch.kernels.common.device_facts import device_facts
+    from quantdispatch.kernels.mma_layout.gemm_tiles import GemmTile
 
-    if not tma_capable(torch.device("cuda")):
+    if not device_facts(torch.device("cuda")).tma:
         pytest.skip("TMA tiles need SM 9.0+ and Triton 3.3+")
     n, kk = shape
     g, words, scales, gs, w64 = _weights(n, kk, torch.bfloat16, 13)

@@ -20,6 +20,7 @@ pytestmark = pytest.mark.gpu
 
 triton = pytest.importorskip("triton")
 
+from quantdispatch.backends.base import Mma16x64Meta  # noqa: E402
 from quantdispatch.kernels.checkpoint_layout.moe import fused_moe  # noqa: E402
 from quantdispatch.kernels.checkpoint_layout.moe_plan import (  # noqa: E402
     DequantMoeConfig,
@@ -28,7 +29,7 @@ from quantdispatch.kernels.checkpoint_layout.moe_plan import (  # noqa: E402
     mma_moe_config,
 )
 from quantdispatch.kernels.common import checks  # noqa: E402
-from quantdispatch.kernels.common.pdl import pdl_capable  # noqa: E402
+from quantdispatch.kernels.common.device_facts import device_facts  # noqa: E402
 from quantdispatch.kernels.mma_layout.moe_gemm import mma_layout_moe  # noqa: E402
 from quantdispatch.kernels.mma_layout.moe_plan import (  # noqa: E402
     MoeGemmTile,
@@ -97,9 +98,9 @@ REGIMES = [
 @pytest.mark.parametrize("m", [1, 37, 300])
 def test_every_regime_matches_float64(nan_empty, m, regime, dtype):
     """Qwen3-30B-A3B sizes; a quarter of the experts live on another rank (ids -> -1)."""
-    if regime[0] == "dequant" and not grouped_mm_capable(DEV):
+    if regime[0] == "dequant" and not grouped_mm_capable(device_facts(DEV)):
         pytest.skip("torch._grouped_mm needs SM 9.0+")
-    if regime[0].endswith("-pdl") and not pdl_capable(DEV):
+    if regime[0].endswith("-pdl") and not device_facts(DEV).dependent_launches:
         pytest.skip("a programmatic dependent launch needs SM 9.0+")
     w13, w2, r13, r2, gen = experts(E, H, INTER, seed=m, dtype=dtype)
     ids, w = routing(m, E, TOP_K, gen)
@@ -128,7 +129,7 @@ def test_gpt_oss_sizes_clamped_swiglu_with_biases(nan_empty, fmt):
         ids, w = routing(m, 32, 4, gen)
         x = torch.randn(m, 2880, generator=gen, device=DEV).to(torch.bfloat16)
         ref = moe64(fmt, x, ids, w, w13, w2, b13, b2, "swiglu_oai", params)
-        cfg = moe_layout_config(m, 4, 32, 2880, 2880, DEV)
+        cfg = moe_layout_config(m, 4, 32, 2880, 2880, device_facts(DEV))
         out = call(r13, r2, x, ids, w, cfg, activation="swiglu_oai", params=params, b13=b13,
                    b2=b2)  # fmt: skip
         assert rel(out, ref) < BOUND[torch.bfloat16], cfg
@@ -142,7 +143,7 @@ def test_the_plan_between_single_pairs_and_blocks_matches_float64(nan_empty, m):
     w13, w2, r13, r2, gen = experts(E, H, INTER, seed=40 + m, dtype=torch.bfloat16)
     ids, w = routing(m, E, TOP_K, gen)
     x = torch.randn(m, H, generator=gen, device=DEV).to(torch.bfloat16)
-    cfg = moe_layout_config(m, TOP_K, E, INTER, H, DEV)
+    cfg = moe_layout_config(m, TOP_K, E, INTER, H, device_facts(DEV))
     assert isinstance(cfg, SmallMoeConfig if m == 4 else MmaMoeConfig)
     assert m == 4 or cfg.direct == (m <= 8)
     out = call(r13, r2, x, ids, w, cfg)
@@ -158,7 +159,7 @@ def test_agrees_with_the_checkpoint_layout_kernels():
         x = torch.randn(m, H, generator=gen, device=DEV).to(torch.bfloat16)
         new = call(r13, r2, x, ids, w, None)
         old = fused_moe(x, ids, w, w13, w2, None, None, fmt="nvfp4", activation="silu",
-                           params=[], meta=[0])  # fmt: skip
+                           params=[])  # fmt: skip
         assert rel(new, old.double()) < 1e-2
 
 
@@ -184,10 +185,10 @@ def test_quant_moe_repacks_on_the_gpu_and_round_trips_its_state_dict():
 
 def test_fp16_layer_runs_its_fp16_layout():
     layer, w13, w2, gen = layer_and_weights("nvfp4", 8, 2, 512, 256, seed=14, dtype=torch.float16)
-    assert layer._meta == [1, 0]  # repacked for fp16
+    assert layer._meta == Mma16x64Meta(torch.float16)  # repacked for fp16
     x, logits = inputs(4, 512, 8, gen, torch.float16)
     ids, w = layer.route(logits)
-    assert isinstance(moe_layout_config(4, 2, 8, 256, 512, DEV), MmaMoeConfig)
+    assert isinstance(moe_layout_config(4, 2, 8, 256, 512, device_facts(DEV)), MmaMoeConfig)
     assert rel(layer(x, logits), moe64("nvfp4", x, ids, w, w13, w2)) < BOUND[torch.float16]
 
 
@@ -202,7 +203,7 @@ def test_single_pair_kernels_biases_uneven_chunks_graphs_and_determinism(nan_emp
     SwiGLU; subnormal and 448 block scales) against float64; a CUDA graph replay equals eager bit
     for bit, and so do repeated calls (the top-k sum has a fixed order). With a programmatic
     dependent launch too (captured as a programmatic edge of the graph)."""
-    if cfg.pdl and not pdl_capable(DEV):
+    if cfg.pdl and not device_facts(DEV).dependent_launches:
         pytest.skip("a programmatic dependent launch needs SM 9.0+")
     w13, w2, r13, r2, gen = experts(32, 2880, 2880, seed=21, dtype=torch.bfloat16)
     for w in (w13, w2):  # the largest E4M3 block scale (448) on some rows, the weights kept small
@@ -239,9 +240,9 @@ def test_single_pair_kernels_biases_uneven_chunks_graphs_and_determinism(nan_emp
 @pytest.mark.parametrize("regime", REGIMES, ids=[r[0] for r in REGIMES])
 @pytest.mark.parametrize("m", [1, 37])
 def test_mxfp4_every_regime_matches_float64(nan_empty, m, regime, dtype):
-    if regime[0] == "dequant" and not grouped_mm_capable(DEV):
+    if regime[0] == "dequant" and not grouped_mm_capable(device_facts(DEV)):
         pytest.skip("torch._grouped_mm needs SM 9.0+")
-    if regime[0].endswith("-pdl") and not pdl_capable(DEV):
+    if regime[0].endswith("-pdl") and not device_facts(DEV).dependent_launches:
         pytest.skip("a programmatic dependent launch needs SM 9.0+")
     w13, w2, r13, r2, gen = experts(E, H, INTER, seed=m + 50, dtype=dtype, fmt="mxfp4")
     ids, w = routing(m, E, TOP_K, gen)

@@ -31,6 +31,9 @@ from quantdispatch.kernels.checkpoint_layout.fp8 import fp8_weight_only_linear  
 from quantdispatch.kernels.checkpoint_layout.linear import fp4_linear  # noqa: E402
 from quantdispatch.kernels.common import checks, configs, decode  # noqa: E402
 from quantdispatch.kernels.common.configs import GemmConfig  # noqa: E402
+from quantdispatch.kernels.common.device_facts import device_facts  # noqa: E402
+
+CPU_FACTS = device_facts(torch.device("cpu"))
 
 if not checks.interpreting():
     pytest.skip(
@@ -417,7 +420,7 @@ def test_config_lookup_is_host_only_and_bucketed(monkeypatch):
     monkeypatch.setattr(configs, "_TABLES", {})
     monkeypatch.setattr(configs, "_LOADED", True)
     assert [configs.m_bucket(m) for m in (1, 3, 16, 17, 1000, 10**6)] == [1, 4, 16, 32, 1024, 4096]
-    cfg, src = configs.get_config("nvfp4", torch.device("cpu"), 4096, 4096, 1)
+    cfg, src = configs.get_config("nvfp4", CPU_FACTS, 4096, 4096, 1)
     assert src == "heuristic" and cfg.block_m == 16
     configs.register_table(
         {
@@ -434,9 +437,9 @@ def test_config_lookup_is_host_only_and_bucketed(monkeypatch):
             },
         }
     )
-    assert configs.get_config("nvfp4", torch.device("cpu"), 64, 128, 2)[0].block_n == 32
-    assert configs.get_config("mxfp4", torch.device("cpu"), 64, 128, 300)[0].block_m == 64
-    assert configs.get_config("fp8", torch.device("cpu"), 64, 128, 9)[1].startswith("table")
+    assert configs.get_config("nvfp4", CPU_FACTS, 64, 128, 2)[0].block_n == 32
+    assert configs.get_config("mxfp4", CPU_FACTS, 64, 128, 300)[0].block_m == 64
+    assert configs.get_config("fp8", CPU_FACTS, 64, 128, 9)[1].startswith("table")
 
 
 def test_registered_table_wins_over_the_shipped_ones(monkeypatch, tmp_path):
@@ -452,7 +455,7 @@ def test_registered_table_wins_over_the_shipped_ones(monkeypatch, tmp_path):
     configs.register_table(
         {"version": 1, "gpus": {"cpu": {"fp8": {"64x128": {"1": tuned.to_dict()}}}}}
     )
-    assert configs.get_config("fp8", torch.device("cpu"), 64, 128, 1)[0] == tuned
+    assert configs.get_config("fp8", CPU_FACTS, 64, 128, 1)[0] == tuned
 
 
 def test_fp8_heuristic_takes_the_split_kernel_below_16384_rows():

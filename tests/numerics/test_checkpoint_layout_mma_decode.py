@@ -12,6 +12,7 @@ import torch
 
 from quantdispatch.kernels.checkpoint_layout import mma_linear, moe_plan
 from quantdispatch.kernels.common import decode_tables
+from quantdispatch.kernels.common.device_facts import DeviceFacts
 from tests.numerics.ref64 import e2m1_from_bits, e4m3_from_bits, unpack_low_first
 
 DTYPES = [torch.bfloat16, torch.float16]
@@ -91,8 +92,8 @@ def test_configs_split_k_by_work_and_the_cpu_keeps_tl_dot() -> None:
     assert mixtral.block_m == 8 and (mixtral.gemm1.wk, mixtral.gemm2.wk) == (4, 4)
     deepseek = moe_plan.mma_moe_config(128, 256, 2048, 7168, direct=False)  # M=16: many blocks
     assert (deepseek.gemm1.wk, deepseek.gemm2.wk) == (2, 2)
-    assert isinstance(moe_plan.moe_config(1, 8, 128, 768, 2048, "nvfp4", torch.device("cpu")),
-                      moe_plan.MoeConfig)  # fmt: skip
+    cpu = DeviceFacts.for_capability(None)
+    assert isinstance(moe_plan.moe_config(1, 8, 128, 768, 2048, "nvfp4", cpu), moe_plan.MoeConfig)
 
 
 def test_moe_configs_keep_16_chunks_per_warp() -> None:

@@ -28,6 +28,7 @@ from ref64 import rel_err  # noqa: E402
 from test_moe import make_experts, moe64, rand_x  # noqa: E402
 
 import quantdispatch.kernels.checkpoint_layout.moe as fm  # noqa: E402
+from quantdispatch.backends.base import CheckpointMeta, Layout, encode_meta  # noqa: E402
 from quantdispatch.errors import InputError, WeightFormatError  # noqa: E402
 from quantdispatch.kernels.checkpoint_layout import moe_plan  # noqa: E402
 from quantdispatch.kernels.checkpoint_layout.dequant import dequant_experts  # noqa: E402
@@ -35,6 +36,7 @@ from quantdispatch.kernels.checkpoint_layout.moe import fused_moe  # noqa: E402
 from quantdispatch.kernels.checkpoint_layout.moe_align import max_blocks_for, moe_align  # noqa: E402
 from quantdispatch.kernels.checkpoint_layout.moe_plan import MoeConfig, MoeGemmConfig  # noqa: E402
 from quantdispatch.kernels.common import checks  # noqa: E402
+from quantdispatch.kernels.common.device_facts import DeviceFacts  # noqa: E402
 from quantdispatch.kernels.common.slabs import run_dequant_moe  # noqa: E402
 from quantdispatch.layers import QuantMoE  # noqa: E402
 
@@ -46,6 +48,7 @@ if not checks.interpreting():
     )
 
 BOUND = {torch.bfloat16: 3e-2, torch.float16: 2e-3}
+CPU = DeviceFacts.for_capability(None)
 DTYPES = [torch.bfloat16, torch.float16]
 
 
@@ -64,11 +67,11 @@ def stacked(ex, **kw):
     layer = QuantMoE(ex.gate or None, ex.up, ex.down, top_k=1, device="cpu", **kw)
     w13 = [getattr(layer, n) for n in layer._names13]
     w2 = [getattr(layer, n) for n in layer._names2]
-    return w13, w2, layer._meta
+    return w13, w2, layer._meta.block_size
 
 
 def run(ex, x, ids, w, activation="silu", params=(), b13=None, b2=None, config=None, **kw):
-    w13, w2, meta = stacked(ex, activation=activation, **kw)
+    w13, w2, block = stacked(ex, activation=activation, **kw)
     return fused_moe(
         x,
         ids,
@@ -80,7 +83,7 @@ def run(ex, x, ids, w, activation="silu", params=(), b13=None, b2=None, config=N
         fmt=ex.fmt,
         activation=activation,
         params=list(params),
-        meta=meta,
+        block_size=block,
         config=config,
     )
 
@@ -152,7 +155,7 @@ def test_all_tokens_on_one_expert_and_top_k_equal_to_experts():
 def test_single_token_direct_path(dtype):
     ex = make_experts("nvfp4", 8, 64, 32, seed=7)
     ids, w = routing(1, 8, 2, seed=8)
-    assert moe_plan.moe_config(1, 2, 8, 32, 64, "nvfp4", torch.device("cpu")).direct
+    assert moe_plan.moe_config(1, 2, 8, 32, 64, "nvfp4", CPU).direct
     x = rand_x(1, 64, dtype, seed=9)
     assert rel_err(run(ex, x, ids, w), moe64(x, ids, w, ex.w13, ex.w2)) < BOUND[dtype]
 
@@ -164,7 +167,7 @@ def test_direct_path_several_tokens_with_foreign_ids():
     ids, w = routing(3, 24, 2, seed=31)
     ids[0, 0] = -1
     ids[2] = torch.tensor([24, -1])
-    assert moe_plan.moe_config(3, 2, 24, 32, 64, "nvfp4", torch.device("cpu")).direct
+    assert moe_plan.moe_config(3, 2, 24, 32, 64, "nvfp4", CPU).direct
     x = rand_x(3, 64, torch.float16, seed=32)
     out = run(ex, x, ids, w)
     assert rel_err(out[:2], moe64(x, ids, w, ex.w13, ex.w2)[:2]) < BOUND[torch.float16]
@@ -220,7 +223,8 @@ def test_other_activations(activation):
 def test_triton_backend_behind_the_custom_op():
     """torch.ops.quantdispatch.moe with backend 'triton' is this kernel; 'reference' agrees."""
     ex = make_experts("nvfp4", 4, 64, 32, seed=23)
-    w13, w2, meta = stacked(ex)
+    w13, w2, _ = stacked(ex)
+    meta = encode_meta(Layout.CHECKPOINT, CheckpointMeta())
     ids, w = routing(5, 4, 2, seed=24)
     x = rand_x(5, 64, torch.bfloat16, seed=25)
     args = (x, ids, w, w13, w2, None, None)
@@ -235,10 +239,10 @@ def test_triton_backend_behind_the_custom_op():
 
 def test_bad_inputs():
     ex = make_experts("nvfp4", 2, 64, 32, seed=26)
-    w13, w2, meta = stacked(ex)
+    w13, w2, block = stacked(ex)
     x = rand_x(3, 64, torch.bfloat16, seed=27)
     ids, w = routing(3, 2, 1, seed=28)
-    kw = dict(fmt="nvfp4", activation="silu", params=[], meta=meta)
+    kw = dict(fmt="nvfp4", activation="silu", params=[], block_size=block)
     with pytest.raises(InputError, match="x is float16/bfloat16"):
         fused_moe(x.float(), ids, w, w13, w2, None, None, **kw)
     with pytest.raises(InputError, match="topk_weights are float32"):
@@ -260,9 +264,9 @@ def test_bad_inputs():
 
 def run_dequant(ex, x, ids, w, activation="silu", params=(0.0, 0.0), b13=None, b2=None, **kw):
     """The dequantize path called directly (the heuristic only takes it on SM 9.0+ GPUs)."""
-    w13, w2, meta = stacked(ex, activation=activation, **kw)
-    c13, s13, g13, *_ = fm._unpack_weights(ex.fmt, w13, "w13", meta)
-    c2, s2, g2, *_ = fm._unpack_weights(ex.fmt, w2, "w2", meta)
+    w13, w2, block = stacked(ex, activation=activation, **kw)
+    c13, s13, g13, *_ = fm._unpack_weights(ex.fmt, w13, "w13", block)
+    c2, s2, g2, *_ = fm._unpack_weights(ex.fmt, w2, "w2", block)
     spec = fm.get_activation(activation)
     out = torch.empty(x.shape, dtype=x.dtype)
     run_dequant_moe(
@@ -316,7 +320,7 @@ def test_forced_mma_config_off_an_sm80_gpu_says_why():
 def test_dequant_path_is_gpu_only_and_named_in_errors():
     ex = make_experts("nvfp4", 2, 64, 32, seed=48)
     ids, w = routing(3, 2, 1, seed=49)
-    cfg = moe_plan.moe_config(8192, 2, 8, 14336, 4096, "nvfp4", torch.device("cpu"))
+    cfg = moe_plan.moe_config(8192, 2, 8, 14336, 4096, "nvfp4", CPU)
     assert not isinstance(cfg, moe_plan.DequantMoeConfig)
     with pytest.raises(InputError, match="grouped-GEMM config"):
         run(ex, rand_x(3, 64, torch.bfloat16, 50), ids, w, config=moe_plan.DequantMoeConfig())

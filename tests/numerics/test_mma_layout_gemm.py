@@ -21,7 +21,9 @@ triton = pytest.importorskip("triton", reason="triton is not installed (optional
 
 from ref64 import nvfp4_weight64  # noqa: E402
 
-from quantdispatch.backends import triton as triton_backend  # noqa: E402
+from quantdispatch.backends.base import Layout, Mma16x64Meta  # noqa: E402
+from quantdispatch.backends.triton.dispatch import linear_family  # noqa: E402
+from quantdispatch.kernels.common.device_facts import DeviceFacts, device_facts  # noqa: E402
 from quantdispatch.kernels.mma_layout import activation_order, gemm, gemm_tiles, layout  # noqa: E402
 
 BOUND = {torch.bfloat16: 1e-2, torch.float16: 1e-3}
@@ -165,7 +167,7 @@ def test_parse_tile_rejects_malformed_labels(text) -> None:
 
 
 def test_the_heuristic_takes_tma_only_where_it_runs() -> None:
-    assert not gemm_tiles.tma_capable(torch.device("cpu"))
+    assert not device_facts(torch.device("cpu")).tma
     _run(64, 128, 40, None, torch.bfloat16, seed=12)  # heuristic tile on the CPU: pointer loads
 
 
@@ -218,8 +220,14 @@ def test_tma_table_holds_the_measured_winners(n, k, m, label) -> None:
 
 
 def test_paths_by_m_and_gpu() -> None:
-    path = triton_backend.mma_path
-    h200, a100 = (9, 0), (8, 0)
+    """The regime table's mma16x64 rows, as the run path reads them."""
+    meta = Mma16x64Meta(torch.bfloat16)
+    h200, a100 = DeviceFacts.for_capability((9, 0)), DeviceFacts.for_capability((8, 0))
+
+    def path(m, n, k, facts):
+        family = linear_family("nvfp4", Layout.MMA16X64, meta, m, n, k, facts)
+        return {"mma GEMV": "mma", "wgmma GEMM": "gemm", "dequantize + cuBLAS": "dequant"}[family]
+
     # a 2^25+ element weight (gate_up): mma kernel to 16 rows, GEMM to 512, then dequantize
     assert [path(m, 28672, 4096, h200) for m in (1, 16, 17, 512, 513)] == [
         "mma",
@@ -240,4 +248,4 @@ def test_paths_by_m_and_gpu() -> None:
     # SM 8.x (not measured there): the mma kernel to 64 / 128 rows, then dequantize
     assert [path(m, 6144, 4096, a100) for m in (64, 65)] == ["mma", "dequant"]
     assert [path(m, 28672, 4096, a100) for m in (128, 129)] == ["mma", "dequant"]
-    assert path(64, 6144, 4096, None) == "mma"
+    assert path(64, 6144, 4096, DeviceFacts.for_capability(None)) == "mma"

@@ -11,6 +11,8 @@ the activation dtype; the interpreter truncates to bf16).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -21,6 +23,7 @@ from test_checkpoint_layout_moe import poisoned, routing, stacked  # noqa: E402,
 from test_moe import make_experts, moe64, rand_x  # noqa: E402
 
 from quantdispatch.backends import get_backend  # noqa: E402
+from quantdispatch.backends.base import CheckpointMeta, Layout, Mma16x64Meta, encode_meta  # noqa: E402
 from quantdispatch.errors import InputError, WeightFormatError  # noqa: E402
 from quantdispatch.kernels.checkpoint_layout.moe_plan import (  # noqa: E402
     DequantMoeConfig,
@@ -28,6 +31,7 @@ from quantdispatch.kernels.checkpoint_layout.moe_plan import (  # noqa: E402
     mma_moe_config,
 )
 from quantdispatch.kernels.common import checks  # noqa: E402
+from quantdispatch.kernels.common.device_facts import DeviceFacts, device_facts  # noqa: E402
 from quantdispatch.kernels.mma_layout import moe_gemm, moe_plan  # noqa: E402
 from quantdispatch.kernels.mma_layout.moe_gemm import mma_layout_moe  # noqa: E402
 from quantdispatch.kernels.mma_layout.moe_plan import (  # noqa: E402
@@ -53,7 +57,7 @@ if not checks.interpreting():
 
 BOUND = {torch.bfloat16: 3e-2, torch.float16: 2e-3}
 DTYPES = [torch.bfloat16, torch.float16]
-CPU = torch.device("cpu")
+CPU = DeviceFacts.for_capability(None)
 
 
 def repacked(ex, dtype, zero_blocks=False):
@@ -76,10 +80,10 @@ def repacked(ex, dtype, zero_blocks=False):
 
 
 def run(r13, r2, x, ids, w, config, activation="silu", params=(), b13=None, b2=None,
-        packed_for=None):  # fmt: skip
+        packed_for=None, facts=None):  # fmt: skip
     return mma_layout_moe(
         x, ids, w, r13, r2, b13, b2, activation=activation, params=list(params),
-        packed_for=packed_for or x.dtype, config=config,
+        packed_for=packed_for or x.dtype, config=config, facts=facts,
     )  # fmt: skip
 
 
@@ -160,15 +164,13 @@ def test_block_n_falls_back_to_64_where_128_does_not_divide():
 
 
 def test_triton_backend_runs_repacked_stacks_behind_the_custom_op():
-    """meta [MMA_LAYOUT_TAG, bf16] sends torch.ops.quantdispatch.moe to this path (9 pairs per
+    """The mma16x64 layout's meta sends torch.ops.quantdispatch.moe to this path (9 pairs per
     expert here: the grouped GEMM, which the interpreter runs); an empty batch is [0, H]."""
-    from quantdispatch.backends.triton import MMA_LAYOUT_TAG
-
     ex = make_experts("nvfp4", 2, 128, 64, seed=19)
     r13, r2, w13, w2 = repacked(ex, torch.bfloat16)
     ids, w = routing(9, 2, 2, seed=20)
     x = rand_x(9, 128, torch.bfloat16, seed=21)
-    meta = [MMA_LAYOUT_TAG, 1]
+    meta = encode_meta(Layout.MMA16X64, Mma16x64Meta(torch.bfloat16))
     out = torch.ops.quantdispatch.moe(x, ids, w, r13, r2, None, None, "triton", "nvfp4", "silu",
                                       [], meta)  # fmt: skip
     assert torch.equal(out, run(r13, r2, x, ids, w, None))
@@ -344,8 +346,10 @@ def test_small_experts_run_one_block_per_pair_up_to_half_a_token_per_expert():
     """Between single pairs (4 x pairs <= E) and 8-pair blocks, experts of at most
     DIRECT_MAX_EXPERT_ELEMENTS (I x H) run one mma block per pair (no expert sort) up to
     0.5 tokens per expert; bigger experts keep the blocks."""
-    from quantdispatch.kernels.mma_layout.moe_plan import DIRECT_MAX_EXPERT_ELEMENTS
+    from quantdispatch.kernels.regimes import MMA_LAYOUT_MOE
 
+    assert MMA_LAYOUT_MOE.direct is not None
+    DIRECT_MAX_EXPERT_ELEMENTS = MMA_LAYOUT_MOE.direct.max_expert_elements
     for m in (5, 6, 8):  # Qwen3-30B-A3B: 768 x 2048, 0.31..0.5 per expert
         cfg = moe_layout_config(m, 8, 128, 768, 2048, CPU)
         assert isinstance(cfg, MmaMoeConfig) and cfg.direct
@@ -384,10 +388,8 @@ def test_tiles_fit_the_gpus_shared_memory():
     fits by that bound."""
     big = moe_layout_config(4096, 8, 128, 768, 2048, CPU)
     assert big.block_m == 128 and big.shared_bytes() > 99 * 1024
-    assert (
-        moe_plan.MoeDeviceFacts.for_capability((8, 9)).shared_bytes == 99 * 1024
-    )  # RTX 4090 / L40S
-    rtx = moe_plan.MoeDeviceFacts(grouped_mm=False, shared_bytes=99 * 1024, pdl=False)
+    assert DeviceFacts.for_capability((8, 9)).shared_bytes == 99 * 1024  # RTX 4090 / L40S
+    rtx = DeviceFacts("rtx", (8, 9), 128, 99 * 1024)
     small = moe_plan.moe_plan(4096, 8, 128, 768, 2048, rtx)
     assert small.block_m == 64 and small.shared_bytes() + moe_plan._SHARED_MARGIN <= 99 * 1024
     # the smaller tiles fit as they are
@@ -411,11 +413,13 @@ def test_which_layers_are_repacked():
 
 def test_prepare_moe_keeps_the_canonical_stacks_off_the_gpu():
     ex = make_experts("nvfp4", 2, 128, 64, seed=15)
-    w13, w2, meta = stacked(ex)
+    w13, w2, _ = stacked(ex)
     names = ("packed", "block_scale", "global_scale")
     request = Request.make("nvfp4", "moe", torch.bfloat16)
+    meta = CheckpointMeta()
     prepared = get_backend("triton").prepare_moe(w13, w2, names, meta, request, gated=True)
-    assert prepared.names == names and prepared.meta == tuple(meta)
+    assert prepared.names == names and prepared.meta == meta
+    assert prepared.layout is Layout.CHECKPOINT
     assert all(a is b for a, b in zip(prepared.w13, w13, strict=True))
 
 
@@ -456,7 +460,7 @@ def test_bad_inputs():
 
 def test_grouped_gemm_settles_where_the_hazard_holds(monkeypatch):
     """Its A operand is the decoded weight (register-operand wgmma on SM 9.x): both launches
-    settle their accumulators where wgmma_hazard.rs_wgmma_hazard holds and keep their stages."""
+    settle their accumulators where the device's rs_wgmma_hazard holds and keep their stages."""
     launches = []
 
     class FakeKernel:
@@ -464,16 +468,17 @@ def test_grouped_gemm_settles_where_the_hazard_holds(monkeypatch):
             return lambda *args, **kwargs: launches.append(kwargs)
 
     monkeypatch.setattr(moe_gemm, "_moe_gemm_kernel", FakeKernel())
-    monkeypatch.setattr(moe_gemm, "rs_wgmma_hazard", lambda device: True)
     monkeypatch.setattr(moe_gemm, "interpreting", lambda: False)  # compiled, as on the GPU
+    settling = replace(device_facts(torch.device("cpu")), rs_wgmma_hazard=True)
     ex = make_experts("nvfp4", 4, 128, 64, seed=7)
     r13, r2, _, _ = repacked(ex, torch.bfloat16)
     ids, w = routing(5, 4, 2, seed=8)
-    run(r13, r2, rand_x(5, 128, torch.bfloat16, seed=9), ids, w, MoeGemmTile(16, stages=3))
+    x = rand_x(5, 128, torch.bfloat16, seed=9)
+    run(r13, r2, x, ids, w, MoeGemmTile(16, stages=3), facts=settling)
     assert [(k["SETTLE"], k["num_stages"]) for k in launches] == [(True, 3), (True, 3)]
     launches.clear()
     monkeypatch.setattr(moe_gemm, "interpreting", lambda: True)  # the interpreter runs no PTX
-    run(r13, r2, rand_x(5, 128, torch.bfloat16, seed=9), ids, w, MoeGemmTile(16, stages=3))
+    run(r13, r2, x, ids, w, MoeGemmTile(16, stages=3), facts=settling)
     assert [k["SETTLE"] for k in launches] == [False, False]
 
 
@@ -507,12 +512,12 @@ def test_dequantize_only_large_experts_from_768_tokens_per_expert():
     """SM 9.0+ (torch._grouped_mm): Mixtral-sized experts (14336 x 4096) dequantize from 768
     tokens per expert (the H200 crossover lies between 640 and 768); smaller experts (Qwen3,
     gpt-oss, DeepSeek-V3) keep the grouped GEMM, which beat dequantize at 512..1024 per expert."""
-    h200 = moe_plan.MoeDeviceFacts.for_capability((9, 0))
+    h200 = DeviceFacts.for_capability((9, 0))
     mixtral = (2, 8, 14336, 4096)  # top_k, E, I, H
     assert isinstance(moe_plan.moe_plan(3072, *mixtral, h200), DequantMoeConfig)  # 768 per expert
     assert isinstance(moe_plan.moe_plan(3068, *mixtral, h200), MoeGemmTile)  # 767
     for m, top_k, e, i, h in [(16384, 8, 128, 768, 2048), (65536, 4, 32, 2880, 2880),
                               (131072, 8, 256, 2048, 7168)]:  # fmt: skip
         assert isinstance(moe_plan.moe_plan(m, top_k, e, i, h, h200), MoeGemmTile), (e, i, h)
-    a100 = moe_plan.MoeDeviceFacts.for_capability((8, 0))  # no torch._grouped_mm: never
+    a100 = DeviceFacts.for_capability((8, 0))  # no torch._grouped_mm: never
     assert isinstance(moe_plan.moe_plan(3072, *mixtral, a100), MoeGemmTile)

@@ -696,7 +696,7 @@ def test_moe_custom_op_passes_opcheck():
         "nvfp4",
         "silu",
         [],
-        layer._meta,
+        layer._meta_args,
     )
     tests = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
     torch.library.opcheck(torch.ops.quantdispatch.moe.default, args, test_utils=tests)

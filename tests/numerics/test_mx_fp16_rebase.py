@@ -2,7 +2,7 @@
 
 The checkpoint-layout kernels and the dequantized slabs round the decoded weight to the
 activation dtype; in fp16 a block scale of 2^14+ made inf and one below 2^-23 flushed to zero,
-silently. prepare rebases such scales (kernels.fp4_linear.rebase_mx_scales_for_fp16), the
+silently. prepare rebases such scales (formats.mxfp4.rebase_mx_scales_for_fp16), the
 factor 2^d goes to the fused kernels' fp32 accumulator, and such a weight keeps those kernels
 at every M. Checked here against float64 on the CPU interpreter.
 """
@@ -14,10 +14,13 @@ import torch
 
 pytest.importorskip("triton", reason="the checkpoint-layout kernels are Triton kernels")
 
+from dataclasses import replace
+
 from quantdispatch.backends import get_backend
-from quantdispatch.backends.triton import MX_FP16_REBASE_TAG
+from quantdispatch.backends.base import CheckpointMeta, Layout
+from quantdispatch.backends.triton import run
 from quantdispatch.formats.mxfp4 import Mxfp4Weight, rebase_mx_scales_for_fp16
-from quantdispatch.kernels.common import slabs
+from quantdispatch.kernels import regimes
 from quantdispatch.request import Request
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
@@ -84,7 +87,7 @@ def test_all_zero_blocks_of_a_rebased_weight_stay_zero():
     req = Request.make("mxfp4", act_dtype=torch.float16, n=n, k=k)
     prepared = backend.prepare(Mxfp4Weight(packed=packed, block_scale=e8), req)
     x = (torch.randn(5, k, generator=torch.Generator().manual_seed(8)) * 2.0**12).half()
-    out = backend.linear(x, prepared.tensors, None, "mxfp4", prepared.meta)
+    out = backend.linear(x, prepared.tensors, None, "mxfp4", prepared.layout, prepared.meta)
     ref = x.double() @ weight64(packed, e8).T
     assert bool(torch.isfinite(out).all())
     assert float((out.double() - ref).norm() / ref.norm()) < 2e-3
@@ -96,28 +99,35 @@ def test_triton_backend_fp16_matches_float64(monkeypatch, m, lo, hi):
     """prepare rebases; linear runs the fused kernel, also where M would take dequantized
     fp16 slabs (forced here at M=40: the rebased weight must not), and lands on the float64
     result with no inf."""
-    from quantdispatch.backends import triton as tb
-
-    if m == 40:
-        monkeypatch.setattr(tb, "use_dequant_gemm", lambda m, n, k: True)
+    if m == 40:  # every other checkpoint-layout FP4 weight dequantizes from M = 1 here
+        rows = tuple(
+            replace(r, steps=(replace(r.steps[0], max_m=0), r.steps[1]), large=None)
+            if r.layout == "checkpoint" and "mxfp4" in r.formats and r.when is None
+            else r
+            for r in regimes.LINEAR_REGIMES
+        )
+        monkeypatch.setattr(regimes, "LINEAR_REGIMES", rows)
+        plain = regimes.linear_regime("mxfp4", "checkpoint", None, 48, 128)
+        assert plain.family(m, 48, 128) is regimes.Family.DEQUANT_CUBLAS
 
         def no_slabs(*a, **kw):
             raise AssertionError("a rebased MXFP4 weight took the dequantized fp16 slabs")
 
-        monkeypatch.setattr(slabs, "dequant_gemm", no_slabs)
+        monkeypatch.setattr(run, "dequant_gemm", no_slabs)
     n, k = 48, 128
     w = mx_weight(n, k, lo, hi, 4)
     backend = get_backend("triton")
     req = Request.make("mxfp4", act_dtype=torch.float16, n=n, k=k)
     prepared = backend.prepare(w, req)
-    assert prepared.meta[0] == MX_FP16_REBASE_TAG
+    assert prepared.layout is Layout.CHECKPOINT
+    assert prepared.meta == CheckpointMeta(fp16_rebased=True)
     g = torch.Generator().manual_seed(5)
     # outputs of a few units: |x| ~ 2^-14 against 2^14..2^18 scales, 2^12 against 2^-31..2^-24
     x = (torch.randn(m, k, generator=g) * (2.0**-14 if lo > 127 else 2.0**12)).to(torch.float16)
     w64 = weight64(w.packed, w.block_scale)
     y64 = x.double() @ w64.T
     bias = (torch.randn(n, generator=g).double() * y64.std()).to(torch.float16)  # same scale
-    out = backend.linear(x, prepared.tensors, bias, "mxfp4", prepared.meta)
+    out = backend.linear(x, prepared.tensors, bias, "mxfp4", prepared.layout, prepared.meta)
     ref = y64 + bias.double()
     assert bool(torch.isfinite(out).all())
     assert float((out.double() - ref).norm() / ref.norm()) < 2e-3
@@ -139,16 +149,16 @@ def test_fp16_moe_experts_outside_fp16_are_refused_with_the_fix():
     req = Request.make("mxfp4", op="moe", act_dtype=torch.float16, experts=e)
     names = ("packed", "block_scale")
     ok13, ok2 = stack(2 * i, h, 120, 130), stack(h, i, 120, 130)
-    backend.prepare_moe(ok13, ok2, names, (), req, gated=True)
+    backend.prepare_moe(ok13, ok2, names, CheckpointMeta(), req, gated=True)
     bad2 = (ok2[0], ok2[1].clone())
     bad2[1][1, 0, 0] = 150  # expert 1 of w2: 2^23
     with pytest.raises(
         WeightFormatError, match=r"expert 1 of w2 has block scales 2\^-7 \.\. 2\^23"
     ):
-        backend.prepare_moe(ok13, bad2, names, (), req, gated=True)
+        backend.prepare_moe(ok13, bad2, names, CheckpointMeta(), req, gated=True)
     low13 = (ok13[0], ok13[1].clone())
     low13[1][0, 5, 1] = 97  # expert 0 of w13: 2^-30 at the bottom, the top inside: refused too
     with pytest.raises(WeightFormatError, match=r"expert 0 of w13 has block scales 2\^-30"):
-        backend.prepare_moe(low13, ok2, names, (), req, gated=True)
+        backend.prepare_moe(low13, ok2, names, CheckpointMeta(), req, gated=True)
     bf16 = Request.make("mxfp4", op="moe", act_dtype=torch.bfloat16, experts=e)
-    backend.prepare_moe(ok13, bad2, names, (), bf16, gated=True)  # bf16 holds 2^23
+    backend.prepare_moe(ok13, bad2, names, CheckpointMeta(), bf16, gated=True)  # bf16 holds 2^23

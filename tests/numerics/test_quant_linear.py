@@ -247,7 +247,7 @@ def test_torch_compile_fullgraph_matches_eager():
 def test_custom_op_passes_opcheck():
     layer = QuantLinear(_nvfp4(32, 48, seed=1), bias=torch.randn(32), device="cpu")
     x = _x((3, 48), torch.bfloat16, seed=2)
-    args = (x, layer._tensors(), layer.bias, "reference", "nvfp4", layer._meta, 32)
+    args = (x, layer._tensors(), layer.bias, "reference", "nvfp4", layer._meta_args, 32)
     torch.library.opcheck(torch.ops.quantdispatch.linear.default, args)
 
 

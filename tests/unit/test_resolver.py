@@ -371,12 +371,12 @@ def test_triton_says_whether_the_gemm_takes_activations_by_tma(monkeypatch):
     """The TMA activation tiles need Triton's host descriptors; doctor says so only when the
     installed Triton has them."""
     pytest.importorskip("triton")
-    from quantdispatch.backends import triton as triton_backend
+    from quantdispatch.kernels.common import device_facts
 
     request = Request.make("nvfp4", "linear", "bf16", "weight_only", n=4096, k=4096)
     profile = preset_profile("h200")
     for has in (True, False):
-        monkeypatch.setattr(triton_backend, "_host_descriptors", lambda has=has: has)
+        monkeypatch.setattr(device_facts, "_host_descriptors", lambda has=has: has)
         text = get_backend("triton").variant(request, profile)
         assert ("activation tiles by TMA" in text) == has
 

@@ -41,13 +41,14 @@ class FakeNative(ReferenceBackend):
     def device_reasons(self, request, profile):
         return []
 
-    def linear(self, x, tensors, bias, fmt, meta):
+    def linear(self, x, tensors, bias, fmt, layout, meta, *, pdl=True):
         self.calls += 1
-        return (super().linear(x, tensors, bias, fmt, meta).float() * self.factor).to(x.dtype)
+        y = super().linear(x, tensors, bias, fmt, layout, meta, pdl=pdl)
+        return (y.float() * self.factor).to(x.dtype)
 
-    def moe(self, x, *args):
+    def moe(self, call):
         self.calls += 1
-        return (super().moe(x, *args).float() * self.factor).to(x.dtype)
+        return (super().moe(call).float() * self.factor).to(call.x.dtype)
 
 
 @pytest.fixture

@@ -9,23 +9,30 @@ tests/gpu/test_mma_layout_gemm_gpu.py::test_tiles_that_raced_on_triton_36_match_
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 pytest.importorskip("triton", reason="triton is not installed (optional extra)")
 
 from quantdispatch.kernels.common import wgmma_guard as wh
+from quantdispatch.kernels.common.device_facts import DeviceFacts, device_facts
 
-CUDA = torch.device("cuda", 0)
+#: A CPU tensor's facts, with the guard's verdict set: what an SM 9.x launch would see.
+SETTLING = replace(device_facts(torch.device("cpu")), rs_wgmma_hazard=True)
 
 
 @pytest.fixture
 def gpu(monkeypatch):
-    """Pretend a CUDA device of a given capability and a given Triton version."""
+    """Pretend a given Triton version; returns the verdict for a capability."""
 
-    def set_(capability: tuple[int, int], version: tuple[int, int]) -> None:
-        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    def set_(capability: tuple[int, int], version: tuple[int, int]) -> bool:
         monkeypatch.setattr(wh, "triton_version", lambda: version)
+        assert DeviceFacts.for_capability(capability).rs_wgmma_hazard is wh.rs_wgmma_hazard(
+            capability
+        )
+        return wh.rs_wgmma_hazard(capability)
 
     return set_
 
@@ -43,20 +50,18 @@ def gpu(monkeypatch):
     ],
 )
 def test_hazard_is_hopper_with_an_old_triton(gpu, capability, version, hazard) -> None:
-    gpu(capability, version)
-    assert wh.rs_wgmma_hazard(CUDA) is hazard
+    assert gpu(capability, version) is hazard
 
 
 def test_a_verified_version_pipelines_again(gpu, monkeypatch) -> None:
     monkeypatch.setattr(wh, "VERIFIED_SAFE_FROM", (3, 7))
-    gpu((9, 0), (3, 7))
-    assert not wh.rs_wgmma_hazard(CUDA)
-    gpu((9, 0), (3, 6))
-    assert wh.rs_wgmma_hazard(CUDA)
+    assert not gpu((9, 0), (3, 7))
+    assert gpu((9, 0), (3, 6))
 
 
 def test_no_hazard_off_cuda() -> None:
-    assert not wh.rs_wgmma_hazard(torch.device("cpu"))
+    assert not wh.rs_wgmma_hazard(None)
+    assert not device_facts(torch.device("cpu")).rs_wgmma_hazard
 
 
 def test_triton_version_reads_the_installed_one(monkeypatch) -> None:
@@ -89,13 +94,13 @@ def test_the_mid_m_gemm_settles_where_the_hazard_holds(monkeypatch, hazard) -> N
 
     fake = _FakeKernel()
     monkeypatch.setattr(gemm, "_mma_gemm_kernel", fake)
-    monkeypatch.setattr(gemm, "rs_wgmma_hazard", lambda device: hazard)
+    facts = replace(SETTLING, rs_wgmma_hazard=hazard)
     packed = torch.zeros(64, 64, dtype=torch.uint8)
     words, scales = layout.repack(
         packed, torch.full((64, 8), 0x38, dtype=torch.uint8), torch.bfloat16
     )
     x = torch.zeros(4, 128, dtype=torch.bfloat16)
-    gemm.mma_gemm(x, words, scales, torch.ones(1), tile=GemmTile(64, 16, 2, 4, 3))
+    gemm.mma_gemm(x, words, scales, torch.ones(1), tile=GemmTile(64, 16, 2, 4, 3), facts=facts)
     assert fake.launches[0]["SETTLE"] is hazard
     assert fake.launches[0]["num_stages"] == 3  # the loads stay pipelined
 
@@ -108,13 +113,14 @@ def test_the_checkpoint_tiled_kernel_settles_only_when_swapped(monkeypatch, swap
 
     fake = _FakeKernel()
     monkeypatch.setattr(linear, "_fp4_gemm_kernel", fake)
-    monkeypatch.setattr(linear, "rs_wgmma_hazard", lambda device: True)
     monkeypatch.setattr(checks, "interpreting", lambda: True)  # x may stay on the CPU
     packed = torch.zeros(64, 64, dtype=torch.uint8)
     scales = torch.full((64, 8), 0x38, dtype=torch.uint8).view(torch.float8_e4m3fn)
     x = torch.zeros(40, 128, dtype=torch.bfloat16)
     config = GemmConfig(64, 64, 128, 4, 3, swap_ab=swap_ab)
-    linear.fp4_linear(x, packed, scales, torch.ones(1), scale_format="e4m3", config=config)
+    linear.fp4_linear(
+        x, packed, scales, torch.ones(1), scale_format="e4m3", config=config, facts=SETTLING
+    )
     assert fake.launches[0]["SETTLE"] is bool(swap_ab)
     assert fake.launches[0]["num_stages"] == 3
 
@@ -126,11 +132,12 @@ def test_the_fp8_tiled_kernel_settles_only_when_swapped(monkeypatch, swap_ab) ->
 
     fake = _FakeKernel()
     monkeypatch.setattr(fp8, "_fp8_gemm_kernel", fake)
-    monkeypatch.setattr(fp8, "rs_wgmma_hazard", lambda device: True)
     weight = torch.zeros(64, 128, dtype=torch.float8_e4m3fn)
     x = torch.zeros(40, 128, dtype=torch.bfloat16)
     config = GemmConfig(64, 64, 128, 4, 3, swap_ab=swap_ab)
-    fp8.fp8_weight_only_linear(x, weight, torch.ones(()), block_size=None, config=config)
+    fp8.fp8_weight_only_linear(
+        x, weight, torch.ones(()), block_size=None, config=config, facts=SETTLING
+    )
     assert fake.launches[0]["SETTLE"] is bool(swap_ab)
     assert fake.launches[0]["num_stages"] == 3
 

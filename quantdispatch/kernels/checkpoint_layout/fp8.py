@@ -35,7 +35,7 @@ from quantdispatch.kernels.common.checks import (
 )
 from quantdispatch.kernels.common.configs import GemmConfig, get_config
 from quantdispatch.kernels.common.decode import e4m3_to_16bit, e4m3_to_f32_scaled
-from quantdispatch.kernels.common.wgmma_guard import rs_wgmma_hazard
+from quantdispatch.kernels.common.device_facts import DeviceFacts, device_facts
 
 __all__ = ["fp8_weight_only_linear"]
 
@@ -273,11 +273,13 @@ def fp8_weight_only_linear(
     block_size: tuple[int, int] | None,
     bias: torch.Tensor | None = None,
     config: GemmConfig | None = None,
+    facts: DeviceFacts | None = None,
 ) -> torch.Tensor:
     """``x @ (weight * scale).T + bias`` with 16-bit activations; [M, N] in x.dtype.
 
     ``scale``: 0-dim (tensor), [N] (channel) or [ceil(N/bn), ceil(K/bk)] with
-    ``block_size=(bn, bk)`` (block). ``config`` overrides the table (tuning and tests only).
+    ``block_size=(bn, bk)`` (block). ``config`` overrides the table (tuning and tests only);
+    ``facts``: x's device (None: asked here).
     """
     k = weight.shape[1] if weight.dim() == 2 else -1
     x = check_activation(x, k, "fp8_weight_only_linear")
@@ -289,8 +291,9 @@ def fp8_weight_only_linear(
     out = checks.empty_output(m, n, x.dtype, x.device)
     if m == 0 or n == 0:
         return out
+    facts = facts or device_facts(x.device)
     if config is None:
-        config, _ = get_config("fp8", x.device, n, k, m)
+        config, _ = get_config("fp8", facts, n, k, m)
     if config.split:  # the small-M kernel: K split in-program
         block_k = _scale_block_fit(config.block_k, kind, bk)
         _fp8_small_m_kernel[(triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m))](
@@ -356,7 +359,7 @@ def fp8_weight_only_linear(
         BLOCK_K=block_k,
         GROUP_M=config.group_m,
         # swap-AB: the decoded weight is the MMA's A operand (wgmma on SM 9.x)
-        SETTLE=bool(config.swap_ab) and rs_wgmma_hazard(x.device),
+        SETTLE=bool(config.swap_ab) and facts.rs_wgmma_hazard,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

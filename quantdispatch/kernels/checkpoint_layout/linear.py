@@ -55,7 +55,8 @@ from quantdispatch.kernels.common.decode import (
     e4m3_to_f32_scaled_finite,
     e8m0_to_f32_scaled,
 )
-from quantdispatch.kernels.common.wgmma_guard import rs_wgmma_hazard, settle
+from quantdispatch.kernels.common.device_facts import DeviceFacts, device_facts
+from quantdispatch.kernels.common.wgmma_guard import settle
 
 __all__ = ["fp4_linear", "mma_tile"]
 
@@ -346,13 +347,15 @@ def fp4_linear(
     bias: torch.Tensor | None = None,
     config: GemmConfig | None = None,
     deq16: bool | None = None,
+    facts: DeviceFacts | None = None,
 ) -> torch.Tensor:
     """``x @ W.T + bias`` with W = e2m1(packed) * block_scale [* global_scale]; [M, N] in x.dtype.
 
     ``scale_format='e4m3'`` is NVFP4 (group 16, ``global_scale`` a float32 one-element tensor on the
     device, never read on the host); ``'e8m0'`` is MXFP4 (group 32, no global scale, or the factor
     :func:`quantdispatch.formats.mxfp4.rebase_mx_scales_for_fp16` returns for its rebased codes).
-    ``config`` overrides the table and ``deq16`` the decode variant (tuning and tests only).
+    ``config`` overrides the table and ``deq16`` the decode variant (tuning and tests only);
+    ``facts``: x's device (None: asked here).
     """
     k = packed.shape[1] * 2 if packed.dim() == 2 else -1
     x = check_activation(x, k, "fp4_linear")
@@ -372,8 +375,9 @@ def fp4_linear(
     if m == 0 or n == 0:
         return out
     group = SCALE_GROUP[scale_format]
+    facts = facts or device_facts(x.device)
     if config is None:
-        config, _ = get_config(_KIND[scale_format], x.device, n, k, m)
+        config, _ = get_config(_KIND[scale_format], facts, n, k, m)
     block_k = max(config.block_k, group)
     interp = interpreting()
     bf16 = x.dtype == torch.bfloat16
@@ -416,7 +420,7 @@ def fp4_linear(
     else:  # tiled family
         grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
         # swap-AB: the decoded weight is the MMA's A operand (wgmma on SM 9.x)
-        settled = bool(config.swap_ab) and rs_wgmma_hazard(x.device)
+        settled = bool(config.swap_ab) and facts.rs_wgmma_hazard
         _fp4_gemm_kernel[grid](
             *args, EVEN_K=k % block_k == 0, GROUP_M=config.group_m, SETTLE=settled, **common
         )

@@ -68,10 +68,11 @@ from quantdispatch.kernels.checkpoint_layout.moe_plan import (
 )
 from quantdispatch.kernels.common import checks
 from quantdispatch.kernels.common.checks import check_moe_call, interpreting, rows_aligned
+from quantdispatch.kernels.common.device_facts import DeviceFacts, device_facts
 from quantdispatch.kernels.common.slabs import run_dequant_moe
 from quantdispatch.moe.activations import get_activation
 
-__all__ = ["fused_moe"]
+__all__ = ["fused_moe", "weights_aligned"]
 
 
 _FMT = {"nvfp4": 0, "mxfp4": 1, "fp8": 2}
@@ -82,12 +83,14 @@ def _fail(what: str, rule: str, fix: str, exc: type[Exception] = WeightFormatErr
     raise exc(format_error(f"fused_moe: {what}", rule, fix))
 
 
-def _rows_aligned(*weights: torch.Tensor) -> bool:
-    return all(rows_aligned(t) for t in weights)
+def weights_aligned(fmt: str, w13_codes: torch.Tensor, w2_codes: torch.Tensor) -> bool:
+    """Whether the mma kernels may take these stacks: NVFP4 with 16-byte aligned weight rows
+    (they load 8 bytes per row; the plan checks format, GPU and shapes)."""
+    return fmt == "nvfp4" and rows_aligned(w13_codes) and rows_aligned(w2_codes)
 
 
 def _unpack_weights(
-    fmt: str, w: Sequence[torch.Tensor], which: str, meta: Sequence[int]
+    fmt: str, w: Sequence[torch.Tensor], which: str, block_size: tuple[int, int] | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int, int, int]:
     """(codes, scales, global scale, E, N, K) of one stacked weight, checked."""
     need = {"nvfp4": 3, "mxfp4": 2, "fp8": 2}[fmt]
@@ -114,20 +117,20 @@ def _unpack_weights(
         per_expert = scale.dim() == 1 and scale.shape[0] == e
         if per_expert or (scale.dim() == 2 and tuple(scale.shape) == (e, n)):
             pass
-        elif scale.dim() == 3 and len(meta) >= 3:
-            bn, bk = int(meta[1]), int(meta[2])
+        elif scale.dim() == 3 and block_size is not None:
+            bn, bk = block_size
             want = (e, triton.cdiv(n, bn), triton.cdiv(k, bk))
             if tuple(scale.shape) != want or bk % 16 != 0:
                 _fail(
                     f"{which}[1] has shape {tuple(scale.shape)} with block {(bn, bk)}",
                     f"block scales are [E, ceil(N/bn), ceil(K/bk)] = {list(want)}, bk % 16 == 0",
-                    "pass meta=[0, bn, bk] matching the checkpoint's weight_block_size",
+                    "pass block_size=(bn, bk) matching the checkpoint's weight_block_size",
                 )
         else:
             _fail(
-                f"{which}[1] has shape {tuple(scale.shape)} (meta {list(meta)})",
+                f"{which}[1] has shape {tuple(scale.shape)} (block_size {block_size})",
                 "FP8 expert scales are [E] (tensor), [E, N] (channel) or [E, nb, kb] with "
-                "meta=[0, bn, bk] (block)",
+                "block_size=(bn, bk) (block)",
                 "pass the stacked scales of this layer",
             )
         return codes.view(torch.uint8), scale, None, e, n, k
@@ -180,14 +183,17 @@ def fused_moe(
     *,
     fmt: str,
     activation: str,
-    params: list[float],
-    meta: list[int],
+    params: Sequence[float],
+    block_size: tuple[int, int] | None = None,
     config: MoeConfig | MmaMoeConfig | DequantMoeConfig | None = None,
+    facts: DeviceFacts | None = None,
 ) -> torch.Tensor:
     """Routed experts on packed stacked weights: [M, H] in x.dtype (see the module docstring).
 
     ``topk_ids`` hold local expert ids; ids outside [0, E) contribute nothing. ``topk_weights``
-    (float32) are final. ``config`` overrides the tile heuristic (tests and tuning only).
+    (float32) are final. ``block_size``: FP8 block scales' (rows, columns). ``config``: the
+    plan's choice (None: :func:`.moe_plan.moe_config` here). ``facts``: x's device (None:
+    asked here).
     """
     if fmt not in _FMT:
         _fail(f"format {fmt!r}", f"formats: {', '.join(_FMT)}", "", InputError)
@@ -197,8 +203,8 @@ def fused_moe(
         got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
         _fail(f"x is {got}", "x is float16/bfloat16 [M, H]", "flatten and cast it", InputError)
     m, hidden = x.shape
-    c13, s13, g13, e, n13, k13 = _unpack_weights(fmt, w13, "w13", meta)
-    c2, s2, g2, e2, n2, k2 = _unpack_weights(fmt, w2, "w2", meta)
+    c13, s13, g13, e, n13, k13 = _unpack_weights(fmt, w13, "w13", block_size)
+    c2, s2, g2, e2, n2, k2 = _unpack_weights(fmt, w2, "w2", block_size)
     inter = n13 // 2 if spec.gated else n13
     if e2 != e or k13 != hidden or n2 != hidden or k2 != inter or (spec.gated and n13 % 2):
         _fail(
@@ -216,15 +222,16 @@ def fused_moe(
     tw = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
     pairs = m * top_k
     # the mma kernels load 8 bytes per weight row (moe_config checks format, GPU and shapes)
-    aligned = fmt == "nvfp4" and _rows_aligned(c13, c2)
+    aligned = weights_aligned(fmt, c13, c2)
+    facts = facts or device_facts(x.device)
     cfg = config or moe_config(
-        m, top_k, e, inter, hidden, fmt, x.device, gated=spec.gated, allow_mma=aligned
+        m, top_k, e, inter, hidden, fmt, facts, gated=spec.gated, allow_mma=aligned
     )
     alpha, limit = 0.0, 0.0
     if spec.name == "swiglu_oai":
         alpha, limit = (tuple(params) or spec.default_params)[:2]
     if isinstance(cfg, DequantMoeConfig):
-        if fmt not in ("nvfp4", "mxfp4") or not grouped_mm_capable(x.device):
+        if fmt not in ("nvfp4", "mxfp4") or not grouped_mm_capable(facts):
             _fail(
                 f"a dequantize + grouped-GEMM config for {fmt} on {x.device}",
                 "that path needs NVFP4 or MXFP4 and torch._grouped_mm on an SM 9.0+ GPU",
@@ -239,7 +246,7 @@ def fused_moe(
         )  # fmt: skip
         return out
     if not isinstance(cfg, MoeConfig):
-        if not (aligned and mma_capable(fmt, spec.gated, inter, hidden, x.device)):
+        if not (aligned and mma_capable(fmt, spec.gated, inter, hidden, facts)):
             _fail(
                 f"an mma config for {fmt} {activation} I={inter} H={hidden} on {x.device}",
                 "the mma kernels need NVFP4, a gated activation, SM 8.0+, I and H multiples "
@@ -262,7 +269,7 @@ def fused_moe(
 
     fcode = _FMT[fmt]
     group = _GROUP[fmt]
-    bsn, bsk = (int(meta[1]), int(meta[2])) if fmt == "fp8" and len(meta) >= 3 else (1, 1)
+    bsn, bsk = block_size if fmt == "fp8" and block_size is not None else (1, 1)
     dot_f32 = interpreting()
     bf16 = x.dtype == torch.bfloat16
     deq16 = fmt == "nvfp4" and not dot_f32

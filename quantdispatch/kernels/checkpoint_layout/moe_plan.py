@@ -7,23 +7,24 @@ explains a regime without it.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
 
-import torch
+from quantdispatch.kernels.regimes import CHECKPOINT_MOE, Family
+
+if TYPE_CHECKING:
+    from quantdispatch.kernels.common.device_facts import DeviceFacts
 
 __all__ = [
-    "DEQUANT_MAX_BUFFER_BYTES",
-    "DEQUANT_MIN_TOKENS_PER_EXPERT",
     "FEW_PROGRAMS",
     "FEW_PROGRAMS_MIN_CHUNKS",
     "MIN_WARPS_REPACKED",
-    "MMA_MAX_TOKENS_PER_EXPERT",
     "DequantMoeConfig",
     "MmaGemmConfig",
     "MmaMoeConfig",
     "MoeConfig",
     "MoeGemmConfig",
+    "dequant_buffer_bytes",
     "expected_experts",
     "grouped_mm_capable",
     "mma_capable",
@@ -52,14 +53,7 @@ class MoeConfig:
     gemm1: MoeGemmConfig
     gemm2: MoeGemmConfig
     direct: bool = False
-
-
-@functools.lru_cache(maxsize=16)
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    return int(torch.cuda.get_device_properties(idx).multi_processor_count)
+    family: ClassVar[Family] = Family.MOE_TL_DOT
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -96,6 +90,7 @@ class MmaMoeConfig:
     gemm1: MmaGemmConfig
     gemm2: MmaGemmConfig
     direct: bool = False
+    family: ClassVar[Family] = Family.MOE_MMA_BLOCKS
 
     @property
     def block_m(self) -> int:
@@ -214,47 +209,42 @@ def mma_moe_config(
 
 
 # --------------------------------------------------------------------------------------------
-# the regime
-
-
-#: NVFP4 with at most this many tokens per expert (M * top_k / E) runs the mma.sync kernels of
-#: :mod:`.moe_mma` (SM 8.0+, gated, I and H multiples of 64) on 8-pair blocks; with more tokens
-#: per expert the tl.dot kernels reuse each decoded tile across more rows and win (H200,
-#: benchmarks/results/moe-h200-*.md, docs/design/moe.md).
-MMA_MAX_TOKENS_PER_EXPERT = 4
-
-
-#: NVFP4 / MXFP4 with at least this many tokens per expert, on SM 9.0+ with torch._grouped_mm,
-#: dequantizes each GEMM's experts to a 16-bit buffer and runs torch._grouped_mm: at that many
-#: tokens the GEMMs are compute bound, and cuBLAS-class grouped GEMMs beat the tl.dot kernels by
-#: more than the dequantization pass costs (H200, Mixtral at 1024 tokens per expert;
-#: benchmarks/results/moe-h200-*.md). Below it the pass is not expected to pay (an estimate,
-#: not measured; docs/design/moe.md). The mma16x64 layout's plan has its own, measured cut-off
-#: (:data:`..mma_layout.moe_plan.DEQUANT_MIN_TOKENS_PER_EXPERT`).
-DEQUANT_MIN_TOKENS_PER_EXPERT = 512
-#: ... as long as the transient 16-bit copy of one GEMM's experts stays below this (bytes).
-DEQUANT_MAX_BUFFER_BYTES = 4 * 2**30
+# the regime (:data:`..regimes.CHECKPOINT_MOE`)
 
 
 @dataclass(frozen=True)
 class DequantMoeConfig:
-    """Dequantize each GEMM's experts to 16-bit, then torch._grouped_mm (see the constant)."""
+    """Dequantize each GEMM's experts to 16-bit, then torch._grouped_mm
+    (:attr:`..regimes.MoeRegime.dequant`)."""
+
+    family: ClassVar[Family] = Family.MOE_DEQUANT
 
 
-def grouped_mm_capable(device: torch.device) -> bool:
-    from quantdispatch.kernels.common.checks import interpreting
+def grouped_mm_capable(facts: DeviceFacts) -> bool:
+    """torch._grouped_mm runs on the device of ``facts`` (SM 9.0+, compiled kernels)."""
+    return facts.grouped_mm
 
-    if device.type != "cuda" or interpreting() or not hasattr(torch, "_grouped_mm"):
+
+def mma_capable(fmt: str, gated: bool, inter: int, hidden: int, facts: DeviceFacts) -> bool:
+    """The mma.sync kernels on the checkpoint layout take this layer on the device of
+    ``facts`` (a format of :attr:`..regimes.CHECKPOINT_MOE.mma`, compiled PTX)."""
+    if fmt not in CHECKPOINT_MOE.mma.formats or not facts.compiled:
         return False
-    return torch.cuda.get_device_capability(device) >= (9, 0)
+    return mma_moe_supported(inter, hidden, gated, facts.capability)
 
 
-def mma_capable(fmt: str, gated: bool, inter: int, hidden: int, device: torch.device) -> bool:
-    from quantdispatch.kernels.common.checks import interpreting
+def dequant_buffer_bytes(experts: int, inter: int, hidden: int, gated: bool = True) -> int:
+    """Bytes of the 16-bit copy of the larger GEMM's experts."""
+    return experts * max((2 * inter if gated else inter) * hidden, hidden * inter) * 2
 
-    if fmt != "nvfp4" or device.type != "cuda" or interpreting():
-        return False
-    return mma_moe_supported(inter, hidden, gated, torch.cuda.get_device_capability(device))
+
+#: The tl.dot tiles of the blocks of 32, 64 and 128 pairs (:data:`..regimes.CHECKPOINT_MOE`
+#: steps; the 16-pair block narrows its N tiles per call).
+_TL_DOT_TILES = {
+    32: MoeConfig(32, MoeGemmConfig(64, 128, 4, 3), MoeGemmConfig(64, 128, 4, 3)),
+    64: MoeConfig(64, MoeGemmConfig(64, 64, 4, 3), MoeGemmConfig(128, 64, 8, 3)),
+    128: MoeConfig(128, MoeGemmConfig(64, 64, 8, 3), MoeGemmConfig(128, 64, 8, 3)),
+}
 
 
 def moe_config(
@@ -264,50 +254,47 @@ def moe_config(
     inter: int,
     hidden: int,
     fmt: str,
-    device: torch.device,
+    facts: DeviceFacts,
     *,
     gated: bool = True,
     allow_mma: bool = True,
     allow_dequant: bool = True,
 ) -> MoeConfig | MmaMoeConfig | DequantMoeConfig:
-    """Tiles from the static sizes only (so graphs and compile see no data dependence).
+    """Tiles from the static sizes only (so graphs and compile see no data dependence), on the
+    device of ``facts``, by the row :data:`..regimes.CHECKPOINT_MOE`.
 
-    Tokens per expert ``tpe = M * top_k / E`` picks the regime. NVFP4 on SM 8.0+ with
-    ``tpe <= MMA_MAX_TOKENS_PER_EXPERT``: the mma.sync kernels on single pairs (``direct``)
-    or 8-pair blocks (:func:`mma_moe_config`). Otherwise tl.dot kernels: <= 12
-    small 16-row blocks with narrow N tiles (memory bound: cover every SM) and long K steps;
-    then 32, 64, 128-row blocks with wider tiles (compute bound: reuse each decoded weight tile
-    across more rows).
-    ``direct`` when pairs are so few (4 * pairs <= E) that experts rarely repeat.
+    Tokens per expert ``tpe = M * top_k / E`` picks the regime: dequantize + grouped_mm from
+    its ``dequant`` threshold (NVFP4 / MXFP4, SM 9.0+); NVFP4 on SM 8.0+ up to its ``mma``
+    threshold: the mma.sync kernels on single pairs (``direct``) or 8-pair blocks
+    (:func:`mma_moe_config`). Otherwise tl.dot kernels by its steps: small 16-row blocks with
+    narrow N tiles (memory bound: cover every SM) and long K steps; then 32, 64, 128-row blocks
+    with wider tiles (compute bound: reuse each decoded weight tile across more rows).
+    ``direct`` for single pairs (experts rarely repeat).
     """
+    row = CHECKPOINT_MOE
     pairs = m * top_k
     tpe = pairs / max(experts, 1)
-    sms = _num_sms(device)
     fp8 = fmt == "fp8"
-    buffer = experts * max((2 * inter if gated else inter) * hidden, hidden * inter) * 2
     if (
         allow_dequant
-        and fmt in ("nvfp4", "mxfp4")
-        and tpe >= DEQUANT_MIN_TOKENS_PER_EXPERT
-        and buffer <= DEQUANT_MAX_BUFFER_BYTES
-        and grouped_mm_capable(device)
+        and fmt in row.dequant.formats
+        and tpe >= row.dequant.min_tokens_per_expert
+        and dequant_buffer_bytes(experts, inter, hidden, gated) <= row.dequant.max_buffer_bytes
+        and grouped_mm_capable(facts)
     ):
         return DequantMoeConfig()
+    direct = row.single_pairs(pairs, experts)
     if (
         allow_mma
-        and tpe <= MMA_MAX_TOKENS_PER_EXPERT
-        and mma_capable(fmt, gated, inter, hidden, device)
+        and tpe <= row.mma.max_tokens_per_expert
+        and mma_capable(fmt, gated, inter, hidden, facts)
     ):
-        return mma_moe_config(pairs, experts, inter, hidden, direct=4 * pairs <= experts)
-    if tpe <= 12:
-        direct = 4 * pairs <= experts
-        blocks = pairs if direct else min(pairs, experts)
-        bk = 128 if fp8 else 256
-        g1 = MoeGemmConfig(_narrow_n(inter, blocks, sms, 64), bk, 4, 3)
-        g2 = MoeGemmConfig(_narrow_n(hidden, blocks, sms, 64), bk, 4, 3)
-        return MoeConfig(16, g1, g2, direct)
-    if tpe <= 40:
-        return MoeConfig(32, MoeGemmConfig(64, 128, 4, 3), MoeGemmConfig(64, 128, 4, 3))
-    if tpe <= 160:
-        return MoeConfig(64, MoeGemmConfig(64, 64, 4, 3), MoeGemmConfig(128, 64, 8, 3))
-    return MoeConfig(128, MoeGemmConfig(64, 64, 8, 3), MoeGemmConfig(128, 64, 8, 3))
+        return mma_moe_config(pairs, experts, inter, hidden, direct=direct)
+    step = row.step(tpe)
+    if step.block_m in _TL_DOT_TILES:
+        return _TL_DOT_TILES[step.block_m]
+    blocks = pairs if direct else min(pairs, experts)
+    bk = 128 if fp8 else 256
+    g1 = MoeGemmConfig(_narrow_n(inter, blocks, facts.sm_count, 64), bk, 4, 3)
+    g2 = MoeGemmConfig(_narrow_n(hidden, blocks, facts.sm_count, 64), bk, 4, 3)
+    return MoeConfig(step.block_m, g1, g2, direct)

@@ -10,7 +10,8 @@ import torch
 import triton
 
 from quantdispatch.errors import InputError, WeightFormatError, format_error
-from quantdispatch.kernels.common.configs import device_info
+from quantdispatch.kernels.common.device_facts import device_facts
+from quantdispatch.kernels.common.interpreter import interpreting
 
 __all__ = [
     "SCALE_GROUP",
@@ -28,18 +29,6 @@ __all__ = [
 
 #: Elements per block scale, by the scale format of an FP4 weight (NVFP4 e4m3, MXFP4 e8m0).
 SCALE_GROUP = {"e4m3": 16, "e8m0": 32}
-
-
-@triton.jit
-def _probe():
-    pass
-
-
-def interpreting() -> bool:
-    """True when the kernels were built for Triton's CPU interpreter (TRITON_INTERPRET=1 at
-    import): decided by a kernel object itself, so a later change of the env var cannot make
-    the wrappers and the kernels disagree."""
-    return type(_probe).__name__ == "InterpretedFunction"
 
 
 def empty_output(m: int, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -88,7 +77,8 @@ def check_activation(x: torch.Tensor, k: int, where: str) -> torch.Tensor:
             )
         )
     if x.device.type == "cuda" and x.dtype == torch.bfloat16:
-        name, cap = device_info(x.device)
+        facts = device_facts(x.device)
+        name, cap = facts.name, facts.capability or (0, 0)
         if cap < (8, 0):
             raise InputError(
                 format_error(

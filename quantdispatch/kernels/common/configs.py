@@ -22,10 +22,11 @@ import json
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
-from functools import cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    from quantdispatch.kernels.common.device_facts import DeviceFacts
 
 __all__ = [
     "MAX_TOKENS_PER_PROGRAM",
@@ -33,7 +34,6 @@ __all__ = [
     "SMALL_M_MAX",
     "GemmConfig",
     "candidate_configs",
-    "device_info",
     "fit_mma_config",
     "get_config",
     "heuristic_config",
@@ -88,15 +88,6 @@ def m_bucket(m: int) -> int:
         if m <= b:
             return b
     return M_BUCKETS[-1]
-
-
-@cache
-def device_info(device: torch.device) -> tuple[str, tuple[int, int]]:
-    """(name, compute capability) of a CUDA device, cached (one driver query per device)."""
-    if device.type != "cuda":
-        return ("cpu", (0, 0))
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    return (torch.cuda.get_device_name(idx), torch.cuda.get_device_capability(idx))
 
 
 def register_table(table: dict) -> None:
@@ -168,10 +159,11 @@ def _nearest_bucket(buckets: dict, m: int) -> dict | None:
     return buckets[str(best)]
 
 
-def get_config(kind: str, device: torch.device, n: int, k: int, m: int) -> tuple[GemmConfig, str]:
-    """Config for one call plus its source ('table:<gpu>' or 'heuristic'); host-only, no sync."""
+def get_config(kind: str, facts: DeviceFacts, n: int, k: int, m: int) -> tuple[GemmConfig, str]:
+    """Config for one call on the device of ``facts`` plus its source ('table:<gpu>' or
+    'heuristic'); host-only, no sync."""
     _ensure_loaded()
-    name, cap = device_info(device)
+    name, cap = facts.name, facts.capability or (0, 0)
     shape = f"{n}x{k}"
     gpu_table = _TABLES.get(name, {})
     for kind_key in (kind, "nvfp4"):

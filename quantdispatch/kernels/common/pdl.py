@@ -12,26 +12,20 @@ predecessor in the stream cannot have written, and it releases its own dependent
 its own wait (so theirs never run ahead of an unfinished kernel further back). Where the
 dependent has nothing to load early, release it late (after the work, not at the top): its
 waiting programs would hold SM slots from the start (docs/design/wgmma-gemm.md).
-``QUANTDISPATCH_PDL=0`` turns PDL off (every launch then waits for the kernel before it).
+Whether a call uses PDL is its launcher's ``pdl`` argument (the layer passes its decision's
+``Settings.pdl``, ``QUANTDISPATCH_PDL``), and only where :class:`.device_facts.DeviceFacts` has
+``dependent_launches``; nothing here reads the environment.
 """
 
 from __future__ import annotations
 
-import os
-from functools import cache
-
-import torch
 import triton
-
-from quantdispatch.errors import ConfigurationError
-from quantdispatch.kernels.common.configs import device_info
-from quantdispatch.settings import ENV_PREFIX, parse_pdl
 
 try:  # Triton 3.3+
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     HAS_GDC = True
-except ImportError:  # pragma: no cover - older Triton: pdl_capable() is False, never traced
+except ImportError:  # pragma: no cover - older Triton: no dependent launches, never traced
     HAS_GDC = False
 
     @triton.jit
@@ -43,26 +37,4 @@ except ImportError:  # pragma: no cover - older Triton: pdl_capable() is False, 
         pass
 
 
-__all__ = ["HAS_GDC", "PDL_ENV", "gdc_launch_dependents", "gdc_wait", "pdl_capable", "pdl_enabled"]
-
-PDL_ENV = ENV_PREFIX + "PDL"
-
-
-def pdl_enabled() -> bool:
-    """``QUANTDISPATCH_PDL`` (a setting, :mod:`quantdispatch.settings`): unset or true lets
-    kernels use PDL where the GPU has it; 0 / false never. A malformed value raises."""
-    return _parse(os.environ.get(PDL_ENV))
-
-
-@cache
-def _parse(raw: str | None) -> bool:
-    try:
-        return parse_pdl(raw)
-    except ValueError as exc:
-        raise ConfigurationError(str(exc)) from None
-
-
-def pdl_capable(device: torch.device) -> bool:
-    """A CUDA GPU of SM 9.0+, a Triton with grid dependency control, and PDL not turned off
-    (``QUANTDISPATCH_PDL=0``)."""
-    return HAS_GDC and device.type == "cuda" and device_info(device)[1] >= (9, 0) and pdl_enabled()
+__all__ = ["HAS_GDC", "gdc_launch_dependents", "gdc_wait"]

@@ -38,7 +38,6 @@ from __future__ import annotations
 import re
 from functools import cache
 
-import torch
 import triton
 import triton.language as tl
 
@@ -67,13 +66,12 @@ def triton_version() -> tuple[int, int]:
     return (int(found.group(1)), int(found.group(2))) if found else (0, 0)
 
 
-def rs_wgmma_hazard(device: torch.device) -> bool:
-    """Whether pipelined register-operand wgmma is not known safe for launches on ``device``: a
-    CUDA GPU of SM 9.x (the only wgmma generation) with a Triton older than
-    :data:`VERIFIED_SAFE_FROM` (every Triton while that is None)."""
-    if device.type != "cuda":
-        return False
-    if torch.cuda.get_device_capability(device)[0] != 9:
+def rs_wgmma_hazard(capability: tuple[int, int] | None) -> bool:
+    """Whether pipelined register-operand wgmma is not known safe on a GPU of ``capability``
+    (None: not a GPU): SM 9.x (the only wgmma generation) with a Triton older than
+    :data:`VERIFIED_SAFE_FROM` (every Triton while that is None). Launchers read it from
+    :class:`.device_facts.DeviceFacts`."""
+    if capability is None or capability[0] != 9:
         return False
     return VERIFIED_SAFE_FROM is None or triton_version() < VERIFIED_SAFE_FROM
 
@@ -82,7 +80,7 @@ def rs_wgmma_hazard(device: torch.device) -> bool:
 def settle(acc):
     """``acc`` unchanged, but read inside the K step (``mov`` to itself, removed by ptxas), so
     Triton waits for the wgmmas that produced it (``wait_group 0``) before the rest of the step.
-    Call it on every accumulator after the step's last ``tl.dot`` when ``SETTLE`` (the launch's
+    Call it on every accumulator after the step's last ``tl.dot`` when ``SETTLE`` (the device's
     :func:`rs_wgmma_hazard`) is set."""
     return tl.inline_asm_elementwise(
         "mov.b32 $0, $1;", "=r,r", [acc], dtype=tl.float32, is_pure=True, pack=1

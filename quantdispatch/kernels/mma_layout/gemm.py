@@ -22,14 +22,14 @@ import torch
 import triton
 import triton.language as tl
 
-from quantdispatch.kernels.common.pdl import gdc_launch_dependents, gdc_wait, pdl_capable
-from quantdispatch.kernels.common.wgmma_guard import rs_wgmma_hazard, settle
+from quantdispatch.kernels.common.device_facts import DeviceFacts, device_facts
+from quantdispatch.kernels.common.pdl import gdc_launch_dependents, gdc_wait
+from quantdispatch.kernels.common.wgmma_guard import settle
 from quantdispatch.kernels.mma_layout.activation_order import kappa_order
 from quantdispatch.kernels.mma_layout.gemm_tiles import (
     GemmTile,
     has_host_descriptors,
     mma_gemm_config,
-    tma_capable,
 )
 from quantdispatch.kernels.mma_layout.layout import CHUNK_K, TILE_N, scale_pairs
 from quantdispatch.kernels.mma_layout.tile_decode import weight_tile
@@ -173,10 +173,10 @@ def _split_sum_kernel(
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def _x_descriptor(xk: torch.Tensor, tile: GemmTile) -> object:
+def _x_descriptor(xk: torch.Tensor, tile: GemmTile, facts: DeviceFacts) -> object:
     """A TMA descriptor of the K-ordered activations in [BLOCK_M, BK] boxes (made on the host,
     passed by value: nothing is allocated on the device, so CUDA graphs capture it)."""
-    if xk.device.type != "cuda" or torch.cuda.get_device_capability(xk.device) < (9, 0):
+    if xk.device.type != "cuda" or facts.capability is None or facts.capability < (9, 0):
         raise ValueError(
             f"tile {tile.label()} loads the activations by TMA, which needs an SM 9.0+ GPU "
             f"(got {xk.device}); use a tile without the 't' suffix"
@@ -199,9 +199,13 @@ def mma_gemm(
     bias: torch.Tensor | None = None,
     *,
     tile: GemmTile | None = None,
+    pdl: bool = True,
+    facts: DeviceFacts | None = None,
 ) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for a weight in the mma16x64 layout (x [M, K] in the 16-bit dtype the
-    layout was packed for); out [M, N]."""
+    layout was packed for); out [M, N]. ``pdl`` (default True): the permutation, the GEMM and
+    the split sum as programmatic dependent launches where the device has them (False: never).
+    ``facts``: x's device (None: asked here)."""
     tiles, chunks = words.shape[0], words.shape[1]
     n, k = tiles * TILE_N, chunks * CHUNK_K
     m = x.shape[0]
@@ -210,12 +214,13 @@ def mma_gemm(
         return out
     if x.dtype not in (torch.bfloat16, torch.float16) or x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"x must be [M, {k}] bf16/fp16, got {x.dtype} {tuple(x.shape)}")
-    tile = tile or mma_gemm_config(n, k, m, tma=tma_capable(x.device))
+    facts = facts or device_facts(x.device)
+    tile = tile or mma_gemm_config(n, k, m, tma=facts.tma)
     if n % tile.block_n or tile.block_n % 16:
         raise ValueError(f"BLOCK_N={tile.block_n} does not divide N={n} in 16-row tiles")
     # on SM 9.0+ the permutation, the GEMM and the split sum form a programmatic-dependent
     # chain: each launch starts while the one before finishes and waits for it before it reads
-    pdl = pdl_capable(x.device)
+    pdl = pdl and facts.dependent_launches
     # TMA boxes that run past the activations' last row were slow on the H200
     # (docs/design/wgmma-gemm.md); the copy into the K order is made whole tiles high
     rows = triton.cdiv(m, tile.block_m) * tile.block_m if tile.tma and PAD_TMA_ROWS else m
@@ -223,7 +228,7 @@ def mma_gemm(
     ck = tile.chunks
     x_arg: object = xk
     if tile.tma:
-        x_arg = _x_descriptor(xk, tile)
+        x_arg = _x_descriptor(xk, tile, facts)
     per_split = triton.cdiv(triton.cdiv(chunks, max(1, tile.split)), ck) * ck
     split = triton.cdiv(chunks, per_split)
     target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
@@ -247,7 +252,7 @@ def mma_gemm(
         HAS_BIAS=bias is not None,
         DOT_F32=x.device.type != "cuda",
         X_TMA=tile.tma,
-        SETTLE=rs_wgmma_hazard(x.device),  # the decoded weight is wgmma's A
+        SETTLE=facts.rs_wgmma_hazard,  # the decoded weight is wgmma's A
         PDL=pdl,
         SPC=scale_pairs(scales),
         num_warps=tile.warps,

@@ -9,8 +9,6 @@ import re
 from dataclasses import dataclass, replace
 from functools import cache
 
-import torch
-
 from quantdispatch.kernels.mma_layout.layout import CHUNK_K
 
 __all__ = [
@@ -21,7 +19,6 @@ __all__ = [
     "mma_gemm_config",
     "mma_gemm_supported",
     "parse_tile",
-    "tma_capable",
 ]
 
 
@@ -88,14 +85,6 @@ def has_host_descriptors() -> bool:
     return True
 
 
-def tma_capable(device: torch.device) -> bool:
-    """Whether tiles with ``tma`` can run on ``device``: a CUDA GPU of SM 9.0+ and a Triton with
-    host tensor descriptors."""
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0):
-        return False
-    return has_host_descriptors()
-
-
 #: Which weights a tile row applies to, from the weight's width and depth (checked in row order).
 _SHAPE_RULES = {
     "any": lambda n, wide, long_k: True,
@@ -155,7 +144,7 @@ def mma_gemm_config(n: int, k: int, m: int, *, tma: bool = False) -> GemmTile:
     H200 (:data:`_POINTER_TILES`, :data:`_TMA_TILES`; Llama-3.1-8B shapes), generalized by the
     weight's width (WIDE_N) and depth (LONG_K): narrow weights split K to fill the GPU.
 
-    ``tma`` (the device is :func:`tma_capable`): the activation tiles come by TMA, which beat
+    ``tma`` (the device's ``DeviceFacts.tma``): the activation tiles come by TMA, which beat
     the pointer loads in every winning tile of the sweep (benchmarks/results/
     gemm-sweep-h200-*-tma.log, docs/design/wgmma-gemm.md) and frees registers."""
     wide, long_k = n >= WIDE_N, k >= LONG_K

@@ -52,9 +52,9 @@ from quantdispatch.kernels.checkpoint_layout.moe_plan import (
 from quantdispatch.kernels.common import checks
 from quantdispatch.kernels.common.activation import apply_activation
 from quantdispatch.kernels.common.checks import check_moe_call, interpreting
-from quantdispatch.kernels.common.pdl import pdl_capable
+from quantdispatch.kernels.common.device_facts import DeviceFacts, device_facts
 from quantdispatch.kernels.common.slabs import run_dequant_moe
-from quantdispatch.kernels.common.wgmma_guard import rs_wgmma_hazard, settle
+from quantdispatch.kernels.common.wgmma_guard import settle
 from quantdispatch.kernels.mma_layout.activation_order import kappa_order
 from quantdispatch.kernels.mma_layout.layout import CHUNK_K, TILE_N
 from quantdispatch.kernels.mma_layout.moe_pairs import small_moe
@@ -242,10 +242,14 @@ def mma_layout_moe(
     params: Sequence[float],
     packed_for: torch.dtype,
     config: SmallMoeConfig | MmaMoeConfig | MoeGemmTile | DequantMoeConfig | None = None,
+    pdl: bool = True,
+    facts: DeviceFacts | None = None,
 ) -> torch.Tensor:
     """Routed experts on repacked stacks: [M, H] in x.dtype. ``topk_ids`` hold local expert ids
-    (others contribute nothing), ``topk_weights`` (float32) are final. ``config`` overrides the
-    regime choice (tests and tuning only)."""
+    (others contribute nothing), ``topk_weights`` (float32) are final. ``config``: the plan's
+    choice (None: :func:`.moe_plan.moe_plan` here). ``pdl`` (default True): the plan may make
+    the single-pair down kernel a programmatic dependent launch where the device has them
+    (False: never). ``facts``: x's device (None: asked here)."""
     spec = get_activation(activation)
     if not spec.gated:
         _fail(
@@ -282,10 +286,11 @@ def mma_layout_moe(
     alpha, limit = 0.0, 0.0
     if spec.name == "swiglu_oai":
         alpha, limit = (tuple(params) or spec.default_params)[:2]
-    cfg = config or moe_layout_config(m, top_k, e, inter, hidden, x.device)
+    facts = facts or device_facts(x.device)
+    cfg = config or moe_layout_config(m, top_k, e, inter, hidden, facts, pdl=pdl)
     pairs = m * top_k
     if isinstance(cfg, DequantMoeConfig):
-        if not grouped_mm_capable(x.device):
+        if not grouped_mm_capable(facts):
             _fail(f"a dequantize config on {x.device}", "needs torch._grouped_mm on SM 9.0+",
                   "leave config=None", InputError)  # fmt: skip
         run_dequant_moe(
@@ -298,7 +303,7 @@ def mma_layout_moe(
         if interpreting() or x.device.type != "cuda":
             _fail(f"config {cfg.label()} off a CUDA GPU", "the single-pair kernels are PTX",
                   "use a GEMM config (MoeGemmTile) under the interpreter", InputError)  # fmt: skip
-        if cfg.pdl and not pdl_capable(x.device):
+        if cfg.pdl and not facts.dependent_launches:
             _fail(f"config {cfg.label()} on {x.device}",
                   "a programmatic dependent launch needs SM 9.0+ and Triton's grid dependency "
                   "control", "use pdl=False", InputError)  # fmt: skip
@@ -325,7 +330,7 @@ def mma_layout_moe(
         T=pairs, top_k=top_k, n_blocks=n_blocks, alpha=float(alpha), limit=float(limit),
         BLOCK_M=bm, CK=cfg.chunks, ACT=spec.code, BF16=x.dtype == torch.bfloat16,
         DOT_F32=interpreting(), num_stages=cfg.stages,
-        SETTLE=rs_wgmma_hazard(x.device) and not interpreting(),  # the weight is wgmma's A
+        SETTLE=facts.rs_wgmma_hazard and not interpreting(),  # the weight is wgmma's A
         SPC=w13[1].shape[3],  # 32 NVFP4, 16 MXFP4 scale pairs per tile and chunk
     )  # fmt: skip
     bn13 = cfg.block_n if inter % cfg.block_n == 0 else 64

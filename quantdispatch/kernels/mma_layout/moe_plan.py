@@ -2,35 +2,30 @@
 and compile see no data dependence): single (token, slot) pairs (:class:`SmallMoeConfig`, the
 kernels of :mod:`.moe_pairs`), the mma.sync kernels on 8-pair blocks or single pairs
 (:class:`..checkpoint_layout.moe_plan.MmaMoeConfig`), the grouped GEMM (:class:`MoeGemmTile`,
-:mod:`.moe_gemm`), or dequantize + ``torch._grouped_mm``; the device facts it takes, and the
-words doctor prints for each. No triton import at module level.
+:mod:`.moe_gemm`), or dequantize + ``torch._grouped_mm``, by the row
+:data:`..regimes.MMA_LAYOUT_MOE`; and the words doctor prints for each. No triton import at
+module level.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
-
-import torch
+from typing import ClassVar
 
 from quantdispatch.kernels.checkpoint_layout.moe_plan import (
     DequantMoeConfig,
     MmaMoeConfig,
-    grouped_mm_capable,
+    dequant_buffer_bytes,
     mma_moe_config,
 )
+from quantdispatch.kernels.common.device_facts import DeviceFacts
 from quantdispatch.kernels.mma_layout.layout import CHUNK_K, TILE_N
+from quantdispatch.kernels.regimes import MMA_LAYOUT_MOE, Family
 
 __all__ = [
-    "DEQUANT_MAX_BUFFER_BYTES",
-    "DEQUANT_MIN_EXPERT_ELEMENTS",
-    "DEQUANT_MIN_TOKENS_PER_EXPERT",
-    "DIRECT_MAX_EXPERT_ELEMENTS",
-    "DIRECT_MAX_TOKENS_PER_EXPERT",
     "DOWN_MIN_WARPS",
     "GATE_UP_WIDE_MAX_PROGRAMS",
     "GATE_UP_WIDE_MIN_CHUNKS_PDL",
-    "MMA_MAX_TOKENS_PER_EXPERT",
     "PREFETCH_MAX_BYTES",
     "MoeDeviceFacts",
     "MoeGemmTile",
@@ -44,28 +39,8 @@ __all__ = [
     "small_units",
 ]
 
-
-#: Up to this many tokens per expert (M * top_k / E) the mma.sync kernels run; above, the
-#: grouped GEMM (its blocks are at least 16 pairs: with fewer tokens per expert most of each
-#: wgmma would be padding).
-MMA_MAX_TOKENS_PER_EXPERT = 4
-#: From this many tokens per expert (SM 9.0+), dequantize + torch._grouped_mm, for experts of at
-#: least DEQUANT_MIN_EXPERT_ELEMENTS (I x H): on the H200 the crossover for Mixtral-8x7B
-#: (14336 x 4096) lies between 640 and 768 per expert; for smaller experts (Qwen3-30B-A3B,
-#: gpt-oss-20b) the grouped GEMM wins at 512..1024, as torch._grouped_mm over many small experts
-#: is slow itself (benchmarks/results/moe-sweep-h200-*-crossover.json, docs/design/moe.md). The
-#: checkpoint layout's kernels keep their own cut-off
-#: (:data:`..checkpoint_layout.moe_plan.DEQUANT_MIN_TOKENS_PER_EXPERT`; not re-measured).
-DEQUANT_MIN_TOKENS_PER_EXPERT = 768
-DEQUANT_MIN_EXPERT_ELEMENTS = 2**25
-#: ... as long as the transient 16-bit copy of one GEMM's experts stays below this (bytes).
-DEQUANT_MAX_BUFFER_BYTES = 4 * 2**30
-#: Small experts (I x H at most DIRECT_MAX_EXPERT_ELEMENTS) run one mma block per (token, slot)
-#: pair, no expert sort, up to this many tokens per expert: their blocks of 8 pairs would mostly
-#: hold one pair, and the sort is a large part of a small expert's time. Bigger experts keep the
-#: blocks (H200: benchmarks/results/ksplit-probe-h200-*-few*.log, docs/design/moe.md).
-DIRECT_MAX_TOKENS_PER_EXPERT = 0.5
-DIRECT_MAX_EXPERT_ELEMENTS = 1 << 22
+#: The name doctor's ``--moe`` imports for the device facts this plan takes.
+MoeDeviceFacts = DeviceFacts
 
 
 def moe_layout_supported(
@@ -94,6 +69,7 @@ class MoeGemmTile:
     chunks: int = 2
     warps: int = 4
     stages: int = 4
+    family: ClassVar[Family] = Family.MOE_GROUPED_GEMM
 
     def shared_bytes(self, gate_up: bool = True) -> int:
         """Shared memory the pipelined loop needs, an upper bound: per stage the activation
@@ -109,25 +85,8 @@ class MoeGemmTile:
         return f"gemm BM{self.block_m} {self.block_n}x{64 * self.chunks}w{self.warps}s{self.stages}"
 
 
-#: Opt-in shared memory per block (bytes) by compute capability where torch does not report it:
-#: 163 KB on A100 / Orin, 227 KB on Hopper and datacenter Blackwell, 99 KB on the others (RTX
-#: 30 / 40 / 50 series, L40S, A10).
-_SHARED_BY_CAPABILITY = {(8, 0): 163 * 1024, (8, 7): 163 * 1024, (9, 0): 227 * 1024,
-                         (10, 0): 227 * 1024, (10, 3): 227 * 1024}  # fmt: skip
-_SHARED_DEFAULT = 99 * 1024
 #: Kept free for what the estimate does not count (epilogue layout conversions, barriers).
 _SHARED_MARGIN = 8 * 1024
-
-
-def _max_shared_memory(device: torch.device) -> int:
-    """Shared memory one program may use on ``device`` (bytes; no limit off the GPU)."""
-    if device.type != "cuda":
-        return 227 * 1024
-    props = torch.cuda.get_device_properties(device)
-    optin = getattr(props, "shared_memory_per_block_optin", None)
-    if optin:
-        return int(optin)
-    return _SHARED_BY_CAPABILITY.get((props.major, props.minor), _SHARED_DEFAULT)
 
 
 def _fit_shared(tile: MoeGemmTile, limit: int) -> MoeGemmTile:
@@ -139,44 +98,6 @@ def _fit_shared(tile: MoeGemmTile, limit: int) -> MoeGemmTile:
         if t.block_m <= tile.block_m and t.shared_bytes() + _SHARED_MARGIN <= limit:
             return t
     return MoeGemmTile(16, stages=2)
-
-
-@functools.cache
-def _fixed_facts(device: torch.device) -> tuple[bool, int]:
-    """(torch._grouped_mm runs there, shared memory per program) of one device, asked once."""
-    return grouped_mm_capable(device), _max_shared_memory(device)
-
-
-@dataclass(frozen=True)
-class MoeDeviceFacts:
-    """What the MoE regime takes from the GPU besides the sizes: whether torch._grouped_mm
-    runs there (SM 9.0+), the shared memory one program may use, and whether the down kernel is
-    a programmatic dependent launch. ``of`` asks the device; ``for_capability`` answers from a
-    compute capability alone (doctor's simulated GPUs)."""
-
-    grouped_mm: bool
-    shared_bytes: int
-    pdl: bool
-
-    @classmethod
-    def of(cls, device: torch.device) -> MoeDeviceFacts:
-        """Per call (each forward without a config): the fixed facts come from a per-device
-        cache; PDL is asked each time (``QUANTDISPATCH_PDL`` may change)."""
-        from quantdispatch.kernels.common.pdl import pdl_capable
-
-        grouped_mm, shared_bytes = _fixed_facts(device)
-        return cls(grouped_mm, shared_bytes, pdl_capable(device))
-
-    @classmethod
-    def for_capability(cls, capability: tuple[int, int]) -> MoeDeviceFacts:
-        from quantdispatch.kernels.common.pdl import HAS_GDC, pdl_enabled
-
-        hopper = capability >= (9, 0)
-        return cls(
-            hopper and hasattr(torch, "_grouped_mm"),
-            _SHARED_BY_CAPABILITY.get(capability, _SHARED_DEFAULT),
-            hopper and HAS_GDC and pdl_enabled(),
-        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -198,6 +119,7 @@ class SmallMoeConfig:
     #: with ``pdl``: leading chunks (64 columns of I) of every (slot, output tile) the down
     #: programs prefetch into L2 before they wait (their weights do not depend on gate/up).
     prefetch: int = 0
+    family: ClassVar[Family] = Family.MOE_MMA_PAIRS
 
     def label(self) -> str:
         early = f" pdl pf{self.prefetch}" if self.pdl else ""
@@ -272,13 +194,19 @@ def moe_layout_config(
     experts: int,
     inter: int,
     hidden: int,
-    device: torch.device,
+    facts: DeviceFacts,
     *,
+    pdl: bool = True,
     allow_dequant: bool = True,
 ) -> SmallMoeConfig | MmaMoeConfig | MoeGemmTile | DequantMoeConfig:
-    """:func:`moe_plan` for ``device``."""
-    facts = MoeDeviceFacts.of(device)
-    return moe_plan(m, top_k, experts, inter, hidden, facts, allow_dequant=allow_dequant)
+    """The launcher's entry to :func:`moe_plan` (same arguments)."""
+    return moe_plan(m, top_k, experts, inter, hidden, facts, pdl=pdl, allow_dequant=allow_dequant)
+
+
+#: 128-pair tiles on 128-row weight tiles where 128 divides I and H; else 64 rows, 4 warps
+#: (e.g. gpt-oss's 2880).
+_WIDE_128 = MoeGemmTile(128, block_n=128, warps=8, stages=3)
+_NARROW_128 = MoeGemmTile(128, block_n=64, warps=4, stages=3)
 
 
 def moe_plan(
@@ -287,59 +215,61 @@ def moe_plan(
     experts: int,
     inter: int,
     hidden: int,
-    facts: MoeDeviceFacts,
+    facts: DeviceFacts,
     *,
+    pdl: bool = True,
     allow_dequant: bool = True,
 ) -> SmallMoeConfig | MmaMoeConfig | MoeGemmTile | DequantMoeConfig:
-    """The regime from the static sizes only (graphs and compile see no data dependence).
+    """The regime from the static sizes only (graphs and compile see no data dependence), on
+    the device of ``facts``, by the row :data:`..regimes.MMA_LAYOUT_MOE`; ``pdl`` (default
+    True): the single-pair down kernel as a programmatic dependent launch where the device has
+    them.
 
-    Tokens per expert ``tpe = M * top_k / E``: <= MMA_MAX_TOKENS_PER_EXPERT the mma.sync
-    kernels (single pairs when 4 * pairs <= E, with the top-k sum in the down kernel,
-    :func:`small_moe_config`; small experts up to
-    DIRECT_MAX_TOKENS_PER_EXPERT one block per pair; else 8-pair blocks); >=
-    DEQUANT_MIN_TOKENS_PER_EXPERT on SM 9.0+ dequantize + grouped_mm for experts of
-    DEQUANT_MIN_EXPERT_ELEMENTS+ (Mixtral's; smaller experts keep the GEMM); else the grouped
-    GEMM, with blocks of 16 / 32 / 64 pairs (64-row weight tiles, 4 warps) and above 96 tokens
-    per expert 128 pairs on 128-row tiles (8 warps; 64-row tiles and 4 warps where 128 does
-    not divide I or H, e.g. gpt-oss's 2880). From the H200 sweep
+    Tokens per expert ``tpe = M * top_k / E``: up to the row's ``mma`` threshold the mma.sync
+    kernels (single pairs, with the top-k sum in the down kernel, :func:`small_moe_config`;
+    small experts up to the row's ``direct`` threshold one block per pair; else 8-pair
+    blocks); from its ``dequant`` threshold on SM 9.0+ dequantize + grouped_mm for large
+    experts (Mixtral's; smaller experts keep the GEMM); else the grouped GEMM on the row's
+    blocks of 16 / 32 / 64 pairs (64-row weight tiles, 4 warps) and 128 pairs on 128-row tiles
+    (8 warps; 64-row tiles and 4 warps where 128 does not divide I or H). From the H200 sweep
     (benchmarks/results/moe-sweep-h200-*.json, docs/design/moe.md): at 4 per expert the mma
     kernels win; at 8 it is mixed and the GEMM wins the sum; 16 per expert: 32-pair blocks; 32:
     64; 256: 128. Three stages beat four. With the accumulators settled each K step (SM 9.x,
     :mod:`..common.wgmma_guard`; moe-sweep-h200-*-settled.json) the same tiles won at 8, 16, 32,
     64 and 256 per expert, and 128 pairs on 128-row tiles already at 128 (at 64 per expert 64
-    still wins), hence the switch above 96. A tile whose pipeline does not fit the GPU's shared
-    memory gives way to a smaller one (:func:`_fit_shared`)."""
+    still wins). A tile whose pipeline does not fit the GPU's shared memory gives way to a
+    smaller one (:func:`_fit_shared`)."""
+    row = MMA_LAYOUT_MOE
     pairs = m * top_k
     tpe = pairs / max(experts, 1)
-    buffer = experts * max(2 * inter * hidden, hidden * inter) * 2
     if (
         allow_dequant
-        and tpe >= DEQUANT_MIN_TOKENS_PER_EXPERT
-        and inter * hidden >= DEQUANT_MIN_EXPERT_ELEMENTS
-        and buffer <= DEQUANT_MAX_BUFFER_BYTES
+        and tpe >= row.dequant.min_tokens_per_expert
+        and inter * hidden >= row.dequant.min_expert_elements
+        and dequant_buffer_bytes(experts, inter, hidden) <= row.dequant.max_buffer_bytes
         and facts.grouped_mm
     ):
         return DequantMoeConfig()
-    if tpe <= MMA_MAX_TOKENS_PER_EXPERT:
-        single = 4 * pairs <= experts  # the top-k sum inside the down kernel
-        small = tpe <= DIRECT_MAX_TOKENS_PER_EXPERT and inter * hidden <= DIRECT_MAX_EXPERT_ELEMENTS
-        direct = single or small  # one block per pair, no expert sort
-        cfg = mma_moe_config(pairs, experts, inter, hidden, direct=direct, repacked=True)
+    if tpe <= row.mma.max_tokens_per_expert:
+        single = row.single_pairs(pairs, experts)  # the top-k sum inside the down kernel
+        direct = row.direct
+        small = (
+            direct is not None
+            and tpe <= direct.max_tokens_per_expert
+            and inter * hidden <= direct.max_expert_elements
+        )
+        cfg = mma_moe_config(pairs, experts, inter, hidden, direct=single or small, repacked=True)
         if single:  # moe_pairs, its gate/up tuned as the per-pair mma kernels
-            return small_moe_config(
-                m, top_k, inter, hidden, cfg.gemm1.wk, cfg.gemm1.unroll, facts.pdl
-            )
+            early = pdl and facts.dependent_launches
+            return small_moe_config(m, top_k, inter, hidden, cfg.gemm1.wk, cfg.gemm1.unroll, early)
         return cfg
-    if tpe <= 12:
-        tile = MoeGemmTile(16, stages=3)
-    elif tpe <= 24:
-        tile = MoeGemmTile(32, stages=3)
-    elif tpe <= 96:
-        tile = MoeGemmTile(64, stages=3)
-    elif inter % 128 or hidden % 128:  # 128-row tiles would not divide N: 64 rows, 4 warps
-        tile = MoeGemmTile(128, block_n=64, warps=4, stages=3)
+    step = row.step(tpe)
+    if step.block_m < 128:
+        tile = MoeGemmTile(step.block_m, stages=3)
+    elif inter % 128 or hidden % 128:  # 128-row tiles would not divide N
+        tile = _NARROW_128
     else:
-        tile = MoeGemmTile(128, block_n=128, warps=8, stages=3)
+        tile = _WIDE_128
     return _fit_shared(tile, facts.shared_bytes)
 
 
@@ -363,15 +293,15 @@ def describe_moe_config(cfg: SmallMoeConfig | MmaMoeConfig | MoeGemmTile | Dequa
 
 
 def moe_kernel_ranges(
-    top_k: int, experts: int, inter: int, hidden: int, facts: MoeDeviceFacts,
-    max_m: int = 1 << 16,
+    top_k: int, experts: int, inter: int, hidden: int, facts: DeviceFacts,
+    max_m: int = 1 << 16, *, pdl: bool = True,
 ) -> list[tuple[int, int, str]]:  # fmt: skip
     """(first M, last M, words) for every run of M in 1..max_m that gets the same config from
     :func:`moe_plan`; the last run ends at ``max_m`` (and goes on beyond it)."""
     ranges: list[tuple[int, int, str]] = []
-    start, prev = 1, moe_plan(1, top_k, experts, inter, hidden, facts)
+    start, prev = 1, moe_plan(1, top_k, experts, inter, hidden, facts, pdl=pdl)
     for m in range(2, max_m + 1):
-        cfg = moe_plan(m, top_k, experts, inter, hidden, facts)
+        cfg = moe_plan(m, top_k, experts, inter, hidden, facts, pdl=pdl)
         if cfg != prev:
             ranges.append((start, m - 1, describe_moe_config(prev)))
             start, prev = m, cfg

@@ -25,7 +25,7 @@ from quantdispatch.errors import (
     WeightFormatError,
     format_error,
 )
-from quantdispatch.kernels.common.configs import device_info
+from quantdispatch.kernels.common.device_facts import device_facts
 
 __all__ = ["fp8_scaled_mm_linear", "prepare_fp8_scaled_mm"]
 
@@ -131,7 +131,8 @@ def fp8_scaled_mm_linear(
                 "move x and the layer to an SM89+ GPU",
             )
         )
-    name, cap = device_info(x.device)
+    facts = device_facts(x.device)
+    name, cap = facts.name, facts.capability or (0, 0)
     if cap < (8, 9):
         raise BackendUnavailableError(
             format_error(

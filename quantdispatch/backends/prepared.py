@@ -1,0 +1,284 @@
+"""The typed half of the prepare / apply life cycle: weight layouts, their metadata, what
+``prepare`` returns and what a MoE backend receives.
+
+A prepared weight names its ``layout`` (:class:`Layout`) and carries a small frozen ``meta``
+dataclass of that layout. Only the custom ops (quantdispatch.ops) take flat arguments, because
+torch.library needs them: :func:`encode_meta` turns (layout, meta) into a ``list[int]`` for
+them and :func:`decode_meta` turns it back before any backend sees it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import ClassVar
+
+import torch
+
+from quantdispatch.errors import ConfigurationError, format_error
+
+__all__ = [
+    "CheckpointMeta",
+    "CutlassFp4Meta",
+    "Layout",
+    "LayoutMeta",
+    "MarlinMeta",
+    "Mma16x64Meta",
+    "MoeCall",
+    "PreparedMoe",
+    "PreparedWeight",
+    "ScaledMmMeta",
+    "decode_meta",
+    "encode_meta",
+]
+
+
+class Layout(StrEnum):
+    """How a prepared weight's tensors are laid out (the regime table's rows name these)."""
+
+    CHECKPOINT = "checkpoint"  # the checkpoint's own tensors (formats.*Weight, stacked)
+    MMA16X64 = "mma16x64"  # repacked for the mma kernels: 16-row tiles, 64-column chunks
+    SCALED_MM = "scaled_mm"  # what torch._scaled_mm takes
+    MARLIN = "marlin"  # Marlin's tile order and scale encoding
+    CUTLASS_FP4 = "cutlass_fp4"  # a native FP4 GEMM provider's operands (swizzled scales, alpha)
+
+
+#: 16-bit activation dtypes as they cross the op boundary.
+_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    return _DTYPES.index(dtype)
+
+
+@dataclass(frozen=True)
+class CheckpointMeta:
+    """The checkpoint layout. ``block_size``: FP8 block scales' (rows, columns).
+    ``fp16_rebased``: MXFP4 block scales rebased for fp16, 2^d in the ``rebase_factor`` tensor
+    (formats.mxfp4.rebase_mx_scales_for_fp16). ``emulate_activations``: the reference backend
+    quantizes activations as a native W4A4 / W8A8 kernel would."""
+
+    layout: ClassVar[Layout] = Layout.CHECKPOINT
+    block_size: tuple[int, int] | None = None
+    fp16_rebased: bool = False
+    emulate_activations: bool = False
+
+    def flags(self) -> frozenset[str]:
+        """The flags the regime table's rows may ask for (``when``)."""
+        return frozenset({"fp16_rebased"}) if self.fp16_rebased else frozenset()
+
+    def to_ints(self) -> list[int]:
+        bn, bk = self.block_size or (0, 0)
+        return [bn, bk, int(self.fp16_rebased), int(self.emulate_activations)]
+
+    @classmethod
+    def from_ints(cls, v: Sequence[int]) -> CheckpointMeta:
+        bn, bk, rebased, emulate = v
+        block = (bn, bk) if bn else None
+        return cls(block, bool(rebased), bool(emulate))
+
+
+@dataclass(frozen=True)
+class Mma16x64Meta:
+    """The mma16x64 layout: the codes are placed for ``packed_for`` activations (bf16 or fp16)."""
+
+    layout: ClassVar[Layout] = Layout.MMA16X64
+    packed_for: torch.dtype
+
+    def to_ints(self) -> list[int]:
+        return [_dtype_code(self.packed_for)]
+
+    @classmethod
+    def from_ints(cls, v: Sequence[int]) -> Mma16x64Meta:
+        (code,) = v
+        return cls(_DTYPES[code])
+
+
+@dataclass(frozen=True)
+class ScaledMmMeta:
+    """The torch._scaled_mm layout (nothing besides the tensors)."""
+
+    layout: ClassVar[Layout] = Layout.SCALED_MM
+
+    def to_ints(self) -> list[int]:
+        return []
+
+    @classmethod
+    def from_ints(cls, v: Sequence[int]) -> ScaledMmMeta:
+        () = v
+        return cls()
+
+
+@dataclass(frozen=True)
+class MarlinMeta:
+    """Marlin: the provider contract's index (backends.marlin_providers.CONTRACTS), the
+    activation dtype the scales were encoded for, the true and padded N x K (MoE: N = I, K = H
+    of the w13 GEMM) and whether the MoE is gated."""
+
+    layout: ClassVar[Layout] = Layout.MARLIN
+    contract: int
+    act_dtype: torch.dtype
+    n: int
+    k: int
+    n_pad: int
+    k_pad: int
+    gated: bool = False
+
+    def to_ints(self) -> list[int]:
+        code = _dtype_code(self.act_dtype)
+        return [self.contract, code, self.n, self.k, self.n_pad, self.k_pad, int(self.gated)]
+
+    @classmethod
+    def from_ints(cls, v: Sequence[int]) -> MarlinMeta:
+        contract, code, n, k, n_pad, k_pad, gated = v
+        return cls(contract, _DTYPES[code], n, k, n_pad, k_pad, bool(gated))
+
+
+@dataclass(frozen=True)
+class CutlassFp4Meta:
+    """A native FP4 GEMM provider's operands (packed codes, swizzled e4m3 block scales, alpha,
+    the activation encode scale); ``binding``: the index of the provider binding they were
+    prepared for (backends.fp4_providers.BINDINGS)."""
+
+    layout: ClassVar[Layout] = Layout.CUTLASS_FP4
+    binding: int
+
+    def to_ints(self) -> list[int]:
+        return [self.binding]
+
+    @classmethod
+    def from_ints(cls, v: Sequence[int]) -> CutlassFp4Meta:
+        (binding,) = v
+        return cls(binding)
+
+
+LayoutMeta = CheckpointMeta | Mma16x64Meta | ScaledMmMeta | MarlinMeta | CutlassFp4Meta
+
+_META_OF: dict[Layout, type] = {
+    m.layout: m for m in (CheckpointMeta, Mma16x64Meta, ScaledMmMeta, MarlinMeta, CutlassFp4Meta)
+}
+#: Codes of the layouts in the flat form (stable: ops' arguments only, never stored).
+_CODES = {
+    Layout.CHECKPOINT: 0,
+    Layout.MMA16X64: 1,
+    Layout.SCALED_MM: 2,
+    Layout.MARLIN: 3,
+    Layout.CUTLASS_FP4: 4,
+}
+_LAYOUT_OF = {code: layout for layout, code in _CODES.items()}
+
+
+def _check(layout: object, meta: object) -> None:
+    want = _META_OF.get(layout)  # type: ignore[call-overload]
+    if want is None or not isinstance(meta, want):
+        raise ConfigurationError(
+            format_error(
+                f"layout {layout!r} with meta {meta!r}",
+                "a prepared weight's meta is the dataclass of its layout: "
+                + ", ".join(f"{k.value}: {v.__name__}" for k, v in _META_OF.items()),
+                "build the meta of the layout the tensors are in",
+            )
+        )
+
+
+def encode_meta(layout: Layout, meta: LayoutMeta) -> list[int]:
+    """(layout, meta) as the ``list[int]`` the custom ops take."""
+    _check(layout, meta)
+    return [_CODES[layout], *meta.to_ints()]
+
+
+def decode_meta(values: Sequence[int]) -> tuple[Layout, LayoutMeta]:
+    """The (layout, meta) behind :func:`encode_meta`'s list."""
+    return _decode(tuple(int(v) for v in values))
+
+
+@functools.lru_cache(maxsize=256)
+def _decode(values: tuple[int, ...]) -> tuple[Layout, LayoutMeta]:
+    layout = _LAYOUT_OF.get(values[0]) if values else None
+    if layout is not None:
+        try:
+            return layout, _META_OF[layout].from_ints(values[1:])
+        except (ValueError, IndexError, TypeError):
+            pass
+    raise ConfigurationError(
+        format_error(
+            f"op meta {list(values)}",
+            "the ops' meta is encode_meta(layout, meta): a layout code, then that layout's fields",
+            "pass the layer's own meta (QuantLinear / QuantMoE keep it)",
+        )
+    )
+
+
+@dataclass(frozen=True)
+class PreparedWeight:
+    """The tensors a backend's kernel reads, in its own order, in ``layout`` with ``meta``.
+
+    ``names`` label the tensors (they become the layer's buffer names). Nothing here may be a
+    dequantized copy of the weight.
+    """
+
+    names: tuple[str, ...]
+    tensors: tuple[torch.Tensor, ...]
+    layout: Layout = Layout.CHECKPOINT
+    meta: LayoutMeta = CheckpointMeta()
+    out_features: int = 0
+    in_features: int = 0
+    extra: dict[str, object] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check(self.layout, self.meta)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+    def meta_args(self) -> list[int]:
+        """(layout, meta) in the ops' flat form."""
+        return encode_meta(self.layout, self.meta)
+
+
+@dataclass(frozen=True)
+class PreparedMoe:
+    """A MoE layer's stacked expert tensors as a backend's kernels read them.
+
+    ``names`` label each stack's tensors (the layer's buffers are ``w13_<name>`` and
+    ``w2_<name>``). The canonical stacks (quantdispatch.moe) are what most backends keep; a
+    backend may repack them once (same bytes) into another ``layout``."""
+
+    names: tuple[str, ...]
+    w13: tuple[torch.Tensor, ...]
+    w2: tuple[torch.Tensor, ...]
+    layout: Layout = Layout.CHECKPOINT
+    meta: LayoutMeta = CheckpointMeta()
+
+    def __post_init__(self) -> None:
+        _check(self.layout, self.meta)
+
+    def meta_args(self) -> list[int]:
+        return encode_meta(self.layout, self.meta)
+
+
+@dataclass(frozen=True)
+class MoeCall:
+    """What a MoE backend receives for one call: activations [M, H], local expert ids and
+    their final weights [M, top_k], the two expert stacks in ``layout`` with ``meta``, their
+    optional biases, the activation and its parameters, and whether kernels may use
+    programmatic dependent launches (``pdl``, the decision's Settings.pdl)."""
+
+    x: torch.Tensor
+    topk_ids: torch.Tensor
+    topk_weights: torch.Tensor
+    w13: tuple[torch.Tensor, ...]
+    w2: tuple[torch.Tensor, ...]
+    w13_bias: torch.Tensor | None
+    w2_bias: torch.Tensor | None
+    fmt: str
+    activation: str
+    params: tuple[float, ...]
+    layout: Layout
+    meta: LayoutMeta
+    pdl: bool = True
+
+    def __post_init__(self) -> None:
+        _check(self.layout, self.meta)

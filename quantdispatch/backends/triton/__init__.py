@@ -1,0 +1,81 @@
+"""quantdispatch's own Triton weight-only kernels: FP4 / FP8 weights stay packed on the GPU and
+are dequantized in registers inside the GEMM; activations stay fp16 / bf16.
+
+Facts: any CUDA GPU from SM 7.5 with fp16 activations, from SM 8.0 with bf16 (no bf16 tensor
+cores before Ampere). Scales are decoded with integer ops, so GPUs without hardware FP8
+conversion (SM 7.5-8.6) work. Needs triton and a CUDA build of torch. K must be a multiple of
+the format's group (16 NVFP4, 32 MXFP4). Weight-only: serves W4A16 checkpoints exactly and W4A4
+ones with unquantized activations (it says so).
+
+The package: :mod:`.facts` (what it can run, doctor's words, kernel ranges), :mod:`.dispatch`
+(layout and kernel family from the regime table, quantdispatch.kernels.regimes),
+:mod:`.prepare` (layout choice and repack), :mod:`.run` (a call -> its kernel family -> one
+kernel file's launcher; imported at the first call, as it imports triton).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from quantdispatch.backends.base import (
+    CheckpointMeta,
+    Layout,
+    LayoutMeta,
+    MoeCall,
+    PreparedMoe,
+    PreparedWeight,
+)
+from quantdispatch.backends.triton import prepare as _prepare
+from quantdispatch.backends.triton.facts import TritonFacts
+from quantdispatch.request import Op, Request
+
+__all__ = ["TritonBackend"]
+
+_ALL = frozenset({Op.LINEAR, Op.MOE})
+
+
+class TritonBackend(TritonFacts):
+    name = "triton"
+    title = "quantdispatch Triton weight-only GEMM (weights dequantized in registers)"
+    supports = {"nvfp4": _ALL, "mxfp4": _ALL, "fp8": _ALL}
+    implemented = {"nvfp4": _ALL, "mxfp4": _ALL, "fp8": _ALL}
+    provider = "triton"
+    weight_only = True
+
+    def prepare(self, weight: object, request: Request) -> PreparedWeight:
+        prepared = _prepare.prepare_linear(weight, request)
+        return prepared if prepared is not None else super().prepare(weight, request)
+
+    def prepare_moe(
+        self,
+        w13: Sequence[torch.Tensor],
+        w2: Sequence[torch.Tensor],
+        names: Sequence[str],
+        meta: CheckpointMeta,
+        request: Request,
+        *,
+        gated: bool,
+    ) -> PreparedMoe:
+        return _prepare.prepare_moe(w13, w2, names, meta, request, gated=gated)
+
+    def linear(
+        self,
+        x: torch.Tensor,
+        tensors: Sequence[torch.Tensor],
+        bias: torch.Tensor | None,
+        fmt: str,
+        layout: Layout,
+        meta: LayoutMeta,
+        *,
+        pdl: bool = True,
+    ) -> torch.Tensor:
+        from quantdispatch.backends.triton import run
+
+        return run.linear(x, tensors, bias, fmt, layout, meta, pdl)
+
+    def moe(self, call: MoeCall) -> torch.Tensor:
+        from quantdispatch.backends.triton import run
+
+        return run.moe(call)
