@@ -3,9 +3,10 @@
 
 Columns: triton NVFP4, triton MXFP4, triton FP8 W8A16 (per-channel), torch native FP8
 (``fp8_scaled_mm_linear``, dynamic per-token), bf16 cuBLAS (``F.linear`` on the dequantized
-weight) and the NVFP4 weight-streaming floor (bytes that must move / copy bandwidth measured in
-this run). Every kernel is checked against a float64 reference before it is timed; a failed
-check is recorded and the kernel is not timed.
+weight), vLLM's Marlin NVFP4 / MXFP4 GEMMs through our marlin backend (benchmarks/peers.py;
+``--marlin-lib DIR``, ``--marlin-ms``) and the NVFP4 weight-streaming floor (bytes that must move
+/ copy bandwidth measured in this run). Every kernel is checked against a float64 reference
+before it is timed; a failed check is recorded and the kernel is not timed.
 
 Timing: median over CUDA-graph replays; each graph holds many calls that cycle through enough
 weight and activation copies to exceed the L2 several times, so every call streams from HBM.
@@ -30,6 +31,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import peers  # benchmarks/peers.py: the Marlin columns
 import torch
 import torch.nn.functional as F
 
@@ -254,6 +256,8 @@ def auto_family(p: Problem, kernel: str, m: int, facts) -> str | None:
 
 def make_calls(p: Problem, kernel: str, m: int, gen, cfg: GemmConfig | None = None):
     """(list of rotated zero-arg calls, check call returning (out, ref64))."""
+    if kernel in peers.LINEAR_KERNELS:
+        return peers.linear_calls(p, kernel, m, gen)
     if kernel in ("nvfp4_deq", "nvfp4_auto"):
         from quantdispatch.backends.triton import TritonBackend
 
@@ -428,9 +432,10 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         "the tl.dot kernels on the checkpoint layout; MXFP4 auto = what QuantLinear runs: the "
         "same mma16x64 paths, its E8M0 scales re-encoded (scales spanning <= 18 binades).",
         "",
+        *([peers.linear_note(meta), ""] if "marlin" in meta else []),
         "| shape | N x K | M | NVFP4 | NVFP4 deq | NVFP4 auto | MXFP4 | MXFP4 auto | FP8 W8A16 "
-        "| FP8 native | bf16 | floor | bf16/auto | auto/floor |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| FP8 native | bf16 | floor | bf16/auto | auto/floor |" + peers.linear_head(meta)[0],
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + peers.linear_head(meta)[1],
     ]
     for name, n, k in meta["shapes"]:
         for m in meta["ms"]:
@@ -447,7 +452,10 @@ def markdown(meta: dict, rows: list[dict]) -> str:
             r2 = f"{nv['us'] / floor:.2f}x" if nv and nv["us"] and floor else "-"
             fl = f"{floor:.1f}" if floor else "-"
             out.append(
-                f"| {name} | {n}x{k} | {m} | " + " | ".join(cells) + f" | {fl} | {r1} | {r2} |"
+                f"| {name} | {n}x{k} | {m} | "
+                + " | ".join(cells)
+                + f" | {fl} | {r1} | {r2} |"
+                + peers.linear_cells(meta, by, name, m)
             )
     return "\n".join(out) + "\n"
 
@@ -466,9 +474,10 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="gate_up/down shapes, 5 M values")
     ap.add_argument("--tune", action="store_true", help="sweep configs first, write the table")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
-    ap.add_argument("--kernels", default=",".join(KERNELS + EXTRA_KERNELS))
+    ap.add_argument("--kernels", default=",".join(KERNELS + EXTRA_KERNELS + peers.LINEAR_KERNELS))
     ap.add_argument("--ms", help="comma-separated M values instead of the default list")
     ap.add_argument("--tune-kinds", default="nvfp4,fp8", help="with --tune: which tables to sweep")
+    peers.add_args(ap, default_ms="all")
     args = ap.parse_args()
     unknown = set(args.tune_kinds.split(",")) - {"nvfp4", "fp8"}
     if unknown:
@@ -480,6 +489,10 @@ def main() -> None:
     if args.ms:
         ms = [int(v) for v in args.ms.split(",")]
     kernels = args.kernels.split(",")
+    try:
+        peers.parse_ms(args.marlin_ms, ms, QUICK_MS)
+    except ValueError as exc:
+        ap.error(str(exc))
     import triton
 
     dev_name = torch.cuda.get_device_name()
@@ -506,6 +519,10 @@ def main() -> None:
     bw = max(bws.values())
     meta["copy_bw_TBps"] = bw / 1e12
     meta["bandwidths_TBps"] = {k: v / 1e12 for k, v in bws.items()}
+    marlin = None
+    if set(peers.LINEAR_KERNELS) & set(kernels):
+        marlin = peers.setup(args, ms, QUICK_MS, "linear")
+        meta["marlin"] = marlin.meta
     log(
         f"{dev_name}: streaming bandwidth "
         + ", ".join(f"{k} {v / 1e12:.2f} TB/s" for k, v in bws.items())
@@ -535,6 +552,8 @@ def main() -> None:
             line = []
             for kern in kernels:
                 if kern == "nvfp4_deq" and m < DEQ_MIN_M:
+                    continue
+                if kern in peers.LINEAR_KERNELS and not (marlin and marlin.runs(m)):
                     continue
                 kind = {
                     "nvfp4": "nvfp4",

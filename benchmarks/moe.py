@@ -15,6 +15,9 @@ Models (experts, top-k, hidden, intermediate): Qwen3-30B-A3B (128, 8, 2048, 768)
   sorted by expert (sort, gather, two grouped GEMMs, SiLU, weighted sum), i.e. what a user
   gets from an unquantized MoE; a per-expert loop (eager timing, it synchronizes) where this
   torch has no ``_grouped_mm``. All experts are held in bf16 (they fit in an H200);
+* ``marlin``: vLLM's fused Marlin MoE GEMMs on the same experts through our marlin backend
+  (benchmarks/peers.py; ``--marlin-lib DIR``, by default at the ``--quick`` M values:
+  ``--marlin-ms``), "not available: <reason>" where no provider loads;
 * ``floor``: NVFP4 bytes of the experts the routing actually touches (distinct ids, averaged
   over the rotated routings) + activations in/out, divided by the copy bandwidth measured here.
 
@@ -57,6 +60,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+import peers  # benchmarks/peers.py: the Marlin column
 import torch
 import torch.nn.functional as F
 
@@ -390,7 +394,8 @@ def config_label(c: dict) -> str:
     return f"BM{c.get('block_m')}{direct} n{g1.get('block_n')}/{g2.get('block_n')}"
 
 
-def run_point(layer: Layer, name: str, m: int, gen, bw: float, graphs: bool) -> list[dict]:
+def run_point(layer: Layer, name: str, m: int, gen, bw: float, graphs: bool,
+              marlin: Callable | None = None) -> list[dict]:  # fmt: skip
     inputs = layer.routings(m, ROUTINGS if graphs else 2, gen)
     touched = statistics.mean(distinct_experts(ids) for _, ids, _ in inputs)
     moved = touched * layer.bytes_per_expert + 2 * m * layer.h * 2
@@ -402,12 +407,16 @@ def run_point(layer: Layer, name: str, m: int, gen, bw: float, graphs: bool) -> 
     fmt = layer.fmt
     facts = device_facts(x0.device)
     ckpt_cfg = ckpt_plan.moe_config(m, layer.top_k, layer.e, layer.i, layer.h, fmt, facts)
-    for kern in [fmt, f"{fmt}_ckpt", "bf16"]:
-        fn = {fmt: layer.nvfp4, f"{fmt}_ckpt": layer.nvfp4_ckpt, "bf16": layer.bf16}[kern]
+    fns = {fmt: layer.nvfp4, f"{fmt}_ckpt": layer.nvfp4_ckpt, "bf16": layer.bf16}
+    if marlin is not None:
+        fns[peers.MOE_KERNEL] = marlin
+    for kern, fn in fns.items():
         row = {"model": name, "M": m, "kernel": kern, "us": None, "rel_err": math.nan,
                "floor_us": floor, "experts_touched": touched}  # fmt: skip
         if kern.startswith(fmt):
             row["config"] = config_dict(cfg if kern == fmt else ckpt_cfg)
+        elif kern == peers.MOE_KERNEL:
+            row["path"] = "MarlinBackend.moe"
         else:
             row["path"] = "grouped_mm" if layer.grouped else "per-expert loop (eager)"
         try:
@@ -426,7 +435,7 @@ def run_point(layer: Layer, name: str, m: int, gen, bw: float, graphs: bool) -> 
             row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             log(f"  {name} M={m} {kern}: {row['error']}")
         rows.append(row)
-    nv, bf = rows[0], rows[-1]
+    nv, bf = rows[0], rows[2]
     ratio = f"{bf['us'] / nv['us']:.2f}x" if nv["us"] and bf["us"] else "-"
     vs_floor = f"{nv['us'] / floor:.2f}x" if nv["us"] and floor == floor else "-"
     dot = f" (ckpt {fmt_us(rows[1]['us'])})"
@@ -434,6 +443,7 @@ def run_point(layer: Layer, name: str, m: int, gen, bw: float, graphs: bool) -> 
         f"{name} M={m}: {fmt} {fmt_us(nv['us'])}{dot} (e={nv['rel_err']:.1e}) "
         f"bf16 {fmt_us(bf['us'])} (e={bf['rel_err']:.1e}) floor {floor:.1f} | "
         f"bf16/{fmt} {ratio} {fmt}/floor {vs_floor}"
+        + (f" | marlin {fmt_us(rows[3]['us'])} (e={rows[3]['rel_err']:.1e})" if marlin else "")
     )
     return rows
 
@@ -462,9 +472,10 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         f"{meta['bf16_path']}. Targets: M <= 16: bf16/{fmt} >= 2 and {fmt}/floor <= 2; "
         f"M = 4096: {fmt}/bf16 <= 1.5.",
         "",
+        *([peers.moe_note(meta, fmt), ""] if "marlin" in meta else []),
         f"| model | E, top-k, H, I | M | experts touched | {fmt} | {fmt} ckpt | bf16 | floor "
-        f"| bf16/{fmt} | {fmt}/floor | err {fmt} | config |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| bf16/{fmt} | {fmt}/floor | err {fmt} | config |" + peers.moe_head(meta, fmt)[0],
+        "|---|---|---|---|---|---|---|---|---|---|---|---|" + peers.moe_head(meta, fmt)[1],
     ]
     for name, dims in meta["models"].items():
         for m in meta["ms"]:
@@ -481,6 +492,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
                 f"{fmt_us(nv['us'])} | {fmt_us(dot['us']) if dot else '-'} | {fmt_us(bf['us'])} "
                 f"| {fl:.1f} | {r1} | {r2} | {nv['rel_err']:.1e} | "
                 f"{config_label(nv.get('config') or {})} |"
+                + peers.moe_cells(meta, by, name, m, fmt)
             )
     return "\n".join(out) + "\n"
 
@@ -628,6 +640,7 @@ def main() -> None:
     ap.add_argument("--rebuild", type=Path, help="rescale the floors of a result JSON, no GPU")
     ap.add_argument("--bandwidth-tbps", type=float, help="with --rebuild: the bandwidth to use")
     ap.add_argument("--bandwidth-source", default="given with --bandwidth-tbps")
+    peers.add_args(ap, default_ms="quick")
     args = ap.parse_args()
     if args.rebuild:
         rebuild(args.rebuild, args.bandwidth_tbps, args.bandwidth_source)
@@ -653,6 +666,10 @@ def main() -> None:
     ms = SMOKE_MS if smoke else (QUICK_MS if args.quick else MS)
     if args.ms:
         ms = [int(v) for v in args.ms.split(",")]
+    try:
+        peers.parse_ms(args.marlin_ms, ms, QUICK_MS)
+    except ValueError as exc:
+        ap.error(str(exc))
     if args.sweep_points:
         pts = [p.rsplit(":", 1) for p in args.sweep_points.split(",")]
         SWEEP_POINTS[:] = [(name, int(m)) for name, m in pts]
@@ -680,6 +697,8 @@ def main() -> None:
     bw = 0.0 if smoke else copy_bandwidth()
     meta["copy_bw_TBps"] = bw / 1e12
     log(f"{dev_name}: streaming bandwidth {bw / 1e12:.2f} TB/s")
+    marlin = peers.setup(args, ms, QUICK_MS, "moe", skip="--smoke" if smoke else None)
+    meta["marlin"] = marlin.meta
     gen = torch.Generator(device=dev).manual_seed(0)
     tag = "" if args.format == "nvfp4" else f"-{args.format}"
     base = out_dir / f"moe{tag}-{slug}-{date}"
@@ -692,8 +711,10 @@ def main() -> None:
             if layer.grouped
             else "per-expert torch.matmul loop (eager: it synchronizes)"
         )
+        peer = marlin.moe(layer, name)
         for m in ms:
-            rows += run_point(layer, name, m, gen, bw, graphs=not smoke)
+            rows += run_point(layer, name, m, gen, bw, graphs=not smoke,
+                              marlin=peer if marlin.runs(m) else None)  # fmt: skip
         meta["seconds"] = round(time.time() - t_start, 1)
         # written after every model, so a run cut short keeps what it measured
         base.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
@@ -701,7 +722,7 @@ def main() -> None:
         if args.sweep and name in {p[0] for p in SWEEP_POINTS}:
             del layer.d13, layer.d2  # the sweep only runs the repacked path
             layers[name] = layer
-        del layer
+        del layer, peer
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     log(markdown(meta, rows))
