@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call on the lent H200: doctor, verify, GPU tests, linear + MoE benchmarks.
-# Usage (device tool, carry .whl):  bash benchmarks/run_h200.sh
+# Usage (device tool, carry .whl and .peer):  bash benchmarks/run_h200.sh
 # Logs and result files go to $OUT (or ./device-out); each step has its own time limit so a slow
 # step cannot eat the others' time.
 set -uo pipefail
@@ -11,7 +11,7 @@ export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl >"$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
 export PYTHONPATH=/tmp/site:$PWD
-STEPS=${STEPS:-"doctor doctor-json verify wgmma-waits gpu-tests dequant-sweep bench-linear bench-moe"}  # also: mma-sweep gemv-ablation gemm-sweep stream-small
+STEPS=${STEPS:-"doctor doctor-json verify wgmma-waits gpu-tests dequant-sweep bench-linear bench-moe"}  # also: selfcheck model-decode fp8-prefill bench-moe-mx mma-sweep gemv-ablation gemm-sweep stream-small
 step() {  # step NAME SECONDS CMD...   (runs only if NAME is in $STEPS)
   local name=$1 limit=$2; shift 2
   case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
@@ -27,13 +27,18 @@ step doctor 60 python3 -m quantdispatch doctor --verbose --format nvfp4 --format
 step doctor-json 60 python3 -m quantdispatch doctor --json
 step verify 120 python3 -m quantdispatch verify
 TAIL=20 step wgmma-waits 120 python3 benchmarks/wgmma_waits.py  # the device Triton's wgmma waits
-TAIL=25 step gpu-tests "${GPU_TEST_S:-480}" python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu}
+# pytest-xdist is on the H200's image: one process per CPU core compiles the Triton kernels in parallel
+TAIL=25 step gpu-tests "${GPU_TEST_S:-480}" python3 -m pytest -q -p no:cacheprovider -n "${GPU_WORKERS:-14}" --dist loadfile ${GPU_TESTS:-tests/gpu}
+TAIL=30 step selfcheck 90 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_selfcheck_gpu.py
+TAIL=40 step model-decode "${DECODE_S:-240}" python3 benchmarks/model_decode.py --out "$OUT" --budget-s "${DECODE_BUDGET:-190}"
 TAIL=26 step dequant-sweep 90 python3 benchmarks/dequant_sweep.py
 TAIL=40 step mma-sweep "${MMA_S:-300}" python3 benchmarks/mma_sweep.py ${MMA_ARGS:-}
 TAIL=40 step gemv-ablation "${ABL_S:-150}" python3 benchmarks/gemv_ablation.py ${ABL_ARGS:-}
 TAIL=40 step gemm-sweep "${GEMM_S:-300}" python3 benchmarks/gemm_sweep.py ${GEMM_ARGS:-}
 step bench-linear "${LINEAR_S:-200}" python3 benchmarks/linear.py --out "$OUT" ${LINEAR_ARGS:-}
 step bench-moe "${MOE_S:-150}" python3 benchmarks/moe.py --out "$OUT" ${MOE_ARGS:-}
+step bench-moe-mx "${MOE_MX_S:-120}" python3 benchmarks/moe.py --format mxfp4 --out "$OUT" ${MOE_ARGS:-}
+TAIL=70 step fp8-prefill "${PREFILL_S:-260}" python3 benchmarks/fp8_prefill.py --out "$OUT" --budget-s "${PREFILL_BUDGET:-200}" ${PREFILL_ARGS:-}
 step stream-small 90 python3 benchmarks/stream_small.py --out "$OUT"
 ls -la "$OUT"
 tar czf "$DEST/results.tgz" -C "$OUT" .

@@ -64,13 +64,12 @@ def test_reencoder_bit_equal(mods, fmt, recipe):
     sf = "e4m3" if fmt == "nvfp4" else "e8m0"
     q_t, s_t = rule.reencode_fp4_torch(packed, sc, gs, scale_format=sf, block_rows=br,
                                        block_cols=bc)  # fmt: skip
-    for hw in (True, False):
-        q = torch.empty(n, k, dtype=torch.uint8, device=DEV)
-        s = torch.empty(s_t.shape, device=DEV)
-        kq.reencode_fp4_triton(packed, sc, gs, q, s, scale_format=sf, block_rows=br,
-                               block_cols=bc, hw=hw)  # fmt: skip
-        assert torch.equal(q, q_t), f"hw={hw}"
-        assert torch.equal(s, s_t), f"hw={hw}"
+    q = torch.empty(n, k, dtype=torch.uint8, device=DEV)
+    s = torch.empty(s_t.shape, device=DEV)
+    kq.reencode_fp4_triton(packed, sc, gs, q, s, scale_format=sf, block_rows=br,
+                           block_cols=bc)  # fmt: skip
+    assert torch.equal(q, q_t)
+    assert torch.equal(s, s_t)
     rows = slice(256, 512)  # the GPU's torch == the CPU's torch
     q_c, _s_c = rule.reencode_fp4_torch(packed[rows].cpu(), sc[rows].cpu(), None if gs is None
                                        else gs.cpu(), scale_format=sf, block_rows=br,
@@ -97,11 +96,10 @@ def test_activation_quantizer_bit_equal(mods, dtype, shape):
     for recipe in ("1x128", "rowwise"):
         bc = shape[1] if recipe == "rowwise" else 128
         q_t, s_t = rule.quantize_blocks_torch(x, block_cols=bc)
-        for hw in (True, False):
-            q = torch.empty(x.shape, dtype=torch.uint8, device=DEV)
-            s = torch.empty(s_t.shape, device=DEV)
-            kq.quantize_blocks_triton(x, q, s, block_cols=bc, hw=hw)
-            assert torch.equal(q, q_t) and torch.equal(s, s_t), f"{recipe} hw={hw}"
+        q = torch.empty(x.shape, dtype=torch.uint8, device=DEV)
+        s = torch.empty(s_t.shape, device=DEV)
+        kq.quantize_blocks_triton(x, q, s, block_cols=bc)
+        assert torch.equal(q, q_t) and torch.equal(s, s_t), recipe
         xq, _sa = fp8p.quantize_activations(x, recipe)
         assert torch.equal(xq[: shape[0]].view(torch.uint8), q_t)
         assert bool((xq[shape[0] :].view(torch.uint8) == 0).all())
@@ -179,12 +177,11 @@ def test_mma_layout_equal_checkpoint_path(mods, fmt):
     ref_s = torch.empty(-(-n // br), k // bc, device=DEV)
     kq.reencode_fp4_triton(q.packed, sf, gs, ref_q, ref_s, scale_format="e4m3" if fmt ==
                            "nvfp4" else "e8m0", block_rows=br, block_cols=bc)  # fmt: skip
-    for hw in (True, False):
-        qq = torch.empty_like(ref_q)
-        ss = torch.empty_like(ref_s)
-        reencode_mma_triton(words, scales, layout_gs, 0, n, qq, ss, act_dtype=torch.bfloat16,
-                            block_rows=br, block_cols=bc, hw=hw)  # fmt: skip
-        assert torch.equal(qq, ref_q) and torch.equal(ss, ref_s), f"hw={hw}"
+    qq = torch.empty_like(ref_q)
+    ss = torch.empty_like(ref_s)
+    reencode_mma_triton(words, scales, layout_gs, 0, n, qq, ss, act_dtype=torch.bfloat16,
+                        block_rows=br, block_cols=bc)  # fmt: skip
+    assert torch.equal(qq, ref_q) and torch.equal(ss, ref_s)
     x = torch.randn(m, k, generator=g, device=DEV).to(torch.bfloat16)
     y = fp8p.fp8_prefill_linear(x, q.packed, sf, gs, fmt=fmt, recipe=recipe)
     y_mma = fp8p.fp8_prefill_linear_mma(x, words, scales, layout_gs, fmt=fmt, recipe=recipe)

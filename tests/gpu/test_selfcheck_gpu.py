@@ -71,7 +71,6 @@ def test_triton_linear_is_self_checked_on_first_use(empty_cache, monkeypatch, ac
         f"{result.seconds:.3f} s (compilation included; layer build {build:.3f} s), after "
         f"compilation {warm * 1e3:.1f} ms; {result.detail}"
     )
-    assert warm < 1.0
     status = selfcheck.selfcheck_status("triton", layer.decision.device)
     assert status.startswith("self-check passed on this GPU"), status
     saved = json.loads(selfcheck.cache_path().read_text())
@@ -106,6 +105,5 @@ def test_triton_moe_is_self_checked_on_first_use(empty_cache):
         f"included; layer build {build:.3f} s), after compilation {warm * 1e3:.1f} ms; "
         f"{result.detail}"
     )
-    assert warm < 1.0
     x = torch.randn(5, 2048, device=DEV, dtype=torch.bfloat16)
     assert torch.isfinite(layer(x, torch.randn(5, 8, device=DEV))).all()

@@ -46,8 +46,7 @@ def test_reencode_bit_equal(fmt, blocks):
     assert torch.equal(s_t.to(F64), scale64)
     q = torch.empty(n, k, dtype=torch.uint8)
     s = torch.empty(s_t.shape, dtype=torch.float32)
-    reencode_fp4_triton(packed, scale, gs, q, s, scale_format=sf, block_rows=br, block_cols=bc,
-                        hw=False)  # fmt: skip
+    reencode_fp4_triton(packed, scale, gs, q, s, scale_format=sf, block_rows=br, block_cols=bc)
     assert torch.equal(q.to(torch.int64), codes64)
     assert torch.equal(s.to(F64), scale64)
 
@@ -75,7 +74,7 @@ def test_mma_layout_reencode_bit_equal(fmt, act, blocks):
     q = torch.empty(n, k, dtype=torch.uint8)
     s = torch.empty(-(-n // br), k // bc)
     reencode_mma_triton(words, scales, layout_gs, 0, n, q, s, act_dtype=act, block_rows=br,
-                        block_cols=bc, hw=False)  # fmt: skip
+                        block_cols=bc)  # fmt: skip
     assert torch.equal(q.to(torch.int64), codes64)
     assert torch.equal(s.to(F64), scale64)
 
@@ -111,7 +110,7 @@ def test_quantize_blocks_bit_equal(dtype, blocks):
     rows = x.shape[0] + 11  # padding rows: zero codes, scale 0
     q = torch.full((rows, k), 0x55, dtype=torch.uint8)
     s = torch.empty((-(-rows // br), k // bc), dtype=torch.float32)
-    quantize_blocks_triton(x, q, s, block_rows=br, block_cols=bc, hw=False)
+    quantize_blocks_triton(x, q, s, block_rows=br, block_cols=bc)
     assert torch.equal(q[: x.shape[0]].to(torch.int64), codes64)
     assert bool((q[x.shape[0] :] == 0).all())
     full64, _ = encode64(torch.cat([x, x.new_zeros(11, k)]), br, bc)
@@ -126,7 +125,7 @@ def test_activation_scale_layout_and_mult():
     s = buf.t()  # [16, 2] with strides (1, 16): torch._scaled_mm's 1x128 scale_a layout
     q = torch.empty(16, 256, dtype=torch.uint8)
     mult = torch.tensor(0.3, dtype=torch.float32)
-    quantize_blocks_triton(x, q, s, mult=mult, hw=False)
+    quantize_blocks_triton(x, q, s, mult=mult)
     _, scale64 = encode64(torch.cat([x, x.new_zeros(8, 256)]), 1, 128, mult=float(mult))
     assert torch.equal(s.to(F64), scale64)
 
@@ -147,7 +146,7 @@ def test_e4m3_rounding_grid_exhaustive():
     q_t, s_t = rule.quantize_blocks_torch(x)
     assert bool((s_t == 1).all()) and torch.equal(q_t.to(torch.int64), want)
     q = torch.empty(x.shape, dtype=torch.uint8)
-    quantize_blocks_triton(x, q, torch.empty(x.shape[0], 1), hw=False)
+    quantize_blocks_triton(x, q, torch.empty(x.shape[0], 1))
     assert torch.equal(q.to(torch.int64), want)
 
 
@@ -246,7 +245,7 @@ def test_kernel_outputs_meet_weight_bound():
     q = torch.empty(128, 256, dtype=torch.uint8)
     s = torch.empty(1, 2)
     reencode_fp4_triton(packed, scale, gs, q, s, scale_format="e4m3", block_rows=128,
-                        block_cols=128, hw=False)  # fmt: skip
+                        block_cols=128)  # fmt: skip
     got = decode64(q, s, 128, 128)
     w = u * float(gs)
     bound = torch.maximum(w.abs() / 21, 2.0**-10 * s.to(F64).repeat_interleave(128, 1))

@@ -27,7 +27,6 @@ from quantdispatch.kernels.native.fp8_prefill_quant import (
     block_exponent,
     e2m1_magnitude,
     e4m3_code,
-    hardware_fp8,
     pow2,
 )
 
@@ -90,20 +89,20 @@ def _half_max(w, sv, S0: tl.constexpr, M0: tl.constexpr, S1: tl.constexpr, M1: t
 
 
 @triton.jit
-def _code(w, gm, S: tl.constexpr, M: tl.constexpr, HW: tl.constexpr):
+def _code(w, gm, S: tl.constexpr, M: tl.constexpr):
     sign, mag = _unit(w, S, M)
     v = e2m1_magnitude(mag) * gm
-    return e4m3_code(tl.where(sign == 1, -v, v), HW)
+    return e4m3_code(tl.where(sign == 1, -v, v))
 
 
 @triton.jit
-def _half_store(q32_ptr, w, sv, e_rows, orow, ok, kc, stride_q32, HW: tl.constexpr,
+def _half_store(q32_ptr, w, sv, e_rows, orow, ok, kc, stride_q32,
                 S0: tl.constexpr, M0: tl.constexpr, S1: tl.constexpr, M1: tl.constexpr,
                 S2: tl.constexpr, M2: tl.constexpr, S3: tl.constexpr,
                 M3: tl.constexpr):  # fmt: skip
     gm = sv * pow2(-e_rows)[:, None]
-    word = _code(w, gm, S0, M0, HW) | (_code(w, gm, S1, M1, HW) << 8)
-    word = word | (_code(w, gm, S2, M2, HW) << 16) | (_code(w, gm, S3, M3, HW) << 24)
+    word = _code(w, gm, S0, M0) | (_code(w, gm, S1, M1) << 8)
+    word = word | (_code(w, gm, S2, M2) << 16) | (_code(w, gm, S3, M3) << 24)
     cols = tl.arange(0, 32)
     tl.store(q32_ptr + orow.to(tl.int64)[:, None] * stride_q32 + kc * 32 + cols[None, :], word,
              mask=ok[:, None])  # fmt: skip
@@ -112,7 +111,7 @@ def _half_store(q32_ptr, w, sv, e_rows, orow, ok, kc, stride_q32, HW: tl.constex
 @triton.jit
 def _mma_to_fp8_kernel(w_ptr, s_ptr, gs_ptr, q32_ptr, qs_ptr, tile0, n_tiles, CHUNKS, pairs,
                        stride_q32, stride_qs_r, stride_qs_k, MX: tl.constexpr,
-                       SHARE_ROWS: tl.constexpr, ONE_CHUNK: tl.constexpr, HW: tl.constexpr,
+                       SHARE_ROWS: tl.constexpr, ONE_CHUNK: tl.constexpr,
                        TT: tl.constexpr, A0: tl.constexpr, B0: tl.constexpr, A1: tl.constexpr,
                        B1: tl.constexpr, A2: tl.constexpr, B2: tl.constexpr, A3: tl.constexpr,
                        B3: tl.constexpr, C0: tl.constexpr, D0: tl.constexpr, C1: tl.constexpr,
@@ -153,17 +152,17 @@ def _mma_to_fp8_kernel(w_ptr, s_ptr, gs_ptr, q32_ptr, qs_ptr, tile0, n_tiles, CH
         tl.store(qs_ptr + (row0 + 8).to(tl.int64) * stride_qs_r + kb * stride_qs_k,
                  tl.where(a1 == 0.0, 0.0, pow2(e1) * gs), mask=ok)  # fmt: skip
     if ONE_CHUNK:
-        _half_store(q32_ptr, w, sv0, e0, row0, ok, kb, stride_q32, HW, A0, B0, A1, B1, A2, B2,
+        _half_store(q32_ptr, w, sv0, e0, row0, ok, kb, stride_q32, A0, B0, A1, B1, A2, B2,
                     A3, B3)  # fmt: skip
-        _half_store(q32_ptr, w, sv1, e1, row0 + 8, ok, kb, stride_q32, HW, C0, D0, C1, D1, C2,
+        _half_store(q32_ptr, w, sv1, e1, row0 + 8, ok, kb, stride_q32, C0, D0, C1, D1, C2,
                     D2, C3, D3)  # fmt: skip
     else:
         for p in range(pairs):
             kc = kb * pairs + p
             w, sv0, sv1 = _load(w_ptr, s_ptr, tiles, tile0, n_tiles, kc, CHUNKS, MX, TT)
-            _half_store(q32_ptr, w, sv0, e0, row0, ok, kc, stride_q32, HW, A0, B0, A1, B1, A2,
+            _half_store(q32_ptr, w, sv0, e0, row0, ok, kc, stride_q32, A0, B0, A1, B1, A2,
                         B2, A3, B3)  # fmt: skip
-            _half_store(q32_ptr, w, sv1, e1, row0 + 8, ok, kc, stride_q32, HW, C0, D0, C1, D1,
+            _half_store(q32_ptr, w, sv1, e1, row0 + 8, ok, kc, stride_q32, C0, D0, C1, D1,
                         C2, D2, C3, D3)  # fmt: skip
 
 
@@ -179,7 +178,6 @@ def reencode_mma_triton(
     act_dtype: torch.dtype,
     block_rows: int,
     block_cols: int,
-    hw: bool | None = None,
     rows_per_program: int = 32,
 ) -> None:
     """Rows ``row_a .. row_b`` (multiples of 16; of 128 for 128-row blocks unless row_b is the
@@ -197,11 +195,10 @@ def reencode_mma_triton(
     names = ["A0", "B0", "A1", "B1", "A2", "B2", "A3", "B3",
              "C0", "D0", "C1", "D1", "C2", "D2", "C3", "D3"]  # fmt: skip
     q32 = q.view(torch.uint8).view(torch.int32)
-    hw = hardware_fp8(words.device) if hw is None else hw
     grid = (triton.cdiv(n_tiles, tt), (chunks * 64) // block_cols)
     _mma_to_fp8_kernel[grid](
         words, scales, global_scale, q32, scale, row_a // 16, n_tiles, chunks, block_cols // 128,
         q32.stride(0), scale.stride(0), scale.stride(1), MX=scales.shape[2] == 16,
-        SHARE_ROWS=share, ONE_CHUNK=block_cols == 128, HW=hw, TT=tt,
+        SHARE_ROWS=share, ONE_CHUNK=block_cols == 128, TT=tt,
         num_warps=8 if tt >= 4 else 4, **dict(zip(names, pos, strict=True)),
     )  # fmt: skip

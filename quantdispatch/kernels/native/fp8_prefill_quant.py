@@ -20,25 +20,16 @@ import torch
 import triton
 import triton.language as tl
 
-from quantdispatch.kernels.common.checks import interpreting
 from quantdispatch.kernels.common.decode import e2m1_pair_to_f32
 
 __all__ = [
     "block_exponent",
     "e2m1_magnitude",
     "e4m3_code",
-    "hardware_fp8",
     "pow2",
     "quantize_blocks_triton",
     "reencode_fp4_triton",
 ]
-
-
-def hardware_fp8(device: torch.device) -> bool:
-    """Whether kernels on ``device`` may use the FP8 conversion instruction (SM 8.9+)."""
-    if device.type != "cuda" or interpreting():
-        return False
-    return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 @triton.jit
@@ -57,26 +48,25 @@ def block_exponent(amax):
 
 
 @triton.jit
-def e4m3_code(v, HW: tl.constexpr):
+def e4m3_code(v):
     """fp32 (|v| <= 448 or non-finite) -> e4m3 code as int32 0..255: nearest, ties to even,
     subnormals kept, sign kept; +-inf -> 0x7F | sign, NaN -> 0x7F."""
     bits = v.to(tl.int32, bitcast=True)
     sign = (bits >> 31) & 1
     ab = bits & 0x7FFFFFFF
-    if HW:
-        mag = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32) & 0x7F
-    else:
-        ex = ab >> 23
-        # normal results (>= 2^-6): drop 20 mantissa bits, half to even, rebias 127 -> 7
-        normal = ((ab + 0x7FFFF + ((ab >> 20) & 1)) >> 20) - (120 << 3)
-        # subnormal results: round v / 2^-9 to an integer, half to even (8 is 2^-6, code 8)
-        mant = tl.where(ex > 0, (ab & 0x7FFFFF) | 0x800000, ab & 0x7FFFFF)
-        sh = tl.minimum(tl.maximum(141 - tl.maximum(ex, 1), 1), 31)
-        q = mant >> sh
-        rem = mant - (q << sh)
-        half = 1 << (sh - 1)
-        up = (rem > half) | ((rem == half) & ((q & 1) == 1))
-        mag = tl.where(ex >= 121, normal, q + up.to(tl.int32))
+    # integer encoding: exact on every GPU (no FP8 conversion instruction needed) and in the
+    # CPU interpreter, whose FP8 cast does not round to nearest even
+    ex = ab >> 23
+    # normal results (>= 2^-6): drop 20 mantissa bits, half to even, rebias 127 -> 7
+    normal = ((ab + 0x7FFFF + ((ab >> 20) & 1)) >> 20) - (120 << 3)
+    # subnormal results: round v / 2^-9 to an integer, half to even (8 is 2^-6, code 8)
+    mant = tl.where(ex > 0, (ab & 0x7FFFFF) | 0x800000, ab & 0x7FFFFF)
+    sh = tl.minimum(tl.maximum(141 - tl.maximum(ex, 1), 1), 31)
+    q = mant >> sh
+    rem = mant - (q << sh)
+    half = 1 << (sh - 1)
+    up = (rem > half) | ((rem == half) & ((q & 1) == 1))
+    mag = tl.where(ex >= 121, normal, q + up.to(tl.int32))
     mag = tl.where(ab >= 0x7F800000, 0x7F, mag)
     return tl.where(ab > 0x7F800000, 0x7F, mag | (sign << 7))  # NaN signs are not kept
 
@@ -124,7 +114,7 @@ def _fp4_group_max(sbits, byte, MX: tl.constexpr):
 
 @triton.jit
 def _fp4_encode(q32_ptr, sbits, byte, e_rows, rows64, rmask, kc, stride_q32, MX: tl.constexpr,
-                HW: tl.constexpr, BPG: tl.constexpr, G: tl.constexpr,
+                BPG: tl.constexpr, G: tl.constexpr,
                 BLOCK_R: tl.constexpr):  # fmt: skip
     """Codes of one chunk: e2m1 * 2^-14 (decoded) times scale * 2^(14 - e) (exact), rounded;
     stored as 32-bit words of four codes."""
@@ -134,8 +124,8 @@ def _fp4_encode(q32_ptr, sbits, byte, e_rows, rows64, rmask, kc, stride_q32, MX:
     else:
         gm = _e4m3_value(sbits) * pow2(14 - e_rows[:, None])
     lo, hi = e2m1_pair_to_f32(byte)
-    c_lo = e4m3_code(lo * gm[:, :, None], HW)
-    c_hi = e4m3_code(hi * gm[:, :, None], HW)
+    c_lo = e4m3_code(lo * gm[:, :, None])
+    c_hi = e4m3_code(hi * gm[:, :, None])
     w16 = c_lo | (c_hi << 8)  # one 16-bit pair per packed byte, element 2j in the low byte
     a, b = tl.split(tl.reshape(w16, (BLOCK_R, G, BPG // 2, 2)))
     w32 = a | (b << 16)
@@ -149,7 +139,7 @@ def _fp4_encode(q32_ptr, sbits, byte, e_rows, rows64, rmask, kc, stride_q32, MX:
 def _fp4_to_fp8_kernel(p_ptr, s_ptr, gs_ptr, q32_ptr, qs_ptr, n_rows, chunks, stride_p,
                        stride_s, stride_q32, stride_qs_r, stride_qs_k, MX: tl.constexpr,
                        HAS_GS: tl.constexpr, SHARE_ROWS: tl.constexpr, ONE_CHUNK: tl.constexpr,
-                       HW: tl.constexpr, BPG: tl.constexpr, G: tl.constexpr,
+                       BPG: tl.constexpr, G: tl.constexpr,
                        BLOCK_R: tl.constexpr):  # fmt: skip
     pid_r = tl.program_id(0)
     kb = tl.program_id(1)
@@ -182,14 +172,14 @@ def _fp4_to_fp8_kernel(p_ptr, s_ptr, gs_ptr, q32_ptr, qs_ptr, n_rows, chunks, st
         scale = tl.where(amax == 0.0, 0.0, scale)
         tl.store(qs_ptr + rows64 * stride_qs_r + kb * stride_qs_k, scale, mask=rmask)
     if ONE_CHUNK:
-        _fp4_encode(q32_ptr, sbits, byte, e_rows, rows64, rmask, kb, stride_q32, MX, HW, BPG, G,
+        _fp4_encode(q32_ptr, sbits, byte, e_rows, rows64, rmask, kb, stride_q32, MX, BPG, G,
                     BLOCK_R)  # fmt: skip
     else:
         for c in range(chunks):
             sb, by = _fp4_load(p_ptr, s_ptr, rows64, rmask, kb * chunks + c, stride_p, stride_s,
                                BPG, G)  # fmt: skip
             _fp4_encode(q32_ptr, sb, by, e_rows, rows64, rmask, kb * chunks + c, stride_q32, MX,
-                        HW, BPG, G, BLOCK_R)  # fmt: skip
+                        BPG, G, BLOCK_R)  # fmt: skip
 
 
 @triton.jit
@@ -211,9 +201,9 @@ def _dense_amax(x):
 
 
 @triton.jit
-def _dense_encode(q32_ptr, x, e_rows, rows64, inside, kc, stride_q32, HW: tl.constexpr,
+def _dense_encode(q32_ptr, x, e_rows, rows64, inside, kc, stride_q32,
                   BLOCK_R: tl.constexpr):  # fmt: skip
-    c = e4m3_code(x * pow2(-e_rows)[:, None], HW)
+    c = e4m3_code(x * pow2(-e_rows)[:, None])
     a, b = tl.split(tl.reshape(c, (BLOCK_R, 64, 2)))
     h = a | (b << 8)
     a, b = tl.split(tl.reshape(h, (BLOCK_R, 32, 2)))
@@ -226,7 +216,7 @@ def _dense_encode(q32_ptr, x, e_rows, rows64, inside, kc, stride_q32, HW: tl.con
 @triton.jit
 def _dense_to_fp8_kernel(x_ptr, mult_ptr, q32_ptr, qs_ptr, n_valid, n_rows, chunks, stride_x,
                          stride_q32, stride_qs_r, stride_qs_k, HAS_MULT: tl.constexpr,
-                         SHARE_ROWS: tl.constexpr, ONE_CHUNK: tl.constexpr, HW: tl.constexpr,
+                         SHARE_ROWS: tl.constexpr, ONE_CHUNK: tl.constexpr,
                          BF16_BITS: tl.constexpr, BLOCK_R: tl.constexpr):  # fmt: skip
     pid_r = tl.program_id(0)
     kb = tl.program_id(1)
@@ -259,11 +249,11 @@ def _dense_to_fp8_kernel(x_ptr, mult_ptr, q32_ptr, qs_ptr, n_valid, n_rows, chun
         scale = tl.where(amax == 0.0, 0.0, scale)
         tl.store(qs_ptr + rows64 * stride_qs_r + kb * stride_qs_k, scale, mask=inside)
     if ONE_CHUNK:
-        _dense_encode(q32_ptr, x, e_rows, rows64, inside, kb, stride_q32, HW, BLOCK_R)
+        _dense_encode(q32_ptr, x, e_rows, rows64, inside, kb, stride_q32, BLOCK_R)
     else:
         for c in range(chunks):
             x = _dense_load(x_ptr, rows64, valid, kb * chunks + c, stride_x, BF16_BITS)
-            _dense_encode(q32_ptr, x, e_rows, rows64, inside, kb * chunks + c, stride_q32, HW,
+            _dense_encode(q32_ptr, x, e_rows, rows64, inside, kb * chunks + c, stride_q32,
                           BLOCK_R)  # fmt: skip
 
 
@@ -282,7 +272,6 @@ def reencode_fp4_triton(
     scale_format: str,
     block_rows: int,
     block_cols: int,
-    hw: bool | None = None,
     rows_per_program: int = 32,
 ) -> None:
     """Re-encode FP4 rows into ``q`` (uint8 or e4m3 [rows, K], rows contiguous) and ``scale``
@@ -299,13 +288,12 @@ def reencode_fp4_triton(
     share = block_rows > 1
     block_r = block_rows if share else rows_per_program
     q32 = _as_words(q)
-    hw = hardware_fp8(packed.device) if hw is None else hw
     grid = (triton.cdiv(rows, block_r), k // block_cols)
     _fp4_to_fp8_kernel[grid](
         packed, block_scale_u8, global_scale if global_scale is not None else scale, q32, scale,
         rows, block_cols // 128, packed.stride(0), block_scale_u8.stride(0), q32.stride(0),
         scale.stride(0), scale.stride(1), MX=mx, HAS_GS=global_scale is not None,
-        SHARE_ROWS=share, ONE_CHUNK=block_cols == 128, HW=hw, BPG=bpg, G=64 // bpg,
+        SHARE_ROWS=share, ONE_CHUNK=block_cols == 128, BPG=bpg, G=64 // bpg,
         BLOCK_R=block_r, num_warps=8 if block_r >= 64 else 4,
     )  # fmt: skip
 
@@ -318,7 +306,6 @@ def quantize_blocks_triton(
     block_rows: int = 1,
     block_cols: int = 128,
     mult: torch.Tensor | None = None,
-    hw: bool | None = None,
     rows_per_program: int = 16,
 ) -> None:
     """Quantize x [M, K] (16/32-bit, K contiguous) into ``q`` [Mq, K] (Mq >= M; rows M.. are
@@ -331,12 +318,11 @@ def quantize_blocks_triton(
     share = block_rows > 1
     block_r = block_rows if share else rows_per_program
     q32 = _as_words(q)
-    hw = hardware_fp8(x.device) if hw is None else hw
     grid = (triton.cdiv(rows, block_r), k // block_cols)
     bf16 = x.dtype == torch.bfloat16
     _dense_to_fp8_kernel[grid](
         x.view(torch.int16) if bf16 else x, mult if mult is not None else scale, q32, scale, m,
         rows, block_cols // 128, x.stride(0), q32.stride(0), scale.stride(0), scale.stride(1),
-        HAS_MULT=mult is not None, SHARE_ROWS=share, ONE_CHUNK=block_cols == 128, HW=hw,
+        HAS_MULT=mult is not None, SHARE_ROWS=share, ONE_CHUNK=block_cols == 128,
         BF16_BITS=bf16, BLOCK_R=block_r, num_warps=8 if block_r >= 64 else 4,
     )  # fmt: skip
