@@ -181,7 +181,13 @@ def test_mma_layout_equal_checkpoint_path(mods, fmt):
     ss = torch.empty_like(ref_s)
     reencode_mma_triton(words, scales, layout_gs, 0, n, qq, ss, act_dtype=torch.bfloat16,
                         block_rows=br, block_cols=bc)  # fmt: skip
-    assert torch.equal(qq, ref_q) and torch.equal(ss, ref_s)
+
+    # Equal codes, except that a zero may carry either sign: on the H200 the mma path wrote
+    # +0 where the checkpoint path wrote -0 (both decode to 0; no product or sum changes).
+    def canon(t):
+        return torch.where((t & 0x7F) == 0, torch.zeros_like(t), t)
+
+    assert torch.equal(canon(qq), canon(ref_q)) and torch.equal(ss, ref_s)
     x = torch.randn(m, k, generator=g, device=DEV).to(torch.bfloat16)
     y = fp8p.fp8_prefill_linear(x, q.packed, sf, gs, fmt=fmt, recipe=recipe)
     y_mma = fp8p.fp8_prefill_linear_mma(x, words, scales, layout_gs, fmt=fmt, recipe=recipe)
