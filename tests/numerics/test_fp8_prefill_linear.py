@@ -206,7 +206,7 @@ def test_errors(hopper):
     kw = dict(fmt="nvfp4", capability=(9, 0), impl="torch")
     with pytest.raises(InputError, match="2-D bfloat16/float16"):
         fp8p.fp8_prefill_linear(x.float(), packed, scale, gs, **kw)
-    with pytest.raises(InputError, match="K=128, the weight K=256"):
+    with pytest.raises(InputError, match="K=128, the weight has K=256"):
         fp8p.fp8_prefill_linear(x[:, :128], packed, scale, gs, **kw)
     with pytest.raises(InputError, match="bias must be"):
         fp8p.fp8_prefill_linear(x, packed, scale, gs, bias=torch.zeros(3), **kw)

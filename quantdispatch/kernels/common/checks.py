@@ -20,6 +20,7 @@ __all__ = [
     "check_fp4_weights",
     "check_fp8_weights",
     "check_moe_call",
+    "check_native_call",
     "check_same_device",
     "empty",
     "empty_output",
@@ -333,3 +334,43 @@ def check_moe_call(
         if t is not None and t.device != x.device:
             _fail(f"{name} is on {t.device}, x on {x.device}", "one device", "", InputError)
     return top_k
+
+
+def check_native_call(
+    x: torch.Tensor, n: int, k: int, bias: torch.Tensor | None, where: str
+) -> None:
+    """The activation and bias checks of the native (torch._scaled_mm) wrappers: x a 2-D
+    bf16/fp16 [M, K] tensor with this weight's K, bias [N] on x's device."""
+    if (
+        not isinstance(x, torch.Tensor)
+        or x.dim() != 2
+        or x.dtype
+        not in (
+            torch.bfloat16,
+            torch.float16,
+        )
+    ):
+        raise InputError(
+            format_error(
+                f"{where}: x is {getattr(x, 'dtype', type(x).__name__)} "
+                f"{tuple(getattr(x, 'shape', ()))}",
+                "x must be a 2-D bfloat16/float16 [M, K] tensor",
+                "flatten and cast x first",
+            )
+        )
+    if x.shape[1] != k:
+        raise InputError(
+            format_error(
+                f"{where}: x has K={x.shape[1]}, the weight has K={k}",
+                "they must match",
+                "pass this layer's activation",
+            )
+        )
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != n or bias.device != x.device):
+        raise InputError(
+            format_error(
+                f"{where}: bias {tuple(bias.shape)} on {bias.device}",
+                f"bias must be [N={n}] on x's device ({x.device})",
+                "pass the layer's bias",
+            )
+        )

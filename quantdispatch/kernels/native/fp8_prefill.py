@@ -33,6 +33,7 @@ import torch
 
 from quantdispatch.errors import BackendUnavailableError, InputError, format_error
 from quantdispatch.formats import fp8_prefill as rule
+from quantdispatch.kernels.common.checks import check_native_call
 
 __all__ = [
     "RECIPES",
@@ -248,42 +249,6 @@ def _gemm(
     out.copy_(y)
 
 
-def _check_call(x: torch.Tensor, n: int, k: int, bias: torch.Tensor | None) -> None:
-    if (
-        not isinstance(x, torch.Tensor)
-        or x.dim() != 2
-        or x.dtype
-        not in (
-            torch.bfloat16,
-            torch.float16,
-        )
-    ):
-        raise InputError(
-            format_error(
-                f"{_WHERE}: x is {getattr(x, 'dtype', type(x).__name__)} "
-                f"{tuple(getattr(x, 'shape', ()))}",
-                "x must be a 2-D bfloat16/float16 [M, K] tensor",
-                "flatten and cast x first",
-            )
-        )
-    if x.shape[1] != k:
-        raise InputError(
-            format_error(
-                f"{_WHERE}: x has K={x.shape[1]}, the weight K={k}",
-                "they must match",
-                "pass this layer's activation",
-            )
-        )
-    if bias is not None and (bias.dim() != 1 or bias.shape[0] != n or bias.device != x.device):
-        raise InputError(
-            format_error(
-                f"{_WHERE}: bias {tuple(bias.shape)} on {bias.device}",
-                f"bias must be [N={n}] on x's device ({x.device})",
-                "pass the layer's bias",
-            )
-        )
-
-
 def _plan(
     x: torch.Tensor, fmt: str, n: int, k: int, recipe: str | None, capability
 ) -> tuple[str, tuple[int, int]]:
@@ -367,7 +332,7 @@ def fp8_prefill_linear(
     per-call re-encoding. ``capability`` / ``impl="torch"`` exist for tests on the CPU (with
     ``torch._scaled_mm`` emulated)."""
     n, k = packed.shape[0], packed.shape[1] * 2
-    _check_call(x, n, k, bias)
+    check_native_call(x, n, k, bias, _WHERE)
     recipe, _ = _plan(x, fmt, n, k, recipe if resident is None else resident.recipe, capability)
     if resident is not None:
         if resident.q.shape != (n, k):
@@ -406,7 +371,7 @@ def fp8_prefill_linear_mma(
     ``global_scale`` as the triton backend holds them, packed for ``x.dtype``): re-encoded
     straight from the layout's words, the same bits as from the checkpoint layout."""
     n, k = words.shape[0] * 16, words.shape[1] * 64
-    _check_call(x, n, k, bias)
+    check_native_call(x, n, k, bias, _WHERE)
     recipe, _ = _plan(x, fmt, n, k, recipe if resident is None else resident.recipe, capability)
     if resident is not None:
         return _run_slabs(x, n, k, recipe, bias, 0, "triton", None, resident)

@@ -26,6 +26,7 @@ from quantdispatch.formats.nvfp4_act import (
     quantize_nvfp4_activations_raw,
     swizzle_block_scales,
 )
+from quantdispatch.kernels.common.checks import check_native_call
 
 __all__ = [
     "FP4_SCALED_MM",
@@ -221,40 +222,8 @@ def nvfp4_scaled_mm_linear(
     x [M, K] bf16/fp16. No finiteness check and no device sync: non-finite activations give
     non-finite outputs, as in every native kernel.
     """
-    if (
-        not isinstance(x, torch.Tensor)
-        or x.ndim != 2
-        or x.dtype
-        not in (
-            torch.bfloat16,
-            torch.float16,
-        )
-    ):
-        raise InputError(
-            format_error(
-                f"{_WHERE}: x is {getattr(x, 'dtype', type(x).__name__)} "
-                f"{tuple(getattr(x, 'shape', ()))}",
-                "x must be a 2-D bfloat16/float16 [M, K] tensor",
-                "flatten and cast x first",
-            )
-        )
     n, k = prepared.shape
-    if x.shape[1] != k:
-        raise InputError(
-            format_error(
-                f"{_WHERE}: x has K={x.shape[1]}, the weight has K={k}",
-                "they must match",
-                "pass this layer's activation",
-            )
-        )
-    if bias is not None and (bias.ndim != 1 or bias.shape[0] != n):
-        raise InputError(
-            format_error(
-                f"{_WHERE}: bias shape {tuple(bias.shape)}",
-                f"bias must be [N={n}]",
-                "pass the layer's bias",
-            )
-        )
+    check_native_call(x, n, k, bias, _WHERE)
     dtype = out_dtype or x.dtype
     m = x.shape[0]
     if m == 0:
