@@ -7,21 +7,27 @@ rows are SM 9.0 ones: the H200 sweep timed those recipes). :func:`mode_for` is t
 ``prepare`` records its answer in the weight's meta (``fp8_compute``) and ``kernel_ranges``
 asks it for the meta prepare would give, so a layer and doctor agree. With
 ``prefill-resident`` the re-encoded weight is kept as two more tensors (:data:`RESIDENT_NAMES`).
-Also the words for the decision trace. No triton import at module level.
+Also the words for the decision trace. No triton import at module level: the FP8 prefill
+kernels' module (which imports triton) is imported when a rule is asked, which only happens for
+a request the triton backend accepted (its provider, triton, importable).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 
 from quantdispatch.backends.base import CheckpointMeta, Layout, PreparedWeight, op_view
 from quantdispatch.capability import fmt_sm
 from quantdispatch.errors import WeightFormatError
-from quantdispatch.kernels.native import fp8_prefill as fp8p
 from quantdispatch.kernels.regimes import Fp8PrefillRegime, fp8_prefill_regime
+
+if TYPE_CHECKING:
+    from quantdispatch.kernels.native.fp8_prefill import PrefillWeight
 
 __all__ = [
     "OFF",
@@ -48,6 +54,12 @@ _FP4 = ("nvfp4", "mxfp4")
 _SETTING = "QUANTDISPATCH_FP8_COMPUTE"
 
 
+def _kernels() -> ModuleType:
+    from quantdispatch.kernels.native import fp8_prefill
+
+    return fp8_prefill
+
+
 def cuda_of(version: str | None) -> tuple[int, int] | None:
     """``"12.8"`` -> (12, 8); None or unreadable: None (then this torch's build is asked)."""
     try:
@@ -59,7 +71,7 @@ def cuda_of(version: str | None) -> tuple[int, int] | None:
 
 def recipe_for(k: int) -> str:
     """The recipe FP8 compute runs (the enabled rows are SM 9.0 ones): block-scaled."""
-    return fp8p.block_recipe(k)
+    return _kernels().block_recipe(k)
 
 
 def availability(
@@ -74,6 +86,7 @@ def availability(
     """(the FP8 compute row for ``mode`` here, why it cannot apply: empty when it does). An
     unknown shape (``n`` / ``k`` None) is checked on the smallest one FP8 compute takes."""
     row = fp8_prefill_regime(fmt, capability, mode)
+    fp8p = _kernels()
     n, k = n or 16, k or 128
     if row is None:
         reasons = fp8p.prefill_reasons(fmt, n, k, act_dtype, capability, None, cuda_version)
@@ -103,17 +116,18 @@ def mode_for(
 
 def resident_bytes(n: int, k: int) -> int:
     """Bytes of an N x K weight's resident FP8 copy (e4m3 weight + fp32 block scales)."""
-    return fp8p.resident_nbytes(n, k, recipe_for(k))
+    return _kernels().resident_nbytes(n, k, recipe_for(k))
 
 
-def resident_weight(q: torch.Tensor, scale: torch.Tensor) -> fp8p.PrefillWeight:
+def resident_weight(q: torch.Tensor, scale: torch.Tensor) -> PrefillWeight:
     """The resident copy from its two buffers, as the GEMM takes it."""
     recipe = recipe_for(q.shape[1])
     natural = scale.t() if recipe == "1x128" else scale  # 1x128 scales are [K/128, N] stored
-    return fp8p.PrefillWeight(op_view(q, torch.float8_e4m3fn), natural, recipe)
+    return _kernels().PrefillWeight(op_view(q, torch.float8_e4m3fn), natural, recipe)
 
 
-def _build_resident(prepared: PreparedWeight, fmt: str, recipe: str) -> fp8p.PrefillWeight:
+def _build_resident(prepared: PreparedWeight, fmt: str, recipe: str) -> PrefillWeight:
+    fp8p = _kernels()
     t = prepared.tensors
     meta = prepared.meta
     if prepared.layout is Layout.MMA16X64:
