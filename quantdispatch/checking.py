@@ -21,9 +21,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BOUNDS",
+    "FP8_BOUND_RATIO",
+    "FP8_REL_BOUND",
     "MOE_BOUNDS",
     "NATIVE_FACTOR",
     "bound_for",
+    "fp8_bound_ratio",
     "linear_reference64",
     "moe_reference64",
     "probe_linear",
@@ -46,6 +49,14 @@ MOE_BOUNDS = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
 #: Native (activation-quantizing) kernels get this factor on the bound: their reciprocals
 #: (``rcp.approx``) can move a code across a rounding boundary the float64 contract does not.
 NATIVE_FACTOR = 3
+
+
+#: FP8 compute (lossy, opt-in) is checked apart, against the float64 W4A16 result: its relative
+#: error (H200: ~3.4e-2, the e4m3 activations' rounding dominating; a per-element worst case of
+#: 1/17) within this bound, and every output within its proven componentwise bound
+#: (:func:`fp8_bound_ratio` <= ``FP8_BOUND_RATIO``); docs/design/fp8-prefill.md.
+FP8_REL_BOUND = 0.06
+FP8_BOUND_RATIO = 1.0
 
 
 def bound_for(act_dtype: torch.dtype, native: bool, *, moe: bool = False) -> float:
@@ -116,6 +127,45 @@ def _activations64(fmt: str, weight, x: torch.Tensor, emulate: bool) -> torch.Te
         scale = None if weight.input_scale is None else weight.input_scale.to("cpu")
         return fake_quantize_fp8_activations(x, scale).to(torch.float64)
     raise ValueError(f"no activation emulation for {fmt}")
+
+
+def fp8_bound_ratio(fmt: str, weight, x: torch.Tensor, out: torch.Tensor, recipe: str) -> float:
+    """max |out - x W^T| / bound over the outputs of an FP8 compute call (no bias), with the
+    proven componentwise bound (docs/design/fp8-prefill.md): per element |x^ - x| <= ex =
+    max(|x| / 17, 2^-10 s_x) and |w^ - w| <= ew = max(|w| / 21, 2^-10 s_w) (MXFP4's bound is
+    smaller; 1/21 covers it), so |x^ w^ - x w| <= ex (|w| + ew) + |x| ew; plus 2^-10 sum
+    (|x| + ex)(|w| + ew) for the accumulation and 2^-8 |y| + 2^-24 for the 16-bit output. s_x,
+    s_w: the block scales of the rule (formats.fp8_prefill), in float64 on the CPU."""
+    from quantdispatch.formats import fp8_prefill as rule
+    from quantdispatch.kernels.native.fp8_prefill import weight_blocks
+
+    f64 = torch.float64
+    xc = x.detach().to("cpu")
+    k = xc.shape[1]
+    act_cols = k if recipe == "rowwise" else rule.BLOCK
+    _, sx = rule.quantize_blocks_torch(xc, block_cols=act_cols)
+    sx = sx.to(f64).repeat_interleave(act_cols, 1)
+    w = weight.to("cpu")
+    br, bc = weight_blocks(recipe, k)
+    gs = w.global_scale if fmt == "nvfp4" else None
+    sf = "e4m3" if fmt == "nvfp4" else "e8m0"
+    _, sw = rule.reencode_fp4_torch(
+        w.packed, w.block_scale.view(torch.uint8), gs, scale_format=sf, block_rows=br,
+        block_cols=bc,
+    )  # fmt: skip
+    n = w.packed.shape[0]
+    sw = sw.to(f64).repeat_interleave(br, 0)[:n].repeat_interleave(bc, 1)
+    x64, w64 = xc.to(f64), _dequant64(fmt, w)
+    ref = x64 @ w64.T
+    ax, aw = x64.abs(), w64.abs()
+    ex = torch.maximum(ax / 17, 2.0**-10 * sx)
+    ew = torch.maximum(aw * rule.NVFP4_REL_BOUND, 2.0**-10 * sw)
+    bound = ex @ (aw + ew).T + ax @ ew.T + 2.0**-10 * ((ax + ex) @ (aw + ew).T)
+    bound += 2.0**-8 * ref.abs() + 2.0**-24
+    diff = (out.detach().to("cpu", f64) - ref).abs()
+    if not bool(torch.isfinite(diff).all()):
+        return float("inf")
+    return float((diff / bound).max())
 
 
 def linear_reference64(

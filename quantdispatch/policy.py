@@ -2,8 +2,10 @@
 
 The packaged default lives in ``policies/default.toml`` (shipped as ``quantdispatch.policies``).
 A user or engine file is laid over it: the (format, op) entries it has replace the default's,
-the others stay. Every problem in a file is an error naming the file, the key and the valid
-values.
+the others stay. A top-level ``fp8_compute = "off" | "prefill" | "prefill-resident"`` sets the
+FP8 compute mode (``QUANTDISPATCH_FP8_COMPUTE`` wins over it; quantdispatch.settings says what
+the modes do); the last file that sets it wins. Every problem in a file is an error naming the
+file, the key and the valid values.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pydantic import BaseModel, ConfigDict
 
 from quantdispatch.errors import ConfigurationError, format_error
 from quantdispatch.request import Op
+from quantdispatch.settings import FP8_COMPUTE_MODES, parse_fp8_compute
 
 __all__ = ["DEFAULT_POLICY_NAME", "Policy", "default_policy", "load_policy", "parse_policy"]
 
@@ -42,6 +45,10 @@ class Policy(BaseModel):
 
     entries: tuple[PolicyEntry, ...]
     sources: tuple[str, ...]
+    fp8_compute: str | None = None
+    """The top-level ``fp8_compute`` of the files (None: none sets it)."""
+    fp8_compute_source: str | None = None
+    """The file ``fp8_compute`` came from."""
 
     def entry(self, fmt: str, op: Op) -> PolicyEntry:
         for e in self.entries:
@@ -59,13 +66,20 @@ class Policy(BaseModel):
         return self.entry(fmt, op).candidates
 
     def __hash__(self) -> int:
-        return hash((self.entries, self.sources))
+        return hash((self.entries, self.sources, self.fp8_compute, self.fp8_compute_source))
 
     def overlay(self, other: Policy) -> Policy:
-        """This policy with ``other``'s entries replacing ours for the same (format, op)."""
+        """This policy with ``other``'s entries replacing ours for the same (format, op), and
+        its ``fp8_compute`` where it sets one."""
         replaced = {(e.format, e.op) for e in other.entries}
         kept = tuple(e for e in self.entries if (e.format, e.op) not in replaced)
-        return Policy(entries=kept + other.entries, sources=self.sources + other.sources)
+        mine = other.fp8_compute is None
+        return Policy(
+            entries=kept + other.entries,
+            sources=self.sources + other.sources,
+            fp8_compute=self.fp8_compute if mine else other.fp8_compute,
+            fp8_compute_source=self.fp8_compute_source if mine else other.fp8_compute_source,
+        )
 
 
 def _fail(source: str, key: str, what: str, valid: str, fix: str) -> ConfigurationError:
@@ -94,15 +108,29 @@ def parse_policy(data: dict[str, Any], source: str) -> Policy:
             f"this quantdispatch reads version {SCHEMA_VERSION}",
             f"set version = {SCHEMA_VERSION}",
         )
+    fp8_compute = None
+    if "fp8_compute" in data:
+        try:
+            fp8_compute = parse_fp8_compute(data["fp8_compute"], "fp8_compute")
+        except ValueError:
+            raise _fail(
+                source,
+                "fp8_compute",
+                f"unknown FP8 compute mode {data['fp8_compute']!r}",
+                f"valid values: {', '.join(FP8_COMPUTE_MODES)} (off: weight-only kernels at every "
+                "M; prefill: lossy FP8 compute, the weight re-encoded per call; "
+                "prefill-resident: on a resident FP8 copy)",
+                'write fp8_compute = "off" (or leave it out)',
+            ) from None
     for fmt, table in data.items():
-        if fmt == "version":
+        if fmt in ("version", "fp8_compute"):
             continue
         if fmt not in formats:
             raise _fail(
                 source,
                 fmt,
                 "unknown format",
-                f"valid formats: {', '.join(formats)} (and the key 'version')",
+                f"valid formats: {', '.join(formats)} (and the keys 'version', 'fp8_compute')",
                 "rename or remove that table",
             )
         if not isinstance(table, dict):
@@ -157,7 +185,12 @@ def parse_policy(data: dict[str, Any], source: str) -> Policy:
             entries.append(
                 PolicyEntry(format=fmt, op=Op(op), candidates=tuple(names), source=source)
             )
-    return Policy(entries=tuple(entries), sources=(source,))
+    return Policy(
+        entries=tuple(entries),
+        sources=(source,),
+        fp8_compute=fp8_compute,
+        fp8_compute_source=None if fp8_compute is None else source,
+    )
 
 
 def _read_toml(text: str, source: str) -> dict[str, Any]:

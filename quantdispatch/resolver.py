@@ -5,6 +5,8 @@ run the request on the device. The first that can is chosen; every candidate sta
 trace, accepted or rejected with its reason. A forced backend that cannot run raises with its
 own reason: forcing never falls back. Backends whose first-use self-check failed in this process
 come in as data (``failed``: backend -> the measured reason) and are rejected with that reason.
+The FP8 compute mode (:func:`fp8_compute_of`: the settings' where set, else the policy file's)
+goes into the decision, which layers hand to prepare and doctor to the kernel ranges.
 """
 
 from __future__ import annotations
@@ -15,14 +17,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from quantdispatch.backends import get_backend
-from quantdispatch.backends.base import KernelRange
+from quantdispatch.backends.base import Backend, KernelRange
 from quantdispatch.device import DeviceProfile
 from quantdispatch.errors import BackendUnavailableError, ConfigurationError, format_error
 from quantdispatch.policy import Policy
 from quantdispatch.request import Request
 from quantdispatch.settings import ENV_PREFIX, Force, Settings, force_variable
 
-__all__ = ["Candidate", "Decision", "resolve"]
+__all__ = ["Candidate", "Decision", "fp8_compute_of", "resolve"]
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,9 @@ class Decision:
     pdl: bool = True
     """Kernels may use programmatic dependent launches (the Settings.pdl it was made with);
     layers pass it to every call."""
+    fp8_compute: str = "off"
+    """The FP8 compute mode it was made with (:func:`fp8_compute_of`); layers pass it to
+    prepare, which applies it where the backend's regime table does."""
 
     @property
     def is_fallback(self) -> bool:
@@ -73,7 +78,14 @@ class Decision:
     def kernel_ranges(self, *, top_k: int | None = None) -> tuple[KernelRange, ...]:
         """The kernel family the chosen backend runs for each range of M, on this device."""
         backend = get_backend(self.backend)
-        return backend.kernel_ranges(self.request, self.device, top_k=top_k, pdl=self.pdl)
+        return backend.kernel_ranges(
+            self.request, self.device, top_k=top_k, pdl=self.pdl, fp8_compute=self.fp8_compute
+        )
+
+    def fp8_resident_bytes(self) -> int | None:
+        """Bytes a resident FP8 copy of the weight would take (FP8 compute's
+        ``prefill-resident``), where the chosen backend would keep one for this linear."""
+        return get_backend(self.backend).fp8_resident_bytes(self.request, self.device)
 
     def kernel_for(self, m: int, *, top_k: int | None = None) -> KernelRange:
         """The kernel family a call with ``m`` rows runs (the trace down to the kernel)."""
@@ -108,8 +120,26 @@ class Decision:
             "reason": self.reason,
             "forced_by": self.forced_by,
             "policy": self.policy_source,
+            "fp8_compute": self.fp8_compute,
             "trace": [c.to_dict() for c in self.trace],
         }
+
+
+def fp8_compute_of(settings: Settings, policy: Policy) -> tuple[str, str]:
+    """The FP8 compute mode and where it comes from: the settings' (the variable or an
+    override) where set, else the policy file's ``fp8_compute``, else off."""
+    if settings.fp8_compute_by is not None:
+        return settings.fp8_compute, settings.fp8_compute_by
+    if policy.fp8_compute is not None:
+        return policy.fp8_compute, f"fp8_compute in {policy.fp8_compute_source}"
+    return "off", "default"
+
+
+def _note(backend: Backend, request: Request, profile: DeviceProfile, fp8: str) -> str:
+    """A candidate's accepted note with its compute clause (FP8 compute), if any."""
+    note = backend.accepted_note(request, profile)
+    extra = backend.compute_note(request, profile, fp8)
+    return f"{note}; {extra}" if extra else note
 
 
 def resolve(
@@ -135,6 +165,7 @@ def _resolve(
     failed_items: tuple[tuple[str, str], ...] = (),
 ) -> Decision:
     failed = dict(failed_items)
+    fp8, _by = fp8_compute_of(settings, policy)
     entry = policy.entry(request.format, request.op)
     forced = settings.forced(request.format, request.op)
     if forced is not None:
@@ -148,7 +179,9 @@ def _resolve(
                     "self-check names",
                 )
             )
-        return _resolve_forced(request, profile, settings, entry.candidates, entry.source, forced)
+        return _resolve_forced(
+            request, profile, settings, entry.candidates, entry.source, forced, fp8
+        )
 
     trace: list[Candidate] = []
     chosen: str | None = None
@@ -165,7 +198,7 @@ def _resolve(
         if why_not is not None:
             trace.append(Candidate(name, False, why_not))
             continue
-        note = backend.accepted_note(request, profile)
+        note = _note(backend, request, profile, fp8)
         if chosen is None:
             chosen = name
             where = "first in" if not trace else "first that can run in"
@@ -192,6 +225,7 @@ def _resolve(
         forced_by=None,
         policy_source=entry.source,
         pdl=settings.pdl,
+        fp8_compute=fp8,
     )
 
 
@@ -202,6 +236,7 @@ def _resolve_forced(
     candidates: tuple[str, ...],
     source: str,
     forced: Force,
+    fp8: str,
 ) -> Decision:
     name, by = forced.backend, forced.by
     backend = get_backend(name)
@@ -241,7 +276,7 @@ def _resolve_forced(
                 fix,
             )
         )
-    trace = [Candidate(name, True, f"forced by {by}: {backend.accepted_note(request, profile)}")]
+    trace = [Candidate(name, True, f"forced by {by}: {_note(backend, request, profile, fp8)}")]
     for other in candidates:
         if other != name:
             trace.append(Candidate(other, False, f"not considered: {by} forces {name}"))
@@ -254,4 +289,5 @@ def _resolve_forced(
         forced_by=by,
         policy_source=source,
         pdl=settings.pdl,
+        fp8_compute=fp8,
     )

@@ -15,6 +15,10 @@ variable                                meaning
                                         first time it is chosen on this GPU / software, and
                                         remember a pass on disk; ``always``: every process;
                                         ``off``: never (quantdispatch.selfcheck)
+``QUANTDISPATCH_FP8_COMPUTE``           lossy FP8 compute for prefill where the regime table
+                                        enables it: ``off`` (default), ``prefill`` (FP4 weight
+                                        re-encoded per call), ``prefill-resident`` (a resident
+                                        FP8 copy); overrides the policy file's ``fp8_compute``
 ``SGLANG_FORCE_NVFP4_MARLIN=1``         SGLang's switch, read as ``..._BACKEND_NVFP4=marlin``
 ``load_settings(backend=...)``          ``{"nvfp4": "triton"}`` every op, ``{"nvfp4:moe": ...}``
                                         one op; merged over the variables
@@ -36,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, NamedTuple
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import BeforeValidator, Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
@@ -44,12 +48,14 @@ from quantdispatch.errors import ConfigurationError, format_error
 
 __all__ = [
     "ENV_PREFIX",
+    "FP8_COMPUTE_MODES",
     "Force",
     "Registry",
     "Settings",
     "current_settings",
     "force_variable",
     "load_settings",
+    "parse_fp8_compute",
     "parse_pdl",
     "parse_self_check",
 ]
@@ -63,8 +69,11 @@ _PLAIN_FIELDS = {
     "DEVICE": "device",
     "PDL": "pdl",
     "SELF_CHECK": "self_check",
+    "FP8_COMPUTE": "fp8_compute",
 }
 SELF_CHECK_MODES = ("once", "always", "off")
+#: ``QUANTDISPATCH_FP8_COMPUTE`` / the policy file's ``fp8_compute`` (quantdispatch.resolver)
+FP8_COMPUTE_MODES = ("off", "prefill", "prefill-resident")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
@@ -103,6 +112,20 @@ def parse_self_check(value: Any) -> str:
             )
         )
     return mode
+
+
+def parse_fp8_compute(value: Any, where: str = f"{ENV_PREFIX}FP8_COMPUTE") -> str:
+    """One of :data:`FP8_COMPUTE_MODES`, case and spaces ignored (``where``: for the error)."""
+    mode = str(value).strip().lower() if isinstance(value, str) else None
+    if mode in FP8_COMPUTE_MODES:
+        return mode
+    valid = (
+        "valid values: off (weight-only kernels at every M, the default), prefill (lossy FP8 "
+        "compute from the regime table's M, the FP4 weight re-encoded per call), "
+        "prefill-resident (the same on a resident FP8 copy of the weight)"
+    )
+    fix = f"set {where} to off, prefill or prefill-resident"
+    raise ValueError(format_error(f"{where}={value!r} is not an FP8 compute mode", valid, fix))
 
 
 @dataclass(frozen=True)
@@ -185,7 +208,11 @@ class _EnvSource(PydanticBaseSettingsSource):
                 forced_by[scope] = f"{key}={raw}"
             elif key.startswith(ENV_PREFIX):
                 name = key[len(ENV_PREFIX) :]
-                if name in _PLAIN_FIELDS:
+                if name == "FP8_COMPUTE":
+                    if raw.strip():  # empty: unset (the policy file's, else off)
+                        values["fp8_compute"] = raw
+                        values["fp8_compute_by"] = f"{key}={raw}"
+                elif name in _PLAIN_FIELDS:
                     values[_PLAIN_FIELDS[name]] = raw
                 else:
                     unknown.append(key)
@@ -247,6 +274,10 @@ class Settings(BaseSettings):
     """Kernels may use programmatic dependent launches (SM 9.0+); it changes no decision."""
     self_check: str = "once"
     """First-use self-check of a chosen backend: ``once``, ``always`` or ``off``."""
+    fp8_compute: Annotated[str, BeforeValidator(parse_fp8_compute)] = "off"
+    """FP8 compute for prefill (lossy); applies where set (``fp8_compute_by``: where, e.g.
+    ``QUANTDISPATCH_FP8_COMPUTE=prefill``), else the policy file's (resolver.fp8_compute_of)."""
+    fp8_compute_by: str | None = None
 
     @classmethod
     def settings_customise_sources(
@@ -394,6 +425,8 @@ class Settings(BaseSettings):
             tuple(sorted(self.disable)),
             str(self.policy) if self.policy else None,
             self.device,
+            self.fp8_compute,
+            self.fp8_compute_by,
         )
 
     def __hash__(self) -> int:
@@ -411,6 +444,8 @@ class Settings(BaseSettings):
             "device": self.device,
             "pdl": self.pdl,
             "self_check": self.self_check,
+            "fp8_compute": self.fp8_compute,
+            "fp8_compute_by": self.fp8_compute_by,
         }
 
 
@@ -434,6 +469,8 @@ def load_settings(
             _scope(k): f"settings.backend[{_scope(k)!r}]={str(v).strip().lower()}"
             for k, v in backend.items()
         }
+    if "fp8_compute" in overrides and "fp8_compute_by" not in overrides:  # it wins: say so
+        overrides["fp8_compute_by"] = f"settings.fp8_compute={overrides['fp8_compute']!r}"
     env_token = _environ.set(environ)
     registry_token = _registry.set(registry)
     try:

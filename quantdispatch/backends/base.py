@@ -162,10 +162,11 @@ class Backend(ABC):
         *,
         top_k: int | None = None,
         pdl: bool = True,
+        fp8_compute: str = "off",
     ) -> tuple[KernelRange, ...]:
         """The kernel family for every range of M (MoE: ``top_k`` and the request's experts,
-        N = I and K = H; ``pdl``: the decision's Settings.pdl). Default: one family at every
-        M."""
+        N = I and K = H; ``pdl``: the decision's Settings.pdl; ``fp8_compute``: its FP8
+        compute mode). Default: one family at every M."""
         return (KernelRange(1, None, self.name, self.title),)
 
     def kernel_summary(self, request: Request, profile: DeviceProfile) -> str:
@@ -200,6 +201,16 @@ class Backend(ABC):
                 f"{request.act_name}, not quantized (close to, not bit-equal with, a native run)"
             )
         return note
+
+    def compute_note(self, request: Request, profile: DeviceProfile, fp8_compute: str) -> str:
+        """A clause on opt-in compute modes for the decision's trace (the triton backend's FP8
+        compute: from which M it runs, or that it exists); empty: nothing to say."""
+        return ""
+
+    def fp8_resident_bytes(self, request: Request, profile: DeviceProfile) -> int | None:
+        """What a resident FP8 copy of this linear's weight would take here (FP8 compute's
+        ``prefill-resident``); None: no such copy for this request."""
+        return None
 
     # -- shared fact helpers ----------------------------------------------------------------
 
@@ -249,8 +260,12 @@ class Backend(ABC):
 
     # -- life cycle ---------------------------------------------------------------------------
 
-    def prepare(self, weight: object, request: Request) -> PreparedWeight:
-        """Turn a canonical weight (formats.*Weight) into this backend's tensors, once, at load."""
+    def prepare(
+        self, weight: object, request: Request, *, fp8_compute: str = "off"
+    ) -> PreparedWeight:
+        """Turn a canonical weight (formats.*Weight) into this backend's tensors, once, at load.
+        ``fp8_compute``: the decision's FP8 compute mode (``Decision.fp8_compute``); only the
+        triton backend has FP8 compute, the others ignore it."""
         raise BackendUnavailableError(
             format_error(
                 f"backend {self.name} cannot prepare {request.describe()}",

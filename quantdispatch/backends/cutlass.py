@@ -161,7 +161,9 @@ class CutlassBackend(Backend):
 
     # -- life cycle ---------------------------------------------------------------------------
 
-    def prepare(self, weight: object, request: Request) -> PreparedWeight:
+    def prepare(
+        self, weight: object, request: Request, *, fp8_compute: str = "off"
+    ) -> PreparedWeight:
         from quantdispatch.formats import Nvfp4Weight
         from quantdispatch.formats.nvfp4_act import (
             activation_scale,

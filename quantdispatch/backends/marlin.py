@@ -173,7 +173,9 @@ class MarlinBackend(Backend):
 
         return repack
 
-    def prepare(self, weight: object, request: Request) -> PreparedWeight:
+    def prepare(
+        self, weight: object, request: Request, *, fp8_compute: str = "off"
+    ) -> PreparedWeight:
         from quantdispatch.formats import Mxfp4Weight, Nvfp4Weight
 
         if not isinstance(weight, (Nvfp4Weight, Mxfp4Weight)):

@@ -18,6 +18,7 @@ from typing import ClassVar
 import torch
 
 from quantdispatch.errors import ConfigurationError, format_error
+from quantdispatch.settings import FP8_COMPUTE_MODES
 
 __all__ = [
     "CheckpointMeta",
@@ -53,17 +54,45 @@ def _dtype_code(dtype: torch.dtype) -> int:
     return _DTYPES.index(dtype)
 
 
+def _fp8_code(mode: str) -> int:
+    return FP8_COMPUTE_MODES.index(mode)
+
+
+def _fp8_mode(code: int) -> str:
+    if not 0 <= code < len(FP8_COMPUTE_MODES):
+        raise IndexError(code)
+    return FP8_COMPUTE_MODES[code]
+
+
+def _check_fp8(meta: object) -> None:
+    mode = getattr(meta, "fp8_compute", "off")
+    if mode not in FP8_COMPUTE_MODES:
+        raise ConfigurationError(
+            format_error(
+                f"{type(meta).__name__}(fp8_compute={mode!r})",
+                f"a weight's FP8 compute mode is one of {', '.join(FP8_COMPUTE_MODES)}",
+                "pass the mode the backend prepared the weight for",
+            )
+        )
+
+
 @dataclass(frozen=True)
 class CheckpointMeta:
     """The checkpoint layout. ``block_size``: FP8 block scales' (rows, columns).
     ``fp16_rebased``: MXFP4 block scales rebased for fp16, 2^d in the ``rebase_factor`` tensor
     (formats.mxfp4.rebase_mx_scales_for_fp16). ``emulate_activations``: the reference backend
-    quantizes activations as a native W4A4 / W8A8 kernel would."""
+    quantizes activations as a native W4A4 / W8A8 kernel would. ``fp8_compute``: the triton
+    backend's FP8 compute mode for this weight (``off``, ``prefill``, ``prefill-resident``:
+    the resident FP8 copy is the last two tensors; quantdispatch.backends.triton.fp8_compute)."""
 
     layout: ClassVar[Layout] = Layout.CHECKPOINT
     block_size: tuple[int, int] | None = None
     fp16_rebased: bool = False
     emulate_activations: bool = False
+    fp8_compute: str = "off"
+
+    def __post_init__(self) -> None:
+        _check_fp8(self)
 
     def flags(self) -> frozenset[str]:
         """The flags the regime table's rows may ask for (``when``)."""
@@ -71,29 +100,35 @@ class CheckpointMeta:
 
     def to_ints(self) -> list[int]:
         bn, bk = self.block_size or (0, 0)
-        return [bn, bk, int(self.fp16_rebased), int(self.emulate_activations)]
+        rebased, emulate = int(self.fp16_rebased), int(self.emulate_activations)
+        return [bn, bk, rebased, emulate, _fp8_code(self.fp8_compute)]
 
     @classmethod
     def from_ints(cls, v: Sequence[int]) -> CheckpointMeta:
-        bn, bk, rebased, emulate = v
+        bn, bk, rebased, emulate, fp8 = v
         block = (bn, bk) if bn else None
-        return cls(block, bool(rebased), bool(emulate))
+        return cls(block, bool(rebased), bool(emulate), _fp8_mode(fp8))
 
 
 @dataclass(frozen=True)
 class Mma16x64Meta:
-    """The mma16x64 layout: the codes are placed for ``packed_for`` activations (bf16 or fp16)."""
+    """The mma16x64 layout: the codes are placed for ``packed_for`` activations (bf16 or fp16).
+    ``fp8_compute``: as :class:`CheckpointMeta`'s."""
 
     layout: ClassVar[Layout] = Layout.MMA16X64
     packed_for: torch.dtype
+    fp8_compute: str = "off"
+
+    def __post_init__(self) -> None:
+        _check_fp8(self)
 
     def to_ints(self) -> list[int]:
-        return [_dtype_code(self.packed_for)]
+        return [_dtype_code(self.packed_for), _fp8_code(self.fp8_compute)]
 
     @classmethod
     def from_ints(cls, v: Sequence[int]) -> Mma16x64Meta:
-        (code,) = v
-        return cls(_DTYPES[code])
+        code, fp8 = v
+        return cls(_DTYPES[code], _fp8_mode(fp8))
 
 
 @dataclass(frozen=True)
@@ -216,7 +251,8 @@ class PreparedWeight:
     """The tensors a backend's kernel reads, in its own order, in ``layout`` with ``meta``.
 
     ``names`` label the tensors (they become the layer's buffer names). Nothing here may be a
-    dequantized copy of the weight.
+    dequantized copy of the weight; the one copy allowed is the opt-in resident FP8 copy of FP8
+    compute (``prefill-resident``), whose bytes ``extra["fp8_resident_bytes"]`` says.
     """
 
     names: tuple[str, ...]

@@ -82,7 +82,12 @@ class ReferenceBackend(Backend):
     # -- life cycle ---------------------------------------------------------------------------
 
     def prepare(
-        self, weight: object, request: Request, *, emulate_activations: bool = False
+        self,
+        weight: object,
+        request: Request,
+        *,
+        emulate_activations: bool = False,
+        fp8_compute: str = "off",
     ) -> PreparedWeight:
         from quantdispatch.formats import Fp8Weight, Mxfp4Weight, Nvfp4Weight
 

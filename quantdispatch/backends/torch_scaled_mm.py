@@ -164,7 +164,9 @@ class TorchScaledMMBackend(Backend):
                 reasons.append(f"{label}={value} is not a multiple of 16 (cuBLASLt FP8 rule)")
         return reasons
 
-    def prepare(self, weight: object, request: Request) -> PreparedWeight:
+    def prepare(
+        self, weight: object, request: Request, *, fp8_compute: str = "off"
+    ) -> PreparedWeight:
         from quantdispatch.formats import Nvfp4Weight
         from quantdispatch.formats.fp8 import Fp8Weight
         from quantdispatch.kernels.native.scaled_mm import prepare_fp8_scaled_mm

@@ -19,6 +19,7 @@ from quantdispatch.cli.report import Answer, Row, collect, to_json
 from quantdispatch.cli.text import (
     Header,
     concise,
+    fp8_line,
     marlin_lines,
     pdl_applies,
     selfcheck_lines,
@@ -106,6 +107,7 @@ def verbose(h: Header, rows: list[Row], tp: int | None = None) -> list[str]:
             else:
                 lines.append(f"  N={n} K={k} on {a.decision.backend}:")
             lines += _verbose_ranges(a, row, "    ")
+            lines += _resident_line(a.decision, row)
         for s in row.shards:
             d = s.answer.decision
             where = f"  {shard_label(s, tp)}: "
@@ -118,6 +120,21 @@ def verbose(h: Header, rows: list[Row], tp: int | None = None) -> list[str]:
             lines.append(f"  TP {tp}: cannot split: {row.shard_error}")
         lines.append("")
     return lines
+
+
+def _resident_line(d, row: Row) -> list[str]:
+    """What FP8 compute's resident copy of this linear's weight takes, where it can have one."""
+    if row.experts:
+        return []
+    size = d.fp8_resident_bytes()
+    if size is None:
+        return []
+    n, k = row.shape
+    used = "kept" if d.fp8_compute == "prefill-resident" else "with fp8_compute=prefill-resident"
+    return [
+        f"  resident FP8 copy ({used}): {size / 1e6:.1f} MB on top of the FP4 weight's "
+        f"{n * k / 2e6:.1f} MB"
+    ]
 
 
 def _verbose_ranges(a: Answer, row: Row, indent: str) -> list[str]:
@@ -181,6 +198,7 @@ def _verbose_header(h: Header) -> list[str]:
         f"  disabled backends         {', '.join(s['disabled']) or 'none'}",
         f"  policy                    {' + '.join(policy.sources)}",
         f"  simulated device          {simulated or 'none (probed)'}",
+        f"  FP8 compute (lossy)       {fp8_line(settings, policy, verbose=True)}",
     ]
     if pdl_applies(profile):
         lines.append(

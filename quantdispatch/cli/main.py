@@ -108,6 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
     ver = sub.add_parser("verify", help="run every runnable backend here against the reference")
     ver.add_argument("--format", action="append", dest="formats", metavar="F")
     ver.add_argument("--json", action="store_true")
+    ver.add_argument(
+        "--fp8-compute",
+        action="store_true",
+        help="also check FP8 compute (lossy; both modes), in its own section with its own "
+        "bounds (default: only when QUANTDISPATCH_FP8_COMPUTE or the policy turns it on)",
+    )
     parser.commands = {"doctor": doc, "presets": pre, "verify": ver}
     return parser
 
@@ -171,7 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "verify":
             from quantdispatch.cli.verify import run_verify
 
-            return run_verify(args.formats, as_json=args.json)
+            return run_verify(args.formats, as_json=args.json, fp8=args.fp8_compute)
         parser.print_help()
         return EXIT_USAGE
     except ConfigurationError as exc:

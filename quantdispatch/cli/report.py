@@ -164,13 +164,25 @@ def to_json(rows: list[Row], profile, settings, policy) -> dict[str, Any]:
             }
             for s in marlin_providers.statuses()
         ],
-        "settings": {**settings.describe(), "policy_files": list(policy.sources)},
+        "settings": {
+            **settings.describe(),
+            "policy_files": list(policy.sources),
+            **_fp8(settings, policy),
+        },
         "decisions": [_decision_json(r) for r in rows],
     }
     moe = next((r for r in rows if r.op == "moe" and r.answer.ranges), None)
     if moe is not None:
         out["moe_layer"] = _moe_layer_json(moe)
     return out
+
+
+def _fp8(settings, policy) -> dict[str, Any]:
+    """The FP8 compute mode in effect (the settings', else the policy file's) and its source."""
+    from quantdispatch.resolver import fp8_compute_of
+
+    mode, by = fp8_compute_of(settings, policy)
+    return {"fp8_compute": mode, "fp8_compute_by": by}
 
 
 def _decision_json(row: Row) -> dict[str, Any]:
@@ -189,6 +201,8 @@ def _decision_json(row: Row) -> dict[str, Any]:
     if row.shape is None:
         return out
     out["kernel_ranges"] = _ranges_json(a, row)
+    if not row.experts:
+        out["fp8_resident_bytes"] = a.decision.fp8_resident_bytes()
     if row.shards or row.shard_error:
         out["shards"] = [
             {

@@ -12,7 +12,15 @@ from quantdispatch import __version__
 from quantdispatch.cli.report import Answer, Row, Shard
 from quantdispatch.errors import QuantDispatchError
 
-__all__ = ["Header", "concise", "marlin_lines", "pdl_applies", "shard_label", "shorten"]
+__all__ = [
+    "Header",
+    "concise",
+    "fp8_line",
+    "marlin_lines",
+    "pdl_applies",
+    "shard_label",
+    "shorten",
+]
 
 WIDTH = 100  # concise lines stay within this many columns where they can
 REASON_WIDTH = 80
@@ -147,7 +155,27 @@ def _concise_header(h: Header) -> list[str]:
         lines.append(f"policy    {' + '.join(h.policy.sources)}")
     if pdl_applies(p) and not s["pdl"]:
         lines.append("PDL       dependent launches off (QUANTDISPATCH_PDL)")
+    if fp8_mode(h.settings, h.policy)[0] != "off":
+        lines.append(_cut(f"fp8       {fp8_line(h.settings, h.policy)}", WIDTH))
     return lines
+
+
+def fp8_mode(settings, policy) -> tuple[str, str]:
+    """The FP8 compute mode in effect and where it comes from."""
+    from quantdispatch.resolver import fp8_compute_of
+
+    return fp8_compute_of(settings, policy)
+
+
+def fp8_line(settings, policy, *, verbose: bool = False) -> str:
+    """The FP8 compute setting in one line (``verbose``: what the mode does, too)."""
+    mode, by = fp8_mode(settings, policy)
+    if mode == "off":
+        return f"off ({by}; QUANTDISPATCH_FP8_COMPUTE=prefill or prefill-resident turns it on)"
+    if not verbose:
+        return f"{mode}, lossy ({by})"
+    what = "FP4 weight re-encoded per call" if mode == "prefill" else "on a resident FP8 copy"
+    return f"{mode}: lossy FP8 compute for prefill, {what}, where the regime table says ({by})"
 
 
 def _providers_line(providers) -> str:

@@ -6,6 +6,10 @@ is at least M (None: any M). A row may define a large-weight class (its element 
 its own ``max_m`` per step), because the measured crossovers move with the weight's size. The
 MoE rows count tokens per expert (``M * top_k / E``) instead of rows.
 
+FP8 compute for prefill (opt-in, lossy: ``QUANTDISPATCH_FP8_COMPUTE``) is one more row per SM
+family and mode (:data:`FP8_PREFILL_REGIMES`): from its ``min_m`` on it replaces whatever the
+weight's linear row runs (:meth:`LinearRegime.steps_for`).
+
 Every threshold exists here once. The backend's dispatch (backends/triton/), both MoE plans
 (:mod:`.checkpoint_layout.moe_plan`, :mod:`.mma_layout.moe_plan`), ``Decision.kernel_for``,
 ``doctor`` and the benchmarks' labels read it. The measurements behind each number are in
@@ -20,9 +24,11 @@ from enum import StrEnum
 
 __all__ = [
     "CHECKPOINT_MOE",
+    "FP8_PREFILL_REGIMES",
     "LINEAR_REGIMES",
     "MMA_LAYOUT_MOE",
     "Family",
+    "Fp8PrefillRegime",
     "LargeWeights",
     "LinearRegime",
     "MoeDequant",
@@ -32,6 +38,7 @@ __all__ = [
     "MoeStep",
     "SmFamily",
     "Step",
+    "fp8_prefill_regime",
     "linear_regime",
 ]
 
@@ -45,6 +52,7 @@ class Family(StrEnum):
     CHECKPOINT_TL_DOT = "checkpoint tl.dot"
     FP8_TL_DOT = "FP8 tl.dot"
     DEQUANT_CUBLAS = "dequantize + cuBLAS"
+    FP8_PREFILL = "fp8 prefill"
     MOE_TL_DOT = "checkpoint tl.dot MoE"
     MOE_MMA_PAIRS = "mma single pairs"
     MOE_MMA_BLOCKS = "mma pair blocks"
@@ -62,6 +70,8 @@ _DETAIL = {
     Family.CHECKPOINT_TL_DOT: "split-K small M or tiled, checkpoint layout",
     Family.FP8_TL_DOT: "split-K small M or tiled, checkpoint layout",
     Family.DEQUANT_CUBLAS: "dequantized 16-bit slabs",
+    Family.FP8_PREFILL: "lossy: FP4 weight as block-scaled e4m3, e4m3 activations per 1x128, "
+    "torch._scaled_mm",
     Family.MOE_TL_DOT: "fused tl.dot MoE GEMMs",
     Family.MOE_MMA_PAIRS: "mma.sync gate/up, down kernel summing the top-k slots",
     Family.MOE_MMA_BLOCKS: "mma.sync kernels on expert-sorted pair blocks",
@@ -75,11 +85,17 @@ class SmFamily(StrEnum):
     ANY."""
 
     SM9X = "SM 9.x"  # wgmma (Hopper)
+    SM90 = "SM 9.0"  # torch's block-scaled FP8 GEMMs (H100 / H200)
+    SM89_PLUS = "SM 8.9+"  # FP8 tensor cores
     ANY = "any"  # any GPU the row's layout runs on
 
     def holds(self, capability: tuple[int, int] | None) -> bool:
         if self is SmFamily.SM9X:
             return capability is not None and capability[0] == 9
+        if self is SmFamily.SM90:
+            return capability is not None and tuple(capability) == (9, 0)
+        if self is SmFamily.SM89_PLUS:
+            return capability is not None and tuple(capability) >= (8, 9)
         return True
 
 
@@ -144,18 +160,33 @@ class LinearRegime:
             return self.large.max_m
         return tuple(s.max_m for s in self.steps)
 
-    def family(self, m: int, n: int, k: int) -> Family:
-        """The family a call with ``m`` rows runs."""
+    def steps_for(
+        self, n: int, k: int, fp8: Fp8PrefillRegime | None = None
+    ) -> tuple[tuple[int | None, Step], ...]:
+        """(largest M or None, step) per step for an N x K weight; with an enabled ``fp8`` row,
+        the steps end at its ``min_m`` - 1 and its step takes every larger M."""
+        out: list[tuple[int | None, Step]] = []
+        first = None if fp8 is None else fp8.min_m
         for step, top in zip(self.steps, self.max_ms(n, k), strict=True):
+            if first is not None and (top is None or top >= first):
+                return (*out, (first - 1, step), (None, fp8.step()))  # type: ignore[union-attr]
+            out.append((top, step))
+        return tuple(out)
+
+    def family(self, m: int, n: int, k: int, fp8: Fp8PrefillRegime | None = None) -> Family:
+        """The family a call with ``m`` rows runs."""
+        for top, step in self.steps_for(n, k, fp8):
             if top is None or m <= top:
                 return step.family
         raise AssertionError(f"the last step of {self.formats} {self.layout} must take any M")
 
-    def ranges(self, n: int, k: int) -> tuple[tuple[int, int | None, Step], ...]:
+    def ranges(
+        self, n: int, k: int, fp8: Fp8PrefillRegime | None = None
+    ) -> tuple[tuple[int, int | None, Step], ...]:
         """(first M, last M or None, step) for every step an N x K weight reaches, from M = 1."""
         out: list[tuple[int, int | None, Step]] = []
         first = 1
-        for step, top in zip(self.steps, self.max_ms(n, k), strict=True):
+        for top, step in self.steps_for(n, k, fp8):
             if top is not None and top < first:
                 continue
             out.append((first, top, step))
@@ -233,6 +264,61 @@ def linear_regime(
         if row.matches(fmt, layout, capability, n, k, flags):
             return row
     raise LookupError(f"no regime row for {fmt} on the {layout} layout (N={n}, K={k})")
+
+
+# --------------------------------------------------------------------------------------------
+# FP8 compute for prefill (opt-in, lossy)
+
+_FP8_RESULTS = "benchmarks/results/fp8-prefill-h200-2026-12-01.md"
+
+
+@dataclass(frozen=True)
+class Fp8PrefillRegime:
+    """With FP8 compute set to one of ``modes`` (``prefill``: the FP4 weight re-encoded per
+    call; ``prefill-resident``: a resident FP8 copy), calls of at least ``min_m`` rows of a
+    ``formats`` linear on ``sm`` GPUs run :attr:`Family.FP8_PREFILL` in place of the weight's
+    own steps; ``min_m`` None: not enabled there (``why`` says why). Which weights qualify
+    (shape, activation dtype, torch's recipe) is ``kernels.native.fp8_prefill.prefill_reasons``."""
+
+    formats: tuple[str, ...]
+    sm: SmFamily
+    modes: tuple[str, ...]
+    min_m: int | None
+    why: str
+
+    def step(self) -> Step:
+        return Step(None, Family.FP8_PREFILL, self.why)
+
+
+#: The FP8 compute rows, tried in order (:func:`fp8_prefill_regime`). Llama-3-8B shapes on the
+#: H200 (bf16 activations; qkv, o, gate_up, down), in the result file named in each row.
+FP8_PREFILL_REGIMES: tuple[Fp8PrefillRegime, ...] = (
+    Fp8PrefillRegime(
+        _FP4, SmFamily.SM90, ("prefill",), 4096,
+        "re-encoding each call (~0.6 TB/s) costs more than FP8 tensor cores save below M = 4096; "
+        f"there it beats our weight-only kernels on qkv, gate_up and down ({_FP8_RESULTS})",
+    ),
+    Fp8PrefillRegime(
+        _FP4, SmFamily.SM90, ("prefill-resident",), 256,
+        "a resident FP8 copy beats our weight-only kernels from M = 256 on every 8B shape, bf16 "
+        f"cuBLAS from 256 (qkv, gate_up) / 1024 (o, down) ({_FP8_RESULTS})",
+    ),
+    Fp8PrefillRegime(
+        _FP4, SmFamily.SM89_PLUS, ("prefill", "prefill-resident"), None,
+        "row-wise FP8 recipe only, torch's block-scaled ones need SM 9.0: not measured",
+    ),
+)  # fmt: skip
+
+
+def fp8_prefill_regime(
+    fmt: str, capability: tuple[int, int] | None, mode: str
+) -> Fp8PrefillRegime | None:
+    """The first FP8 compute row for ``fmt`` in ``mode`` on this GPU (None: no row, e.g. below
+    SM 8.9 or ``mode`` off)."""
+    for row in FP8_PREFILL_REGIMES:
+        if fmt in row.formats and mode in row.modes and row.sm.holds(capability):
+            return row
+    return None
 
 
 # --------------------------------------------------------------------------------------------

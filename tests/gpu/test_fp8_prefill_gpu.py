@@ -192,3 +192,48 @@ def test_mma_layout_equal_checkpoint_path(mods, fmt):
     y = fp8p.fp8_prefill_linear(x, q.packed, sf, gs, fmt=fmt, recipe=recipe)
     y_mma = fp8p.fp8_prefill_linear_mma(x, words, scales, layout_gs, fmt=fmt, recipe=recipe)
     assert torch.equal(y_mma, y)
+
+
+@pytest.mark.parametrize("mode", ["prefill", "prefill-resident"])
+@pytest.mark.parametrize("m", [256, 4096])
+def test_quant_linear_with_fp8_compute(mods, mode, m):
+    """QuantLinear with FP8 compute on (Llama-3-8B qkv, bf16): kernel_for(M) names fp8 prefill
+    from the regime row's M (256 resident, 4096 per call), and the layer's output is there
+    within the proven componentwise bound of the float64 W4A16 result (relative error < 0.06);
+    below it the weight-only kernels run (1e-2). The resident copy is a buffer of the layer."""
+    from quantdispatch.api import load_settings
+    from quantdispatch.backends.triton import fp8_compute
+    from quantdispatch.checking import FP8_REL_BOUND, fp8_bound_ratio, rel_error
+    from quantdispatch.formats.nvfp4 import dequantize_nvfp4, quantize_nvfp4
+    from quantdispatch.kernels.regimes import fp8_prefill_regime
+    from quantdispatch.layers import QuantLinear
+
+    n, k = 6144, 4096
+    cap = torch.cuda.get_device_capability()
+    if fp8_compute.mode_for("nvfp4", n, k, torch.bfloat16, cap, mode) == "off":
+        _row, why = fp8_compute.availability("nvfp4", n, k, torch.bfloat16, cap, mode)
+        pytest.skip(f"FP8 compute does not apply here: {'; '.join(why)}")
+    g = torch.Generator(device=DEV).manual_seed(m)
+    w = torch.randn(n, k, generator=g, device=DEV) * 0.02
+    w[:64] *= 1e-3  # subnormal block scales
+    q = quantize_nvfp4(w)
+    settings = load_settings({}, backend={"nvfp4": "triton"}, fp8_compute=mode)
+    layer = QuantLinear(q, act_dtype=torch.bfloat16, device=DEV, settings=settings)
+    min_m = fp8_prefill_regime("nvfp4", cap, mode).min_m
+    family = layer.decision.kernel_for(m).family
+    fp8 = m >= min_m
+    assert (family == "fp8 prefill") == fp8, (mode, m, family)
+    assert ("fp8_weight" in dict(layer.named_buffers())) == (mode == "prefill-resident")
+    x = torch.randn(m, k, generator=g, device=DEV).to(torch.bfloat16)
+    y = layer(x)
+    assert y.shape == (m, n) and y.dtype == torch.bfloat16
+    rows = 128
+    w64 = dequantize_nvfp4(q, dtype=torch.float64)
+    ref = x[:rows].double() @ w64.T
+    err = rel_error(y[:rows], ref)
+    if fp8:
+        ratio = fp8_bound_ratio("nvfp4", q, x[:rows], y[:rows], fp8_compute.recipe_for(k))
+        print(f"{mode} M={m}: rel err {err:.3e}, bound ratio {ratio:.3f}")
+        assert ratio <= 1.0 and err < FP8_REL_BOUND
+    else:
+        assert err < 1e-2, (mode, m, err)

@@ -5,7 +5,9 @@ both call. Checked without a GPU over a grid of M, shapes, formats, dtypes and S
 * the table reproduces the rules it replaced (written out below as an independent oracle);
 * ``kernel_for(m)`` (from the ranges) equals the dispatch function at every M;
 * the run path, given CPU tensors and a simulated GPU's facts, calls the launcher of that
-  family (the launchers are replaced by recorders).
+  family (the launchers are replaced by recorders);
+* with FP8 compute on (each mode), the same three hold with the FP8 prefill range added where
+  its row applies (SM 9.0 with CUDA 12.9+, eligible shapes), and nowhere else.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ pytest.importorskip("triton")
 
 from quantdispatch.api import load_settings, select
 from quantdispatch.backends.base import CheckpointMeta, Layout, Mma16x64Meta, MoeCall
-from quantdispatch.backends.triton import dispatch, run
+from quantdispatch.backends.triton import dispatch, fp8_compute, run
 from quantdispatch.device import preset_profile
 from quantdispatch.errors import BackendUnavailableError
 from quantdispatch.kernels.common.device_facts import DeviceFacts
@@ -35,12 +37,22 @@ MS = (1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 256, 257, 51
       1024, 4096)  # fmt: skip
 
 
-def _decision(fmt, op, act, preset, **shape):
+def _decision(fmt, op, act, preset, fp8="off", **shape):
     try:
-        settings = load_settings({}, backend={fmt: "triton"})
+        settings = load_settings({}, backend={fmt: "triton"}, fp8_compute=fp8)
         return select(fmt, op, act, device=preset, settings=settings, **shape)
     except BackendUnavailableError:  # e.g. bf16 before SM 8.0
         return None
+
+
+def _cuda13(preset):
+    """A preset's profile with a CUDA 13.0 torch build (this CPU torch has none; presets then
+    assume 12.8, below what FP8 compute's block-scaled recipes need)."""
+    return preset_profile(preset).model_copy(update={"cuda_version": "13.0"})
+
+
+FP8_MODES = ("prefill", "prefill-resident")
+FP8_MS = (*MS, 1023, 1025, 4095, 4097, 8192)
 
 
 def _old_family(fmt, m, n, k, act, cap):
@@ -81,6 +93,42 @@ def test_kernel_for_is_the_dispatch_and_the_old_rules(preset, fmt, act):
             assert family is _old_family(fmt, m, n, k, act, profile.capability), (n, k, m)
 
 
+@pytest.mark.parametrize("preset", ("h200", "rtx4090", "a100", "b200", "rtx5090"))
+@pytest.mark.parametrize("fmt", ("nvfp4", "mxfp4"))
+@pytest.mark.parametrize("mode", FP8_MODES)
+def test_kernel_for_with_fp8_compute_is_the_dispatch(preset, fmt, mode):
+    """FP8 compute on: kernel_for = the dispatch on the meta prepare gives; FP8 prefill from the
+    row's M on SM 9.0 (eligible shapes: N % 16, K % 128), below it and elsewhere the weight-only
+    families of the old rules."""
+    profile = _cuda13(preset)
+    facts, cap = dispatch.facts_for(profile), profile.capability
+    min_m = {"prefill": 4096, "prefill-resident": 256}[mode]
+    for act, (n, k) in itertools.product(DTYPES, SHAPES):
+        d = _decision(fmt, "linear", act, profile, fp8=mode, n=n, k=k)
+        if d is None:
+            continue
+        assert d.fp8_compute == mode
+        layout = dispatch.linear_layout(fmt, n, k, act, cap)
+        got = fp8_compute.mode_for(fmt, n, k, act, cap, mode, (13, 0))
+        on = cap == (9, 0) and n % 16 == 0 and k % 128 == 0
+        assert got == (mode if on else "off"), (preset, n, k)
+        meta = dispatch.prepared_meta(layout, act, got)
+        for m in FP8_MS:
+            family = dispatch.linear_family(fmt, layout, meta, m, n, k, facts)
+            assert d.kernel_for(m).family is family, (preset, fmt, n, k, m)
+            if on and m >= min_m:
+                assert family is Family.FP8_PREFILL, (n, k, m)
+            else:
+                assert family is _old_family(fmt, m, n, k, act, cap), (n, k, m)
+
+
+def test_fp8_compute_rows_need_cuda_12_9_for_the_block_recipes():
+    """The presets' assumed CUDA 12.8 build: no FP8 range, and the trace says why."""
+    d = _decision("nvfp4", "linear", torch.bfloat16, "h200", fp8="prefill", n=6144, k=4096)
+    assert all(r.family != Family.FP8_PREFILL for r in d.kernel_ranges())
+    assert "FP8 compute (prefill) not used: recipe 128x128 needs SM 9.0 and CUDA 12.9+" in d.reason
+
+
 def test_an_fp16_rebased_mxfp4_weight_keeps_the_fused_kernels_at_every_m():
     meta, facts = CheckpointMeta(fp16_rebased=True), DeviceFacts.for_capability((9, 0))
     for m in MS:
@@ -97,6 +145,8 @@ LAUNCHERS = {
     "dequant_gemm": Family.DEQUANT_CUBLAS,
     "fp4_linear": Family.CHECKPOINT_TL_DOT,
     "fp8_weight_only_linear": Family.FP8_TL_DOT,
+    "fp8_prefill_linear": Family.FP8_PREFILL,
+    "fp8_prefill_linear_mma": Family.FP8_PREFILL,
     "mma_layout_moe": None,  # its family: the config it gets
     "fused_moe": None,
 }
@@ -144,6 +194,43 @@ def test_the_run_path_calls_the_launcher_of_kernel_for(monkeypatch, calls, prese
             run.linear(torch.empty((m, k), dtype=act), tensors, None, fmt, layout, meta, True)
             ((name, _),) = calls
             assert LAUNCHERS[name] is d.kernel_for(m).family, (preset, act, n, k, m, name)
+
+
+@pytest.mark.parametrize("preset", ("h200", "rtx4090"))
+@pytest.mark.parametrize("fmt", ("nvfp4", "mxfp4"))
+@pytest.mark.parametrize("mode", FP8_MODES)
+def test_the_fp8_compute_run_path_calls_the_launcher_of_kernel_for(
+    monkeypatch, calls, preset, fmt, mode
+):
+    """FP8 compute on: the run path's launcher is kernel_for's family at every M, and the FP8
+    prefill launchers get the block recipe and, for prefill-resident, the resident copy."""
+    profile = _cuda13(preset)
+    monkeypatch.setattr(run, "device_facts", lambda device: dispatch.facts_for(profile))
+    cap = profile.capability
+    for act, (n, k) in itertools.product(DTYPES, ((6144, 4096), (28672, 4096), (48, 4224))):
+        d = _decision(fmt, "linear", act, profile, fp8=mode, n=n, k=k)
+        layout = dispatch.linear_layout(fmt, n, k, act, cap)
+        got = fp8_compute.mode_for(fmt, n, k, act, cap, mode, (13, 0))
+        meta = dispatch.prepared_meta(layout, act, got)
+        tensors = _linear_tensors(fmt, layout, n, k)
+        if got == "prefill-resident":
+            stored = (
+                (k // 128, n) if fp8_compute.recipe_for(k) == "1x128" else (-(-n // 128), k // 128)
+            )
+            tensors += [torch.empty((n, k), dtype=torch.uint8), torch.empty(stored)]
+        for m in (1, 33, 255, 256, 257, 4095, 4096, 8192):
+            calls.clear()
+            run.linear(torch.empty((m, k), dtype=act), tensors, None, fmt, layout, meta, True)
+            ((name, kw),) = calls
+            assert LAUNCHERS[name] is d.kernel_for(m).family, (preset, act, n, k, m, name)
+            if LAUNCHERS[name] is Family.FP8_PREFILL:
+                assert kw["recipe"] == fp8_compute.recipe_for(k) and kw["capability"] == (9, 0)
+                res = kw["resident"]
+                if mode == "prefill":
+                    assert res is None
+                else:
+                    assert res.q.shape == (n, k) and res.q.dtype == torch.float8_e4m3fn
+                    assert res.scale.t().is_contiguous() == (res.recipe == "1x128")
 
 
 MOE_SHAPES = ((128, 8, 768, 2048), (8, 2, 14336, 4096), (8, 2, 1000, 4096))  # E, top-k, I, H

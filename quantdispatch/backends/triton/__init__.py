@@ -9,8 +9,10 @@ ones with unquantized activations (it says so).
 
 The package: :mod:`.facts` (what it can run, doctor's words, kernel ranges), :mod:`.dispatch`
 (layout and kernel family from the regime table, quantdispatch.kernels.regimes),
-:mod:`.prepare` (layout choice and repack), :mod:`.run` (a call -> its kernel family -> one
-kernel file's launcher; imported at the first call, as it imports triton).
+:mod:`.prepare` (layout choice and repack), :mod:`.fp8_compute` (the opt-in, lossy FP8 compute
+for prefill: which weights take it, the resident copy, the trace's words), :mod:`.run` (a call
+-> its kernel family -> one kernel file's launcher; imported at the first call, as it imports
+triton).
 """
 
 from __future__ import annotations
@@ -44,8 +46,10 @@ class TritonBackend(TritonFacts):
     provider = "triton"
     weight_only = True
 
-    def prepare(self, weight: object, request: Request) -> PreparedWeight:
-        prepared = _prepare.prepare_linear(weight, request)
+    def prepare(
+        self, weight: object, request: Request, *, fp8_compute: str = "off"
+    ) -> PreparedWeight:
+        prepared = _prepare.prepare_linear(weight, request, fp8_compute)
         return prepared if prepared is not None else super().prepare(weight, request)
 
     def prepare_moe(

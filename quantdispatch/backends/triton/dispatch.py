@@ -19,7 +19,14 @@ from quantdispatch.backends.base import (
     Mma16x64Meta,
 )
 from quantdispatch.kernels.common.device_facts import DeviceFacts, device_facts
-from quantdispatch.kernels.regimes import Family, LinearRegime, linear_regime
+from quantdispatch.kernels.regimes import (
+    Family,
+    Fp8PrefillRegime,
+    LinearRegime,
+    Step,
+    fp8_prefill_regime,
+    linear_regime,
+)
 
 if TYPE_CHECKING:
     from quantdispatch.device import DeviceProfile
@@ -27,6 +34,7 @@ if TYPE_CHECKING:
 __all__ = [
     "FP4",
     "facts_for",
+    "fp8_row",
     "linear_family",
     "linear_layout",
     "linear_ranges",
@@ -83,14 +91,25 @@ def linear_row(
     return linear_regime(fmt, layout.value, facts.capability, n, k, flags)
 
 
+def fp8_row(fmt: str, meta: LayoutMeta, facts: DeviceFacts) -> Fp8PrefillRegime | None:
+    """The enabled FP8 compute row of a weight prepared for FP8 compute (its meta's
+    ``fp8_compute``, set by prepare where the row applies: backends.triton.fp8_compute), else
+    None."""
+    mode = getattr(meta, "fp8_compute", "off")
+    if mode == "off":
+        return None
+    row = fp8_prefill_regime(fmt, facts.capability, mode)
+    return row if row is not None and row.min_m is not None else None
+
+
 @functools.lru_cache(maxsize=1024)
 def _steps(
     fmt: str, layout: Layout, meta: LayoutMeta, n: int, k: int, facts: DeviceFacts
 ) -> tuple[tuple[int | None, Family], ...]:
-    """(largest M, family) per step of the weight's row (cached: a layer's weight asks each
-    call)."""
+    """(largest M, family) per step of the weight's row, FP8 compute included (cached: a
+    layer's weight asks each call)."""
     row = linear_row(fmt, layout, meta, n, k, facts)
-    return tuple((top, s.family) for s, top in zip(row.steps, row.max_ms(n, k), strict=True))
+    return tuple((top, s.family) for top, s in row.steps_for(n, k, fp8_row(fmt, meta, facts)))
 
 
 def linear_family(
@@ -108,14 +127,24 @@ def linear_ranges(
 ) -> tuple[KernelRange, ...]:
     """The kernel family for every range of M (the last range goes on)."""
     row = linear_row(fmt, layout, meta, n, k, facts)
-    return tuple(KernelRange(a, b, s.family, s.family.detail) for a, b, s in row.ranges(n, k))
+    ranges = row.ranges(n, k, fp8_row(fmt, meta, facts))
+    return tuple(KernelRange(a, b, s.family, _detail(s, meta)) for a, b, s in ranges)
 
 
-def prepared_meta(layout: Layout, act_dtype: torch.dtype) -> LayoutMeta:
-    """The meta prepare gives a weight of ``layout`` (the common case: no rebase, no block)."""
+def _detail(step: Step, meta: LayoutMeta) -> str:
+    """A range's detail; FP8 compute's says whether the weight is re-encoded per call."""
+    if step.family is not Family.FP8_PREFILL:
+        return step.family.detail
+    resident = getattr(meta, "fp8_compute", "off") == "prefill-resident"
+    return f"{step.family.detail}; {'resident FP8 copy' if resident else 're-encoded per call'}"
+
+
+def prepared_meta(layout: Layout, act_dtype: torch.dtype, fp8_compute: str = "off") -> LayoutMeta:
+    """The meta prepare gives a weight of ``layout`` (the common case: no rebase, no block)
+    with FP8 compute mode ``fp8_compute`` (as prepare's ``fp8_compute.mode_for`` answers)."""
     if layout is Layout.MMA16X64:
-        return Mma16x64Meta(act_dtype)
-    return CheckpointMeta()
+        return Mma16x64Meta(act_dtype, fp8_compute)
+    return CheckpointMeta(fp8_compute=fp8_compute)
 
 
 # --------------------------------------------------------------------------------------------

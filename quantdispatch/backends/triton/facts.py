@@ -11,6 +11,7 @@ import torch
 
 from quantdispatch.backends.base import Backend, KernelRange, Layout
 from quantdispatch.backends.triton import dispatch
+from quantdispatch.backends.triton import fp8_compute as _fp8
 from quantdispatch.errors import ConfigurationError, format_error
 from quantdispatch.kernels.regimes import (
     LINEAR_REGIMES,
@@ -214,10 +215,12 @@ class TritonFacts(Backend):
         *,
         top_k: int | None = None,
         pdl: bool = True,
+        fp8_compute: str = "off",
     ) -> tuple[KernelRange, ...]:
         """Linear: needs the request's N and K. MoE: needs ``top_k``, the request's experts,
-        N = I and K = H (gated experts assumed). The layout is the one prepare picks for such
-        a weight (MXFP4: scales within 18 binades, and within fp16's range in fp16)."""
+        N = I and K = H (gated experts assumed). The layout and meta are the ones prepare gives
+        such a weight (MXFP4: scales within 18 binades, and within fp16's range in fp16),
+        ``fp8_compute`` included where it applies (:func:`.fp8_compute.mode_for`)."""
         if request.op is Op.MOE:
             return self._moe_ranges(request, profile, top_k, pdl)
         if request.n is None or request.k is None:
@@ -228,10 +231,30 @@ class TritonFacts(Backend):
                     "pass n= and k= to select() (doctor: --shape NxK)",
                 )
             )
-        n, k, fmt = request.n, request.k, request.format
-        layout = dispatch.linear_layout(fmt, n, k, request.act_dtype, profile.capability)
-        meta = dispatch.prepared_meta(layout, request.act_dtype)
+        n, k, fmt, act = request.n, request.k, request.format, request.act_dtype
+        layout = dispatch.linear_layout(fmt, n, k, act, profile.capability)
+        cuda = _fp8.cuda_of(profile.cuda_version)
+        mode = _fp8.mode_for(fmt, n, k, act, profile.capability, fp8_compute, cuda)
+        meta = dispatch.prepared_meta(layout, act, mode)
         return dispatch.linear_ranges(fmt, layout, meta, n, k, dispatch.facts_for(profile))
+
+    def compute_note(self, request: Request, profile: DeviceProfile, fp8_compute: str) -> str:
+        if request.op is not Op.LINEAR or request.format not in dispatch.FP4:
+            return ""
+        return _fp8.trace_note(
+            request.format, request.n, request.k, request.act_dtype, profile.capability,
+            fp8_compute, _fp8.cuda_of(profile.cuda_version),
+        )  # fmt: skip
+
+    def fp8_resident_bytes(self, request: Request, profile: DeviceProfile) -> int | None:
+        n, k = request.n, request.k
+        if request.op is not Op.LINEAR or n is None or k is None:
+            return None
+        cuda = _fp8.cuda_of(profile.cuda_version)
+        _row, reasons = _fp8.availability(
+            request.format, n, k, request.act_dtype, profile.capability, _fp8.RESIDENT, cuda
+        )
+        return None if reasons else _fp8.resident_bytes(n, k)
 
     def _moe_ranges(
         self, request: Request, profile: DeviceProfile, top_k: int | None, pdl: bool

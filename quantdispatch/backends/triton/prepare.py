@@ -1,6 +1,8 @@
 """The triton backend's prepare step: the layout a weight (or a MoE layer's experts) is put in,
 once, at load (:func:`.dispatch.linear_layout`, :func:`.dispatch.moe_layout`), and the repack
-into it. The mma16x64 layout holds the same bytes as the checkpoint (no second copy).
+into it. The mma16x64 layout holds the same bytes as the checkpoint (no second copy). With FP8
+compute on (:mod:`.fp8_compute`), the weight's meta records the mode it runs and
+``prefill-resident`` adds the resident FP8 copy.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from quantdispatch.backends.base import (
     PreparedMoe,
     PreparedWeight,
 )
-from quantdispatch.backends.triton import dispatch
+from quantdispatch.backends.triton import dispatch, fp8_compute
 from quantdispatch.errors import WeightFormatError, format_error
 from quantdispatch.kernels.common.device_facts import device_facts
 from quantdispatch.request import Request
@@ -28,16 +30,22 @@ def _capability(device: torch.device) -> tuple[int, int] | None:
     return device_facts(device).capability
 
 
-def prepare_linear(weight: object, request: Request) -> PreparedWeight | None:
-    """The backend's tensors for an NVFP4 / MXFP4 / FP8 weight (None: not one of those)."""
+def prepare_linear(
+    weight: object, request: Request, fp8_mode: str = "off"
+) -> PreparedWeight | None:
+    """The backend's tensors for an NVFP4 / MXFP4 / FP8 weight (None: not one of those);
+    ``fp8_mode``: the decision's FP8 compute mode (FP4 weights)."""
     from quantdispatch.formats.fp8 import Fp8Weight
     from quantdispatch.formats.mxfp4 import Mxfp4Weight
     from quantdispatch.formats.nvfp4 import Nvfp4Weight
 
-    if isinstance(weight, Nvfp4Weight):
-        return _nvfp4(weight, request)
-    if isinstance(weight, Mxfp4Weight):
-        return _mxfp4(weight, request)
+    if isinstance(weight, (Nvfp4Weight, Mxfp4Weight)):
+        fmt = "nvfp4" if isinstance(weight, Nvfp4Weight) else "mxfp4"
+        prepared = _nvfp4(weight, request) if fmt == "nvfp4" else _mxfp4(weight, request)
+        if fp8_mode == fp8_compute.OFF:
+            return prepared
+        cap = _capability(weight.packed.device)
+        return fp8_compute.add_fp8_compute(prepared, fmt, request.act_dtype, cap, fp8_mode)
     if isinstance(weight, Fp8Weight):
         n, k = weight.shape
         extra = () if weight.input_scale is None else (weight.input_scale,)

@@ -1,7 +1,8 @@
 """The triton backend's run step: a call -> its kernel family (:mod:`.dispatch`, read from the
 regime table) -> one kernel file's launcher. The family depends only on host-side shapes, so
 nothing synchronizes. The device facts are asked once per call (a cached lookup) and handed
-down with the decision's PDL switch.
+down with the decision's PDL switch. A weight prepared for FP8 compute (its meta's
+``fp8_compute``) runs the FP8 prefill linear from its row's M on.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from quantdispatch.backends.base import (
     MoeCall,
     op_view,
 )
-from quantdispatch.backends.triton import dispatch
+from quantdispatch.backends.triton import dispatch, fp8_compute
 from quantdispatch.errors import InputError, format_error
 from quantdispatch.kernels.checkpoint_layout.dequant import dequant_fp4_rows, dequant_fp8_rows
 from quantdispatch.kernels.checkpoint_layout.fp8 import fp8_weight_only_linear
@@ -31,6 +32,7 @@ from quantdispatch.kernels.mma_layout.gemm import mma_gemm
 from quantdispatch.kernels.mma_layout.gemv import mma_linear
 from quantdispatch.kernels.mma_layout.layout import CHUNK_K, TILE_N
 from quantdispatch.kernels.mma_layout.moe_gemm import mma_layout_moe
+from quantdispatch.kernels.native.fp8_prefill import fp8_prefill_linear, fp8_prefill_linear_mma
 from quantdispatch.kernels.regimes import Family
 from quantdispatch.moe.activations import get_activation
 
@@ -78,6 +80,11 @@ def _mma_layout(
         )
     n, k = words.shape[0] * TILE_N, x.shape[1]
     family = dispatch.linear_family(fmt, Layout.MMA16X64, meta, x.shape[0], n, k, facts)
+    if family is Family.FP8_PREFILL:
+        return fp8_prefill_linear_mma(
+            x, words, scales, global_scale, fmt=fmt, bias=bias, recipe=fp8_compute.recipe_for(k),
+            resident=_resident(tensors, meta), capability=facts.capability,
+        )  # fmt: skip
     if family is Family.MMA_GEMV:
         return mma_linear(x, words, scales, global_scale, bias)
     if family is Family.WGMMA_GEMM:
@@ -107,6 +114,12 @@ def _checkpoint_fp4(
     # (a host scalar, and fp16 partial sums of 2^|d| times the output when d < 0).
     n, k = packed.shape[0], x.shape[1]
     family = dispatch.linear_family(fmt, Layout.CHECKPOINT, meta, x.shape[0], n, k, facts)
+    if family is Family.FP8_PREFILL:
+        return fp8_prefill_linear(
+            x, packed, block_scale, global_scale, fmt=fmt, bias=bias,
+            recipe=fp8_compute.recipe_for(k), resident=_resident(tensors, meta),
+            capability=facts.capability,
+        )  # fmt: skip
     if family is Family.CHECKPOINT_TL_DOT:
         return fp4_linear(
             x, packed, block_scale, global_scale, scale_format=scale_format, bias=bias, facts=facts
@@ -118,6 +131,14 @@ def _checkpoint_fp4(
         dequant_fp4_rows(packed[a:b], scales, global_scale, out, scale_format=scale_format)
 
     return dequant_gemm(x, packed.shape[0], packed.shape[1] * 2, rows, bias)
+
+
+def _resident(tensors: Sequence[torch.Tensor], meta: LayoutMeta):  # type: ignore[no-untyped-def]
+    """The resident FP8 copy (the last two tensors) of a ``prefill-resident`` weight, else
+    None (re-encoded per call)."""
+    if meta.fp8_compute != fp8_compute.RESIDENT:  # type: ignore[union-attr]
+        return None
+    return fp8_compute.resident_weight(tensors[-2], tensors[-1])
 
 
 def _checkpoint_fp8(

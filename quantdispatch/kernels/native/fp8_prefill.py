@@ -39,6 +39,7 @@ __all__ = [
     "RECIPES",
     "WORKSPACE_BYTES",
     "PrefillWeight",
+    "block_recipe",
     "default_recipe",
     "fp8_prefill_linear",
     "fp8_prefill_linear_mma",
@@ -48,6 +49,7 @@ __all__ = [
     "prefill_reasons",
     "quantize_activations",
     "reencode_rows",
+    "resident_nbytes",
     "weight_blocks",
 ]
 
@@ -69,12 +71,20 @@ def _cuda_version() -> tuple[int, int]:
     return tuple(int(p) for p in v.split(".")[:2]) if v else (0, 0)  # type: ignore[return-value]
 
 
-def default_recipe(k: int, capability: tuple[int, int]) -> str:
-    """The recipe for K on a GPU: block scales on SM 9.0 with CUDA 12.9+ (128x128 where K %
-    512 == 0, else 1x128), row-wise elsewhere (SM 8.9, 10.x, 12.x: torch's block-scaled FP8
-    recipes are SM 9.0 only)."""
-    if tuple(capability) == (9, 0) and _cuda_version() >= (12, 9):
-        return "128x128" if k % 512 == 0 else "1x128"
+def block_recipe(k: int) -> str:
+    """The block-scaled recipe for K: 128x128 where K % 512 == 0 (module doc), else 1x128."""
+    return "128x128" if k % 512 == 0 else "1x128"
+
+
+def default_recipe(
+    k: int, capability: tuple[int, int], cuda_version: tuple[int, int] | None = None
+) -> str:
+    """The recipe for K on a GPU: block scales (:func:`block_recipe`) on SM 9.0 with CUDA
+    12.9+, row-wise elsewhere (SM 8.9, 10.x, 12.x: torch's block-scaled FP8 recipes are SM 9.0
+    only). ``cuda_version``: torch's CUDA build (None: this torch's)."""
+    cuda = cuda_version if cuda_version is not None else _cuda_version()
+    if tuple(capability) == (9, 0) and cuda >= (12, 9):
+        return block_recipe(k)
     return "rowwise"
 
 
@@ -94,9 +104,12 @@ def prefill_reasons(
     act_dtype: torch.dtype,
     capability: tuple[int, int] | None,
     recipe: str | None = None,
+    cuda_version: tuple[int, int] | None = None,
 ) -> list[str]:
     """Why FP8 prefill cannot run this linear here (empty: it can). Shape and device only;
-    MXFP4 scale ranges are checked once at load (:func:`rule.check_mx_exponents`)."""
+    MXFP4 scale ranges are checked once at load (:func:`rule.check_mx_exponents`).
+    ``cuda_version``: torch's CUDA build (None: this torch's)."""
+    cuda = cuda_version if cuda_version is not None else _cuda_version()
     out = []
     if fmt not in ("nvfp4", "mxfp4"):
         out.append(f"FP8 prefill re-encodes NVFP4 / MXFP4 weights, not {fmt}")
@@ -110,7 +123,7 @@ def prefill_reasons(
         if recipe not in RECIPES:
             out.append(f"unknown recipe {recipe!r} (one of {', '.join(RECIPES)})")
         elif recipe != "rowwise" and capability is not None:
-            if tuple(capability) != (9, 0) or _cuda_version() < (12, 9):
+            if tuple(capability) != (9, 0) or cuda < (12, 9):
                 out.append(f"recipe {recipe} needs SM 9.0 and CUDA 12.9+ in torch")
             if recipe == "128x128" and k % 512:
                 out.append(f"recipe 128x128 needs K % 512 == 0 here (K = {k})")
@@ -130,6 +143,12 @@ class PrefillWeight:
     def nbytes(self) -> int:
         """Bytes held (what a resident copy costs on top of the FP4 weight)."""
         return self.q.numel() + self.scale.numel() * 4
+
+
+def resident_nbytes(n: int, k: int, recipe: str) -> int:
+    """:meth:`PrefillWeight.nbytes` of an N x K weight's resident copy, without building it."""
+    rb, kb = rule.scale_grid(n, k, *weight_blocks(recipe, k))
+    return n * k + rb * kb * 4
 
 
 def _scale_buffer(rows: int, k: int, recipe: str, device: torch.device) -> torch.Tensor:
