@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from quantdispatch.api import select
 from quantdispatch.backends import get_backend
@@ -31,6 +32,7 @@ __all__ = [
     "FixedDtypeBuffers",
     "QuantLayer",
     "activations_2d",
+    "direct_call_ok",
     "format_of",
     "profile_for",
     "resolve_quant_config",
@@ -138,6 +140,22 @@ def activations_2d(
         )
     x2 = x.reshape(-1, width)
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def direct_call_ok(x: torch.Tensor) -> bool:
+    """Whether a layer may call its backend directly rather than through its custom op.
+
+    Yes for a plain tensor in eager mode with no autograd to record and no dispatch mode active.
+    Compilation, export, fake tensors and tracers keep the op: they need its fake implementation
+    and must not trace into the kernels. The op computes the same thing by the same backend call,
+    but its dispatch costs tens of microseconds of host time per call, more than a decode step's
+    kernel."""
+    return (
+        not torch.compiler.is_compiling()
+        and type(x) is torch.Tensor
+        and not (x.requires_grad and torch.is_grad_enabled())
+        and _get_current_dispatch_mode() is None
+    )
 
 
 class FixedDtypeBuffers(nn.Module):

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 import quantdispatch.ops  # noqa: F401  (registers torch.ops.quantdispatch.*)
+from quantdispatch.backends import get_backend
 from quantdispatch.backends.base import as_op_tensors
 from quantdispatch.checkpoints import (
     LoadedLinear,
@@ -35,6 +36,7 @@ from quantdispatch.formats import Fp8Weight, quantize_fp8, quantize_mxfp4, quant
 from quantdispatch.layers.base import (
     QuantLayer,
     activations_2d,
+    direct_call_ok,
     format_of,
     resolve_quant_config,
     target_device,
@@ -243,16 +245,22 @@ class QuantLinear(QuantLayer):
         ref = getattr(self, self._names[0])
         x2 = activations_2d(x, self.act_dtype, self.in_features, "in_features", ref.device)
         lead = x.shape[:-1]
-        y = torch.ops.quantdispatch.linear(
-            x2,
-            self._tensors(),
-            self.bias,
-            self.backend,
-            self.format,
-            self._meta_args,
-            self.out_features,
-            self.decision.pdl,
-        )
+        if direct_call_ok(x2):  # what the op runs, without its dispatch cost
+            y = get_backend(self.backend).linear(
+                x2, self._tensors(), self.bias, self.format, self._layout, self._meta,
+                pdl=self.decision.pdl,
+            )  # fmt: skip
+        else:
+            y = torch.ops.quantdispatch.linear(
+                x2,
+                self._tensors(),
+                self.bias,
+                self.backend,
+                self.format,
+                self._meta_args,
+                self.out_features,
+                self.decision.pdl,
+            )
         return y.reshape(*lead, self.out_features)
 
     # -- reporting --------------------------------------------------------------------------------

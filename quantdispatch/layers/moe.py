@@ -22,10 +22,17 @@ from typing import Any
 import torch
 
 import quantdispatch.ops  # noqa: F401  (registers torch.ops.quantdispatch.*)
-from quantdispatch.backends.base import CheckpointMeta
+from quantdispatch.backends import get_backend
+from quantdispatch.backends.base import CheckpointMeta, MoeCall
 from quantdispatch.checkpoints import MoeShard, QuantWeight, read_moe_shard
 from quantdispatch.errors import CheckpointError, ConfigurationError, InputError, format_error
-from quantdispatch.layers.base import QuantLayer, activations_2d, format_of, resolve_quant_config
+from quantdispatch.layers.base import (
+    QuantLayer,
+    activations_2d,
+    direct_call_ok,
+    format_of,
+    resolve_quant_config,
+)
 from quantdispatch.moe.activations import get_activation
 from quantdispatch.moe.routing import (
     RoutingConfig,
@@ -329,21 +336,29 @@ class QuantMoE(QuantLayer):
                 self.validate_ids,
             )
         local = to_local_ids(ids, self.expert_map)
-        y = torch.ops.quantdispatch.moe(
-            x2,
-            local,
-            weights,
-            self._w13(),
-            self._w2(),
-            self.w13_bias,
-            self.w2_bias,
-            self.backend,
-            self.format,
-            self.activation,
-            self._params,
-            self._meta_args,
-            self.decision.pdl,
-        )
+        if direct_call_ok(x2):  # what the op runs, without its dispatch cost
+            call = MoeCall(
+                x2, local, weights, tuple(self._w13()), tuple(self._w2()), self.w13_bias,
+                self.w2_bias, self.format, self.activation, tuple(self._params), self._layout,
+                self._meta, self.decision.pdl,
+            )  # fmt: skip
+            y = get_backend(self.backend).moe(call)
+        else:
+            y = torch.ops.quantdispatch.moe(
+                x2,
+                local,
+                weights,
+                self._w13(),
+                self._w2(),
+                self.w13_bias,
+                self.w2_bias,
+                self.backend,
+                self.format,
+                self.activation,
+                self._params,
+                self._meta_args,
+                self.decision.pdl,
+            )
         return y.reshape(*lead, self.hidden_size)
 
     @property

@@ -677,6 +677,31 @@ def test_torch_compile_fullgraph_matches_eager():
     assert torch.equal(compiled(x, topk_ids=ids, topk_weights=w), layer(x, logits))
 
 
+def test_eager_calls_skip_the_op_dispatch_and_give_its_result():
+    """As QuantLinear: an eager inference call runs the backend directly, the same bits as the
+    op; with autograd recording the op runs."""
+    ex = make_experts("nvfp4", 4, 64, 32, seed=51)
+    layer = layer_of(ex, top_k=2)
+    x = rand_x(5, 64, torch.bfloat16, seed=52)
+    logits = rand_logits(5, 4, seed=53)
+
+    def op_calls(fn):
+        with torch.autograd.profiler.profile() as prof:
+            fn()
+        return sum(e.count for e in prof.key_averages() if e.key == "quantdispatch::moe")
+
+    with torch.no_grad():
+        assert op_calls(lambda: layer(x, logits)) == 0
+        direct = layer(x, logits)
+    ids, w = layer.route(logits)
+    via_op = torch.ops.quantdispatch.moe(
+        x, ids, w, layer._w13(), layer._w2(), None, None, "reference", "nvfp4", "silu", [],
+        layer._meta_args,
+    )  # fmt: skip
+    assert torch.equal(direct, via_op)
+    assert op_calls(lambda: layer(x.clone().requires_grad_(True), logits)) == 1
+
+
 def test_moe_custom_op_passes_opcheck():
     """Fake implementation and autograd/AOT registration (test_schema is left out: its
     mutation check compares inputs with allclose, which torch has no float8 kernel for)."""

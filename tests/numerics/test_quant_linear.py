@@ -244,6 +244,42 @@ def test_torch_compile_fullgraph_matches_eager():
     assert torch.equal(compiled(x), model(x))
 
 
+def _op_calls(fn) -> int:
+    """How many times ``fn`` ran torch.ops.quantdispatch.linear (the profiler records the op)."""
+    with torch.autograd.profiler.profile() as prof:
+        fn()
+    return sum(e.count for e in prof.key_averages() if e.key == "quantdispatch::linear")
+
+
+def test_eager_calls_skip_the_op_dispatch_and_give_its_result():
+    """An eager inference call runs the backend directly (the op's dispatch costs more host time
+    than a decode kernel); with autograd recording or under compilation the op runs. Same bits
+    either way."""
+    layer = QuantLinear(_nvfp4(48, 64, seed=4), bias=torch.randn(48), device="cpu")
+    x = _x((3, 64), torch.bfloat16, seed=5)
+    with torch.no_grad():
+        assert _op_calls(lambda: layer(x)) == 0
+        direct = layer(x)
+    via_op = torch.ops.quantdispatch.linear(
+        x, layer._tensors(), layer.bias, "reference", "nvfp4", layer._meta_args, 48
+    )
+    assert torch.equal(direct, via_op)
+    xg = x.clone().requires_grad_(True)
+    assert _op_calls(lambda: layer(xg)) == 1
+
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend=backend, fullgraph=True)
+    with torch.no_grad():
+        assert torch.equal(compiled(x), direct)
+    assert "quantdispatch.linear" in seen
+
+
 def test_custom_op_passes_opcheck():
     layer = QuantLinear(_nvfp4(32, 48, seed=1), bias=torch.randn(32), device="cpu")
     x = _x((3, 48), torch.bfloat16, seed=2)
