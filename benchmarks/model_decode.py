@@ -11,7 +11,13 @@ sdpa attention, and per ``--compile`` mode
   ``CompileConfig(backend="cudagraphs")`` (dynamo traces the step, one CUDA graph replays it:
   the same kernels as eager, without launch overhead; no inductor code generation);
 - ``inductor``: transformers' default ``CompileConfig`` (inductor, mode="reduce-overhead");
-  its compile takes minutes per model and batch size, so it is not in the default list.
+  its compile takes minutes per model and batch size, so it is not in the default list;
+- ``graph``: not ``generate``: the decode step an engine would run, the model's forward on a
+  ``StaticCache`` for one token plus the greedy arg-max, captured once in a CUDA graph and
+  replayed per token (prefill eager). No host work per token but one graph launch, and no input
+  copies (dynamo's ``cudagraphs`` backend copies every parameter and buffer it does not see as
+  static into its graph's inputs on each replay). Its tokens are checked against the same
+  step run eagerly.
 
 Measured per variant: model bytes on the device; time to first token (``generate`` with one
 new token: prefill + first token) cold, i.e. the first call on a fresh model (the Triton kernels
@@ -77,7 +83,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
         tie_word_embeddings=True,
     ),
 }
-COMPILE_MODES = ("none", "cudagraphs", "inductor")
+COMPILE_MODES = ("none", "cudagraphs", "inductor", "graph")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -93,7 +99,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--compile",
         default=None,
         help="comma-separated modes from none, cudagraphs, inductor "
-        "(default: none,cudagraphs on a GPU, none on the CPU)",
+        "(default: none,cudagraphs,graph on a GPU, none,graph on the CPU)",
     )
     p.add_argument("--budget-s", type=float, default=420.0, help="skip steps starting later")
     p.add_argument("--quick", action="store_true", help="smoke run: short prompt/decode, 1 rep")
@@ -111,7 +117,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not args.batches or min(args.batches) < 1:
         p.error(f"--batches takes positive integers (got {args.batches!r})")
     cpu = torch.device(args.device).type == "cpu"
-    modes = args.compile or ("none" if cpu else "none,cudagraphs")
+    modes = args.compile or ("none,graph" if cpu else "none,cudagraphs,graph")
     args.compile = [m.strip() for m in modes.split(",") if m.strip()]
     bad = [m for m in args.compile if m not in COMPILE_MODES]
     if bad:
@@ -223,12 +229,21 @@ def measure(
                 record({**row, "skipped": "time budget spent"})
                 continue
             ids = prompt.repeat(batch, 1)
-            run_n = functools.partial(generate, ids, args.new_tokens, mode)
-            run_1 = functools.partial(generate, ids, 1, mode)
+            if mode == "graph":
+                decoder = GraphDecoder(model, batch, args.prompt_len + args.new_tokens, device)
+                run_n = functools.partial(decoder, ids, args.new_tokens)
+                run_1 = functools.partial(decoder, ids, 1)
+            else:
+                run_n = functools.partial(generate, ids, args.new_tokens, mode)
+                run_1 = functools.partial(generate, ids, 1, mode)
             try:
                 before = _graph_counters()
                 row["warmup_s"] = clock.time(run_n)
-                if mode != "none":
+                if mode == "graph":
+                    plain = GraphDecoder(model, batch, decoder.max_len, device, capture=False)
+                    same = torch.equal(decoder(ids, args.new_tokens), plain(ids, args.new_tokens))
+                    row["tokens_match_eager"] = bool(same)
+                elif mode != "none":
                     after = _graph_counters()
                     row["graphs"] = {k: v - before.get(k, 0) for k, v in after.items()}
                 if device.type == "cuda":
@@ -246,6 +261,75 @@ def measure(
             except Exception as exc:  # recorded; the other measurements go on
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             record(row)
+
+
+class GraphDecoder:
+    """Greedy decode with the one-token step captured in a CUDA graph (the ``graph`` mode).
+
+    ``decoder(ids, n)`` -> the n new tokens [batch, n]: an eager prefill fills the static cache
+    and gives the first token; each further token is one replay of the step (forward at
+    ``cache_position``, arg-max, advance). The graph is captured on the first call and reused:
+    every call's prefill resets the cache. With ``capture=False`` (and on the CPU) the step runs
+    eagerly: the same calls, the reference the graph's tokens are checked against."""
+
+    def __init__(
+        self, model: Any, batch: int, max_len: int, device: torch.device, capture: bool = True
+    ) -> None:
+        from transformers import StaticCache
+
+        self.model, self.device, self.max_len = model, device, max_len
+        self.capture = capture and device.type == "cuda"
+        self.cache = StaticCache(config=model.config, max_cache_len=max_len)
+        self.tok = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.pos = torch.zeros(1, dtype=torch.long, device=device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        # positions as tensors (older transformers take cache_position, newer ones keep the
+        # cache's own position counter on the device): no host sync inside the captured step
+        out = self.model(
+            input_ids=ids,
+            past_key_values=self.cache,
+            position_ids=pos.view(1, -1),
+            cache_position=pos,
+        )
+        return out.logits[:, -1:].argmax(-1)
+
+    def _step(self) -> None:
+        self.tok.copy_(self._forward(self.tok, self.pos))
+        self.pos.add_(1)
+
+    def _prefill(self, ids: torch.Tensor) -> None:
+        self.cache.reset()
+        p = ids.shape[1]
+        self.tok.copy_(self._forward(ids, torch.arange(p, device=self.device)))
+        self.pos.fill_(p)
+
+    def _capture(self, ids: torch.Tensor) -> None:
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up off the capture: lazy allocations, autotuning
+                self._step()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self._step()
+        self._prefill(ids)  # the warm-up and capture advanced the cache: start again
+
+    @torch.no_grad()
+    def __call__(self, ids: torch.Tensor, n: int) -> torch.Tensor:
+        self._prefill(ids)
+        if self.capture and self.graph is None and n > 1:
+            self._capture(ids)
+        toks = [self.tok.clone()]
+        for _ in range(n - 1):
+            if self.graph is not None:
+                self.graph.replay()
+            else:
+                self._step()
+            toks.append(self.tok.clone())
+        return torch.cat(toks, dim=1)
 
 
 def _graph_counters() -> dict[str, Any]:
@@ -325,23 +409,30 @@ def render_markdown(report: dict[str, Any]) -> str:
             )
     lines += [
         "",
-        "| compile | batch | model | decode tok/s | ms / step | peak MiB | warm-up (s) |",
-        "|---|---|---|---|---|---|---|",
+        "| compile | batch | model | decode tok/s | ms / step | peak MiB | warm-up (s) | tokens |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in report["rows"]:
         if r["kind"] != "decode":
             continue
         if "skipped" in r or "error" in r:
             why = r.get("skipped") or r.get("error")
-            lines.append(f"| {r['compile']} | {r['batch']} | {r['model']} | {why} | | | |")
+            lines.append(f"| {r['compile']} | {r['batch']} | {r['model']} | {why} | | | | |")
             continue
         tps = r.get("decode_tok_s")
         lines.append(
             f"| {r['compile']} | {r['batch']} | {r['model']} | "
             f"{'' if tps is None else f'{tps:.1f}'} | {r['decode_step_ms']:.2f} | "
-            f"{_mib(r.get('peak_memory'))} | {r['warmup_s']:.1f} |"
+            f"{_mib(r.get('peak_memory'))} | {r['warmup_s']:.1f} | {_tokens(r)} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _tokens(row: dict[str, Any]) -> str:
+    """The graph mode's check: its greedy tokens against eager generate's."""
+    if "tokens_match_eager" not in row:
+        return ""
+    return "= eager" if row["tokens_match_eager"] else "DIFFER from eager"
 
 
 def _fresh_compile_caches() -> dict[str, str]:

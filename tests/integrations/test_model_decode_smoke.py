@@ -19,20 +19,24 @@ def test_cpu_smoke_run_writes_json_and_markdown(tmp_path):
     argv = ["--device", "cpu", "--quick", "--config", "tiny", "--out", str(tmp_path)]
     report = model_decode.main([*argv, "--keep-compile-caches"])
     rows = report["rows"]
-    assert [(r["kind"], r["model"]) for r in rows] == [
-        ("ttft", "bf16"),
-        ("decode", "bf16"),
-        ("ttft", "nvfp4"),
-        ("decode", "nvfp4"),
+    assert [(r["kind"], r["model"], r.get("compile")) for r in rows] == [
+        ("ttft", "bf16", None),
+        ("decode", "bf16", "none"),
+        ("decode", "bf16", "graph"),
+        ("ttft", "nvfp4", None),
+        ("decode", "nvfp4", "none"),
+        ("decode", "nvfp4", "graph"),
     ]
     assert all(r["logits_finite"] for r in rows if r["kind"] == "ttft")
     assert all(r["decode_tok_s"] > 0 and "error" not in r for r in rows if r["kind"] == "decode")
+    # the graph mode's decoder (eager on the CPU) gives the tokens of its plain eager twin
+    assert all(r["tokens_match_eager"] for r in rows if r.get("compile") == "graph")
     assert report["quantized_layers"] == {"nvfp4/reference": 14}
     (json_file,) = tmp_path.glob("model-decode-*.json")
     saved = json.loads(json_file.read_text())
     assert saved["versions"]["transformers"] and saved["rows"] == json.loads(json.dumps(rows))
     md = json_file.with_suffix(".md").read_text()
-    assert "| none | 1 | nvfp4 |" in md and "TTFT cold" in md
+    assert "| none | 1 | nvfp4 |" in md and "TTFT cold" in md and "| graph | 1 | nvfp4 |" in md
 
 
 @pytest.mark.parametrize(
