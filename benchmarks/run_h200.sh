@@ -11,7 +11,7 @@ export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl >"$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
 export PYTHONPATH=/tmp/site:$PWD
-STEPS=${STEPS:-"doctor doctor-json verify wgmma-waits gpu-tests dequant-sweep bench-linear bench-moe"}  # also: selfcheck model-decode decode-profile fp8-logits eager-ab host-overhead fp8-prefill bench-moe-mx mma-sweep gemv-ablation gemm-sweep stream-small
+STEPS=${STEPS:-"doctor doctor-json verify wgmma-waits gpu-tests dequant-sweep bench-linear bench-moe"}  # also: selfcheck model-decode decode-profile fp8-logits tp-nccl eager-ab host-overhead fp8-prefill bench-moe-mx mma-sweep gemv-ablation gemm-sweep stream-small
 step() {  # step NAME SECONDS CMD...   (runs only if NAME is in $STEPS)
   local name=$1 limit=$2; shift 2
   case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
@@ -33,6 +33,7 @@ TAIL=30 step selfcheck 90 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/
 TAIL=40 step model-decode "${DECODE_S:-240}" python3 benchmarks/model_decode.py --out "$OUT" --budget-s "${DECODE_BUDGET:-190}" ${DECODE_ARGS:-}
 TAIL=60 step decode-profile "${PROFILE_S:-300}" python3 benchmarks/decode_profile.py --out "$OUT" ${PROFILE_ARGS:-}
 TAIL=12 step fp8-logits 120 python3 benchmarks/fp8_logits.py --out "$OUT"
+TAIL=20 step tp-nccl "${TP_S:-300}" torchrun --nproc_per_node "${TP_RANKS:-2}" benchmarks/tp_nccl.py --out "$OUT"
 step eager-ab 200 python3 benchmarks/eager_dispatch_ab.py --out "$OUT"
 step host-overhead 60 bash -c 'for s in "2048 2048" "8192 2048" "2048 8192"; do set -- $s; python3 benchmarks/host_overhead.py --n $1 --k $2 --out "$0"; done' "$OUT"
 TAIL=26 step dequant-sweep 90 python3 benchmarks/dequant_sweep.py
