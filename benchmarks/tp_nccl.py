@@ -79,7 +79,9 @@ def write_checkpoint(folder: Path, s: dict[str, int]) -> None:
 
 
 def nvfp4(sd: Any, prefix: str, device: torch.device) -> Any:
-    """A compressed-tensors NVFP4 weight of the checkpoint as an Nvfp4Weight."""
+    """A compressed-tensors NVFP4 weight of the checkpoint as an Nvfp4Weight, read by hand from
+    the format's tensor names (not by the checkpoint reader the layers use, so the reference
+    does not share its code)."""
     from quantdispatch.formats.nvfp4 import Nvfp4Weight, global_scale_from_compressed_tensors
 
     return Nvfp4Weight(

@@ -1,9 +1,11 @@
-"""torch.library custom ops: the only way layers call kernels.
+"""torch.library custom ops: how layers call kernels.
 
 Every backend runs behind ``torch.ops.quantdispatch.linear`` (and ``.moe``), each with a fake
 (meta) implementation, so torch.compile(fullgraph=True) traces layers without looking inside the
-kernels and CUDA graphs capture them as opaque calls. The real implementation looks the backend
-up by name and hands it the prepared tensors.
+kernels and CUDA graphs capture them as opaque calls. The real implementation
+(:func:`run_linear` / :func:`run_moe`) looks the backend up by name and hands it the prepared
+tensors; layers call it directly, with the op's arguments, in eager inference, where the op's
+dispatch would cost more host time than a decode kernel (``layers.base.direct_call_ok``).
 """
 
 from __future__ import annotations
@@ -13,13 +15,12 @@ import torch
 from quantdispatch.backends import get_backend
 from quantdispatch.backends.base import MoeCall, decode_meta
 
-__all__ = ["linear", "moe"]
+__all__ = ["linear", "moe", "run_linear", "run_moe"]
 
 NAMESPACE = "quantdispatch"
 
 
-@torch.library.custom_op(f"{NAMESPACE}::linear", mutates_args=())
-def linear(
+def run_linear(
     x: torch.Tensor,
     weights: list[torch.Tensor],
     bias: torch.Tensor | None,
@@ -32,6 +33,9 @@ def linear(
     """y[M, N] = x[M, K] @ W.T (+ bias), W given as ``backend``'s prepared tensors."""
     layout, typed = decode_meta(meta)
     return get_backend(backend).linear(x, weights, bias, fmt, layout, typed, pdl=pdl)
+
+
+linear = torch.library.custom_op(f"{NAMESPACE}::linear", run_linear, mutates_args=())
 
 
 @linear.register_fake
@@ -48,8 +52,7 @@ def _linear_fake(
     return x.new_empty((x.shape[0], out_features))
 
 
-@torch.library.custom_op(f"{NAMESPACE}::moe", mutates_args=())
-def moe(
+def run_moe(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
@@ -71,6 +74,9 @@ def moe(
         tuple(params), layout, typed, pdl,
     )  # fmt: skip
     return get_backend(backend).moe(call)
+
+
+moe = torch.library.custom_op(f"{NAMESPACE}::moe", run_moe, mutates_args=())
 
 
 @moe.register_fake

@@ -143,7 +143,7 @@ def activations_2d(
 
 
 def direct_call_ok(x: torch.Tensor) -> bool:
-    """Whether a layer may call its backend directly rather than through its custom op.
+    """Whether a layer may run its custom op's body (``quantdispatch.ops.run_*``) directly.
 
     Yes for a plain tensor in eager mode with no autograd to record and no dispatch mode active.
     Compilation, export, fake tensors and tracers keep the op: they need its fake implementation

@@ -20,8 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-import quantdispatch.ops  # noqa: F401  (registers torch.ops.quantdispatch.*)
-from quantdispatch.backends import get_backend
+from quantdispatch import ops  # registers torch.ops.quantdispatch.*
 from quantdispatch.backends.base import as_op_tensors
 from quantdispatch.checkpoints import (
     LoadedLinear,
@@ -245,22 +244,18 @@ class QuantLinear(QuantLayer):
         ref = getattr(self, self._names[0])
         x2 = activations_2d(x, self.act_dtype, self.in_features, "in_features", ref.device)
         lead = x.shape[:-1]
-        if direct_call_ok(x2):  # what the op runs, without its dispatch cost
-            y = get_backend(self.backend).linear(
-                x2, self._tensors(), self.bias, self.format, self._layout, self._meta,
-                pdl=self.decision.pdl,
-            )  # fmt: skip
-        else:
-            y = torch.ops.quantdispatch.linear(
-                x2,
-                self._tensors(),
-                self.bias,
-                self.backend,
-                self.format,
-                self._meta_args,
-                self.out_features,
-                self.decision.pdl,
-            )
+        # eager inference runs the op's body without its dispatch cost
+        run = ops.run_linear if direct_call_ok(x2) else torch.ops.quantdispatch.linear
+        y = run(
+            x2,
+            self._tensors(),
+            self.bias,
+            self.backend,
+            self.format,
+            self._meta_args,
+            self.out_features,
+            self.decision.pdl,
+        )
         return y.reshape(*lead, self.out_features)
 
     # -- reporting --------------------------------------------------------------------------------

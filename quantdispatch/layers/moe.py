@@ -21,9 +21,8 @@ from typing import Any
 
 import torch
 
-import quantdispatch.ops  # noqa: F401  (registers torch.ops.quantdispatch.*)
-from quantdispatch.backends import get_backend
-from quantdispatch.backends.base import CheckpointMeta, MoeCall
+from quantdispatch import ops  # registers torch.ops.quantdispatch.*
+from quantdispatch.backends.base import CheckpointMeta
 from quantdispatch.checkpoints import MoeShard, QuantWeight, read_moe_shard
 from quantdispatch.errors import CheckpointError, ConfigurationError, InputError, format_error
 from quantdispatch.layers.base import (
@@ -336,29 +335,23 @@ class QuantMoE(QuantLayer):
                 self.validate_ids,
             )
         local = to_local_ids(ids, self.expert_map)
-        if direct_call_ok(x2):  # what the op runs, without its dispatch cost
-            call = MoeCall(
-                x2, local, weights, tuple(self._w13()), tuple(self._w2()), self.w13_bias,
-                self.w2_bias, self.format, self.activation, tuple(self._params), self._layout,
-                self._meta, self.decision.pdl,
-            )  # fmt: skip
-            y = get_backend(self.backend).moe(call)
-        else:
-            y = torch.ops.quantdispatch.moe(
-                x2,
-                local,
-                weights,
-                self._w13(),
-                self._w2(),
-                self.w13_bias,
-                self.w2_bias,
-                self.backend,
-                self.format,
-                self.activation,
-                self._params,
-                self._meta_args,
-                self.decision.pdl,
-            )
+        # eager inference runs the op's body without its dispatch cost
+        run = ops.run_moe if direct_call_ok(x2) else torch.ops.quantdispatch.moe
+        y = run(
+            x2,
+            local,
+            weights,
+            self._w13(),
+            self._w2(),
+            self.w13_bias,
+            self.w2_bias,
+            self.backend,
+            self.format,
+            self.activation,
+            self._params,
+            self._meta_args,
+            self.decision.pdl,
+        )
         return y.reshape(*lead, self.hidden_size)
 
     @property
