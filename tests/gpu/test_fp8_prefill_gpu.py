@@ -105,6 +105,40 @@ def test_activation_quantizer_bit_equal(mods, dtype, shape):
         assert bool((xq[shape[0] :].view(torch.uint8) == 0).all())
 
 
+def test_hardware_rounding_equals_integer_rule(mods):
+    """Every positive e4m3 value, each midpoint between neighbours (ties to even) and the fp32
+    values just beside it, the flush-to-zero boundary, their negatives, and +-inf / NaN, with
+    the block exponent pinned to 0 (448 in each block): the hardware-rounding quantizer, the
+    integer one and the plain-torch rule give the same codes."""
+    rule, _fp8p, kq = mods
+    from ref64 import e4m3_from_bits
+
+    v = e4m3_from_bits(torch.arange(0, 127)).to(torch.float32)
+    mid = (v[:-1] + v[1:]) / 2  # exact in fp32
+    up = torch.nextafter(mid, torch.tensor(float("inf")))
+    down = torch.nextafter(mid, torch.tensor(0.0))
+    tiny = torch.tensor([2.0**-10, 2.0**-10 * (1 + 2.0**-23), 2.0**-11, 2.0**-126, 1e-45])
+    pos = torch.cat([v, mid, up, down, tiny])
+    vals = torch.cat([pos, -pos])
+    cols = 127
+    pad = -len(vals) % cols
+    body = torch.cat([vals, torch.zeros(pad)]).reshape(-1, cols)
+    x = torch.cat([torch.full((body.shape[0], 1), 448.0), body], dim=1)
+    special = torch.zeros(3, 128)
+    special[0, :3] = torch.tensor([float("inf"), -1.0, 3.0])
+    special[1, :3] = torch.tensor([float("-inf"), 0.5, -2.0])
+    special[2, :3] = torch.tensor([float("nan"), 1.0, 448.0])
+    x = torch.cat([x, special]).to(DEV)
+    q_t, s_t = rule.quantize_blocks_torch(x, block_cols=128)
+    for hw in (True, False):
+        q = torch.empty(x.shape, dtype=torch.uint8, device=DEV)
+        s = torch.empty(s_t.shape, device=DEV)
+        kq.quantize_blocks_triton(x, q, s, block_cols=128, hw=hw)
+        bad = (q != q_t).nonzero()
+        assert bad.numel() == 0, (hw, x[tuple(bad[0])].item(), q[tuple(bad[0])], q_t[tuple(bad[0])])
+        assert torch.equal(s, s_t), hw
+
+
 def _recipes():
     cap = torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)
     return ["128x128", "1x128", "rowwise"] if cap == (9, 0) else ["rowwise"]

@@ -26,7 +26,8 @@ from quantdispatch.kernels.common.decode_tables import DECODE_TABLES, REG_COL, R
 from quantdispatch.kernels.native.fp8_prefill_quant import (
     block_exponent,
     e2m1_magnitude,
-    e4m3_code,
+    e4m3_pair,
+    hw_rounding,
     pow2,
 )
 
@@ -89,20 +90,20 @@ def _half_max(w, sv, S0: tl.constexpr, M0: tl.constexpr, S1: tl.constexpr, M1: t
 
 
 @triton.jit
-def _code(w, gm, S: tl.constexpr, M: tl.constexpr):
+def _value(w, gm, S: tl.constexpr, M: tl.constexpr):
     sign, mag = _unit(w, S, M)
     v = e2m1_magnitude(mag) * gm
-    return e4m3_code(tl.where(sign == 1, -v, v))
+    return tl.where(sign == 1, -v, v)
 
 
 @triton.jit
 def _half_store(q32_ptr, w, sv, e_rows, orow, ok, kc, stride_q32,
                 S0: tl.constexpr, M0: tl.constexpr, S1: tl.constexpr, M1: tl.constexpr,
                 S2: tl.constexpr, M2: tl.constexpr, S3: tl.constexpr,
-                M3: tl.constexpr):  # fmt: skip
+                M3: tl.constexpr, HW: tl.constexpr):  # fmt: skip
     gm = sv * pow2(-e_rows)[:, None]
-    word = _code(w, gm, S0, M0) | (_code(w, gm, S1, M1) << 8)
-    word = word | (_code(w, gm, S2, M2) << 16) | (_code(w, gm, S3, M3) << 24)
+    word = e4m3_pair(_value(w, gm, S0, M0), _value(w, gm, S1, M1), HW)
+    word = word | (e4m3_pair(_value(w, gm, S2, M2), _value(w, gm, S3, M3), HW) << 16)
     cols = tl.arange(0, 32)
     tl.store(q32_ptr + orow.to(tl.int64)[:, None] * stride_q32 + kc * 32 + cols[None, :], word,
              mask=ok[:, None])  # fmt: skip
@@ -116,7 +117,7 @@ def _mma_to_fp8_kernel(w_ptr, s_ptr, gs_ptr, q32_ptr, qs_ptr, tile0, n_tiles, CH
                        B1: tl.constexpr, A2: tl.constexpr, B2: tl.constexpr, A3: tl.constexpr,
                        B3: tl.constexpr, C0: tl.constexpr, D0: tl.constexpr, C1: tl.constexpr,
                        D1: tl.constexpr, C2: tl.constexpr, D2: tl.constexpr, C3: tl.constexpr,
-                       D3: tl.constexpr):  # fmt: skip
+                       D3: tl.constexpr, HW: tl.constexpr):  # fmt: skip
     # A/B: sign / magnitude positions of row half 0's four bytes; C/D: row half 1's
     pid_r = tl.program_id(0)
     kb = tl.program_id(1)
@@ -153,17 +154,17 @@ def _mma_to_fp8_kernel(w_ptr, s_ptr, gs_ptr, q32_ptr, qs_ptr, tile0, n_tiles, CH
                  tl.where(a1 == 0.0, 0.0, pow2(e1) * gs), mask=ok)  # fmt: skip
     if ONE_CHUNK:
         _half_store(q32_ptr, w, sv0, e0, row0, ok, kb, stride_q32, A0, B0, A1, B1, A2, B2,
-                    A3, B3)  # fmt: skip
+                    A3, B3, HW)  # fmt: skip
         _half_store(q32_ptr, w, sv1, e1, row0 + 8, ok, kb, stride_q32, C0, D0, C1, D1, C2,
-                    D2, C3, D3)  # fmt: skip
+                    D2, C3, D3, HW)  # fmt: skip
     else:
         for p in range(pairs):
             kc = kb * pairs + p
             w, sv0, sv1 = _load(w_ptr, s_ptr, tiles, tile0, n_tiles, kc, CHUNKS, MX, TT)
             _half_store(q32_ptr, w, sv0, e0, row0, ok, kc, stride_q32, A0, B0, A1, B1, A2,
-                        B2, A3, B3)  # fmt: skip
+                        B2, A3, B3, HW)  # fmt: skip
             _half_store(q32_ptr, w, sv1, e1, row0 + 8, ok, kc, stride_q32, C0, D0, C1, D1,
-                        C2, D2, C3, D3)  # fmt: skip
+                        C2, D2, C3, D3, HW)  # fmt: skip
 
 
 def reencode_mma_triton(
@@ -199,6 +200,6 @@ def reencode_mma_triton(
     _mma_to_fp8_kernel[grid](
         words, scales, global_scale, q32, scale, row_a // 16, n_tiles, chunks, block_cols // 128,
         q32.stride(0), scale.stride(0), scale.stride(1), MX=scales.shape[2] == 16,
-        SHARE_ROWS=share, ONE_CHUNK=block_cols == 128, TT=tt,
+        SHARE_ROWS=share, ONE_CHUNK=block_cols == 128, TT=tt, HW=hw_rounding(q.device),
         num_warps=8 if tt >= 4 else 4, **dict(zip(names, pos, strict=True)),
     )  # fmt: skip

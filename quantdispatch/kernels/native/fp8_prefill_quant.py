@@ -8,10 +8,11 @@
 * :func:`quantize_blocks_triton`: any 16/32-bit matrix -> the same (activations per token and
   per 128, or the exact unit rows another layout's dequantizer wrote).
 
-The rounding is the GPU's ``cvt.rn.satfinite.e4m3x2.f32`` where FP8 conversion exists (SM 8.9+;
-the values are exact and at most 448, so nothing saturates) and integer code everywhere else,
-the interpreter included: Triton's interpreted FP8 cast does not round to nearest even. Both
-paths give the same bits (tests/gpu/test_fp8_prefill_gpu.py).
+The rounding (:func:`e4m3_pair`) is the GPU's ``cvt.rn.satfinite.e4m3x2.f32`` in inline PTX
+where FP8 conversion exists (``HW``: SM 8.9+; the scaled values are at most 448, so nothing
+saturates; non-finite values are set to the rule's codes after it), and integer code elsewhere,
+the interpreter included. Triton's own fp32 -> fp8e4nv cast is not used: it did not round to
+nearest even on the H200. Both paths give the same bits (tests/gpu/test_fp8_prefill_gpu.py).
 """
 
 from __future__ import annotations
@@ -25,7 +26,11 @@ from quantdispatch.kernels.common.decode import e2m1_pair_to_f32
 __all__ = [
     "block_exponent",
     "e2m1_magnitude",
+    "e4m3_bytes",
     "e4m3_code",
+    "e4m3_pair",
+    "e4m3_value",
+    "hw_rounding",
     "pow2",
     "quantize_blocks_triton",
     "reencode_fp4_triton",
@@ -72,6 +77,53 @@ def e4m3_code(v):
 
 
 @triton.jit
+def _special_code(v):
+    """The rule's code for a non-finite v: +-inf -> 0x7F | sign, NaN -> 0x7F."""
+    bits = v.to(tl.int32, bitcast=True)
+    return tl.where((bits & 0x7FFFFFFF) > 0x7F800000, 0x7F, 0x7F | ((bits >> 24) & 0x80))
+
+
+@triton.jit
+def e4m3_pair(lo, hi, HW: tl.constexpr):
+    """Two fp32 tensors (|v| <= 448 or non-finite) -> int32 ``code(lo) | code(hi) << 8``, the
+    codes as :func:`e4m3_code` gives them. ``HW``: one ``cvt.rn.satfinite.e4m3x2.f32`` per
+    pair (SM 8.9+), then the non-finite inputs (which it saturates) set to the rule's codes."""
+    if HW:
+        pair = tl.inline_asm_elementwise(
+            "{ .reg .b16 t; cvt.rn.satfinite.e4m3x2.f32 t, $2, $1; cvt.u32.u16 $0, t; }",
+            "=r,f,f", [lo, hi], dtype=tl.int32, is_pure=True, pack=1,
+        )  # fmt: skip
+        lo_ab = lo.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        hi_ab = hi.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        pair = tl.where(lo_ab >= 0x7F800000, (pair & 0xFF00) | _special_code(lo), pair)
+        return tl.where(hi_ab >= 0x7F800000, (pair & 0xFF) | (_special_code(hi) << 8), pair)
+    else:
+        return e4m3_code(lo) | (e4m3_code(hi) << 8)
+
+
+@triton.jit
+def e4m3_bytes(v, HW: tl.constexpr):
+    """fp32 tensor (|v| <= 448 or non-finite) -> uint8 codes as :func:`e4m3_code` gives them.
+    ``HW``: two ``cvt.rn.satfinite.e4m3x2.f32`` per four elements, non-finite inputs fixed
+    after."""
+    if HW:
+        c = tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; "
+            "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; mov.b32 $0, {lo, hi}; }",
+            "=r,f,f,f,f", [v], dtype=tl.uint8, is_pure=True, pack=4,
+        )  # fmt: skip
+        ab = v.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        return tl.where(ab >= 0x7F800000, _special_code(v).to(tl.uint8), c)
+    else:
+        return e4m3_code(v).to(tl.uint8)
+
+
+def hw_rounding(device: torch.device) -> bool:
+    """Whether kernels on ``device`` round with the FP8 conversion instruction (SM 8.9+)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+@triton.jit
 def e2m1_magnitude(i):
     """E2M1 magnitude code 0..7 (int32) -> its value 0, 0.5, 1, 1.5, 2, 3, 4, 6 (fp32)."""
     big = (((i >> 1) + 126) << 23) | ((i & 1) << 22)
@@ -79,7 +131,7 @@ def e2m1_magnitude(i):
 
 
 @triton.jit
-def _e4m3_value(c):
+def e4m3_value(c):
     """Non-negative e4m3 code (int32) -> its fp32 value, exactly."""
     e = c >> 3
     m = c & 7
@@ -108,25 +160,24 @@ def _fp4_group_max(sbits, byte, MX: tl.constexpr):
     if MX:  # noqa: SIM108 (constexpr branches read better in kernel code)
         sv = pow2(sbits - 127)
     else:
-        sv = _e4m3_value(sbits)
+        sv = e4m3_value(sbits)
     return e2m1_magnitude(mag) * sv
 
 
 @triton.jit
 def _fp4_encode(q32_ptr, sbits, byte, e_rows, rows64, rmask, kc, stride_q32, MX: tl.constexpr,
-                BPG: tl.constexpr, G: tl.constexpr,
-                BLOCK_R: tl.constexpr):  # fmt: skip
+                BPG: tl.constexpr, G: tl.constexpr, BLOCK_R: tl.constexpr,
+                HW: tl.constexpr):  # fmt: skip
     """Codes of one chunk: e2m1 * 2^-14 (decoded) times scale * 2^(14 - e) (exact), rounded;
     stored as 32-bit words of four codes."""
     if MX:
         ge = tl.minimum(tl.maximum(sbits - 113 - e_rows[:, None], -100), 127)
         gm = pow2(ge)
     else:
-        gm = _e4m3_value(sbits) * pow2(14 - e_rows[:, None])
+        gm = e4m3_value(sbits) * pow2(14 - e_rows[:, None])
     lo, hi = e2m1_pair_to_f32(byte)
-    c_lo = e4m3_code(lo * gm[:, :, None])
-    c_hi = e4m3_code(hi * gm[:, :, None])
-    w16 = c_lo | (c_hi << 8)  # one 16-bit pair per packed byte, element 2j in the low byte
+    # one 16-bit pair per packed byte, element 2j in the low byte
+    w16 = e4m3_pair(lo * gm[:, :, None], hi * gm[:, :, None], HW)
     a, b = tl.split(tl.reshape(w16, (BLOCK_R, G, BPG // 2, 2)))
     w32 = a | (b << 16)
     grp = tl.arange(0, G)
@@ -139,8 +190,8 @@ def _fp4_encode(q32_ptr, sbits, byte, e_rows, rows64, rmask, kc, stride_q32, MX:
 def _fp4_to_fp8_kernel(p_ptr, s_ptr, gs_ptr, q32_ptr, qs_ptr, n_rows, chunks, stride_p,
                        stride_s, stride_q32, stride_qs_r, stride_qs_k, MX: tl.constexpr,
                        HAS_GS: tl.constexpr, SHARE_ROWS: tl.constexpr, ONE_CHUNK: tl.constexpr,
-                       BPG: tl.constexpr, G: tl.constexpr,
-                       BLOCK_R: tl.constexpr):  # fmt: skip
+                       BPG: tl.constexpr, G: tl.constexpr, BLOCK_R: tl.constexpr,
+                       HW: tl.constexpr):  # fmt: skip
     pid_r = tl.program_id(0)
     kb = tl.program_id(1)
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -173,13 +224,13 @@ def _fp4_to_fp8_kernel(p_ptr, s_ptr, gs_ptr, q32_ptr, qs_ptr, n_rows, chunks, st
         tl.store(qs_ptr + rows64 * stride_qs_r + kb * stride_qs_k, scale, mask=rmask)
     if ONE_CHUNK:
         _fp4_encode(q32_ptr, sbits, byte, e_rows, rows64, rmask, kb, stride_q32, MX, BPG, G,
-                    BLOCK_R)  # fmt: skip
+                    BLOCK_R, HW)  # fmt: skip
     else:
         for c in range(chunks):
             sb, by = _fp4_load(p_ptr, s_ptr, rows64, rmask, kb * chunks + c, stride_p, stride_s,
                                BPG, G)  # fmt: skip
             _fp4_encode(q32_ptr, sb, by, e_rows, rows64, rmask, kb * chunks + c, stride_q32, MX,
-                        BPG, G, BLOCK_R)  # fmt: skip
+                        BPG, G, BLOCK_R, HW)  # fmt: skip
 
 
 @triton.jit
@@ -201,23 +252,29 @@ def _dense_amax(x):
 
 
 @triton.jit
-def _dense_encode(q32_ptr, x, e_rows, rows64, inside, kc, stride_q32,
-                  BLOCK_R: tl.constexpr):  # fmt: skip
-    c = e4m3_code(x * pow2(-e_rows)[:, None])
-    a, b = tl.split(tl.reshape(c, (BLOCK_R, 64, 2)))
-    h = a | (b << 8)
-    a, b = tl.split(tl.reshape(h, (BLOCK_R, 32, 2)))
-    w = a | (b << 16)
-    cols = tl.arange(0, 32)
-    tl.store(q32_ptr + rows64[:, None] * stride_q32 + kc * 32 + cols[None, :], w,
-             mask=inside[:, None])  # fmt: skip
+def _dense_encode(q_ptr, x, e_rows, rows64, inside, kc, stride_q, BLOCK_R: tl.constexpr,
+                  HW: tl.constexpr, BYTES: tl.constexpr):  # fmt: skip
+    v = x * pow2(-e_rows)[:, None]
+    if BYTES:  # one byte per element; the hardware path rounds four per instruction pair
+        cols = tl.arange(0, 128)
+        tl.store(q_ptr + rows64[:, None] * stride_q + kc * 128 + cols[None, :],
+                 e4m3_bytes(v, HW), mask=inside[:, None])  # fmt: skip
+    else:  # 32-bit words of four codes
+        lo, hi = tl.split(tl.reshape(v, (BLOCK_R, 64, 2)))
+        h = e4m3_pair(lo, hi, HW)
+        a, b = tl.split(tl.reshape(h, (BLOCK_R, 32, 2)))
+        w = a | (b << 16)
+        cols = tl.arange(0, 32)
+        tl.store(q_ptr.to(tl.pointer_type(tl.int32)) + rows64[:, None] * (stride_q // 4)
+                 + kc * 32 + cols[None, :], w, mask=inside[:, None])  # fmt: skip
 
 
 @triton.jit
-def _dense_to_fp8_kernel(x_ptr, mult_ptr, q32_ptr, qs_ptr, n_valid, n_rows, chunks, stride_x,
-                         stride_q32, stride_qs_r, stride_qs_k, HAS_MULT: tl.constexpr,
+def _dense_to_fp8_kernel(x_ptr, mult_ptr, q_ptr, qs_ptr, n_valid, n_rows, chunks, stride_x,
+                         stride_q, stride_qs_r, stride_qs_k, HAS_MULT: tl.constexpr,
                          SHARE_ROWS: tl.constexpr, ONE_CHUNK: tl.constexpr,
-                         BF16_BITS: tl.constexpr, BLOCK_R: tl.constexpr):  # fmt: skip
+                         BF16_BITS: tl.constexpr, BLOCK_R: tl.constexpr,
+                         HW: tl.constexpr, BYTES: tl.constexpr):  # fmt: skip
     pid_r = tl.program_id(0)
     kb = tl.program_id(1)
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -249,12 +306,12 @@ def _dense_to_fp8_kernel(x_ptr, mult_ptr, q32_ptr, qs_ptr, n_valid, n_rows, chun
         scale = tl.where(amax == 0.0, 0.0, scale)
         tl.store(qs_ptr + rows64 * stride_qs_r + kb * stride_qs_k, scale, mask=inside)
     if ONE_CHUNK:
-        _dense_encode(q32_ptr, x, e_rows, rows64, inside, kb, stride_q32, BLOCK_R)
+        _dense_encode(q_ptr, x, e_rows, rows64, inside, kb, stride_q, BLOCK_R, HW, BYTES)
     else:
         for c in range(chunks):
             x = _dense_load(x_ptr, rows64, valid, kb * chunks + c, stride_x, BF16_BITS)
-            _dense_encode(q32_ptr, x, e_rows, rows64, inside, kb * chunks + c, stride_q32,
-                          BLOCK_R)  # fmt: skip
+            _dense_encode(q_ptr, x, e_rows, rows64, inside, kb * chunks + c, stride_q,
+                          BLOCK_R, HW, BYTES)  # fmt: skip
 
 
 def _as_words(q: torch.Tensor) -> torch.Tensor:
@@ -273,13 +330,15 @@ def reencode_fp4_triton(
     block_rows: int,
     block_cols: int,
     rows_per_program: int = 32,
+    hw: bool | None = None,
 ) -> None:
     """Re-encode FP4 rows into ``q`` (uint8 or e4m3 [rows, K], rows contiguous) and ``scale``
     (fp32 [row blocks, K / block_cols], any strides: the GEMM's scale layout is a view).
 
     Trusts its caller (:mod:`.fp8_prefill` checks shapes once): K % 128 == 0, block_rows 1 or
     128, block_cols a multiple of 128 dividing K, MXFP4 exponents within
-    :data:`quantdispatch.formats.fp8_prefill.MX_EXPONENT_RANGE`."""
+    :data:`quantdispatch.formats.fp8_prefill.MX_EXPONENT_RANGE`. ``hw``: round with the FP8
+    conversion instruction (None: where the device has it; False: the integer path)."""
     rows, k = packed.shape[0], packed.shape[1] * 2
     if rows == 0:
         return
@@ -294,7 +353,8 @@ def reencode_fp4_triton(
         rows, block_cols // 128, packed.stride(0), block_scale_u8.stride(0), q32.stride(0),
         scale.stride(0), scale.stride(1), MX=mx, HAS_GS=global_scale is not None,
         SHARE_ROWS=share, ONE_CHUNK=block_cols == 128, BPG=bpg, G=64 // bpg,
-        BLOCK_R=block_r, num_warps=8 if block_r >= 64 else 4,
+        BLOCK_R=block_r, HW=hw_rounding(q.device) if hw is None else hw,
+        num_warps=8 if block_r >= 64 else 4,
     )  # fmt: skip
 
 
@@ -307,22 +367,26 @@ def quantize_blocks_triton(
     block_cols: int = 128,
     mult: torch.Tensor | None = None,
     rows_per_program: int = 16,
+    hw: bool | None = None,
+    byte_stores: bool = True,
+    num_warps: int | None = None,
 ) -> None:
     """Quantize x [M, K] (16/32-bit, K contiguous) into ``q`` [Mq, K] (Mq >= M; rows M.. are
     written as zero codes with scale 0, the padding the GEMM may need) and ``scale``
-    (fp32 [row blocks of Mq, K / block_cols], any strides). Same trust as above."""
+    (fp32 [row blocks of Mq, K / block_cols], any strides). Same trust and ``hw`` as above."""
     m, k = x.shape
     rows = q.shape[0]
     if rows == 0:
         return
     share = block_rows > 1
     block_r = block_rows if share else rows_per_program
-    q32 = _as_words(q)
+    qb = q.view(torch.uint8)
     grid = (triton.cdiv(rows, block_r), k // block_cols)
     bf16 = x.dtype == torch.bfloat16
     _dense_to_fp8_kernel[grid](
-        x.view(torch.int16) if bf16 else x, mult if mult is not None else scale, q32, scale, m,
-        rows, block_cols // 128, x.stride(0), q32.stride(0), scale.stride(0), scale.stride(1),
+        x.view(torch.int16) if bf16 else x, mult if mult is not None else scale, qb, scale, m,
+        rows, block_cols // 128, x.stride(0), qb.stride(0), scale.stride(0), scale.stride(1),
         HAS_MULT=mult is not None, SHARE_ROWS=share, ONE_CHUNK=block_cols == 128,
-        BF16_BITS=bf16, BLOCK_R=block_r, num_warps=8 if block_r >= 64 else 4,
+        BF16_BITS=bf16, BLOCK_R=block_r, HW=hw_rounding(q.device) if hw is None else hw,
+        BYTES=byte_stores, num_warps=num_warps or (8 if block_r >= 64 else 4),
     )  # fmt: skip
