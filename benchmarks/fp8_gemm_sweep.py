@@ -5,9 +5,10 @@ Per shape and M, on the same e4m3 operands (an NVFP4 weight re-encoded 128x128, 
 quantized 1x128): bf16 cuBLAS on the dequantized weight; cuBLAS's block-scaled FP8 GEMM (what
 ``torch._scaled_mm`` runs for the 128x128 recipe); cuBLAS's row-wise and per-tensor FP8 GEMMs
 (unit scales: the same tensor-core work with the scales in the epilogue only, the ceiling for
-block scaling); our Triton block-scaled GEMM (kernels/native/fp8_block_gemm.py) for each tile in
-TILES; the activation quantizer with integer and with hardware rounding; and the whole FP8 path
-(quantizer + the fastest Triton tile, and quantizer + cuBLAS) as one call.
+block scaling); our Triton block-scaled GEMM (fp8_block_gemm_triton.py here, an experiment)
+for each tile in TILES; the activation quantizer with integer and with hardware rounding, in
+several program shapes (QUANT); and the whole FP8 path (quantizer + the fastest Triton tile, and
+quantizer + cuBLAS) as one call.
 
 Checks before timing: the Triton outputs against cuBLAS's block-scaled output (same operands;
 only the summation order differs), cuBLAS's block output against float64 on 64 rows, the
@@ -34,16 +35,13 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from fp8_block_gemm_triton import BlockGemmTile
 from fp8_prefill_report import SHAPES
-
-from quantdispatch.kernels.native.fp8_block_gemm import BlockGemmTile
 
 T = BlockGemmTile
 TILES = [
     T(128, 128, 4, 8), T(128, 128, 5, 8), T(64, 128, 4, 4), T(128, 128, 4, 8, 16),
     T(128, 128, 4, 8, tma=False), T(64, 128, 4, 4, tma=False),
-    T(128, 128, 3, 8, ws=True), T(128, 128, 4, 8, ws=True), T(64, 128, 4, 4, ws=True),
-    T(128, 256, 3, 8, ws=True), T(128, 128, 4, 4, ws=True),
 ]  # fmt: skip
 #: activation quantizer variants: (rows per program, warps, byte stores)
 QUANT = [(16, 4, False), (16, 4, True), (32, 4, True), (32, 8, True), (64, 8, True),
@@ -94,8 +92,9 @@ def run_shape(model, name, n, k, ms, rows):
 
 
 def one_m(model, name, n, k, m, g, weight) -> dict:
+    from fp8_block_gemm_triton import fp8_block_gemm
+
     from quantdispatch.kernels.native import fp8_prefill as fp8p
-    from quantdispatch.kernels.native.fp8_block_gemm import fp8_block_gemm
     from quantdispatch.kernels.native.fp8_prefill_quant import quantize_blocks_triton
 
     q, sf, res, wb, w64, sb64, copies = weight

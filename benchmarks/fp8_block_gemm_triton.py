@@ -1,5 +1,10 @@
 """Block-scaled FP8 GEMM in Triton: ``y = (A * sa) @ (B * sb)^T (+ bias)`` on FP8 tensor cores.
 
+An experiment, not part of the package: on the H200 it runs at 0.6-0.75x the speed of cuBLAS's
+block-scaled GEMM that FP8 prefill uses (benchmarks/fp8_gemm_sweep.py, docs/design/fp8-prefill.md),
+because each 128-column step waits for its tensor-core product before scaling it into the
+accumulator. Kept to re-measure with later Triton versions.
+
 A is e4m3 [M, K] with fp32 scales per row and per 128 columns (``sa`` [M, K/128]); B is e4m3
 [N, K] with fp32 scales per 128 columns and per ``SB_ROWS`` rows (128: the 128x128 recipe,
 ``sb`` [ceil(N/128), K/128]; 1: the 1x128 recipe, ``sb`` [N, K/128]). Scales may have any
@@ -42,10 +47,9 @@ class BlockGemmTile:
     warps: int = 8
     group_m: int = 8
     tma: bool = True
-    ws: bool = False  # Triton's warp specialization of the K loop (loader / MMA partitions)
 
     def label(self) -> str:
-        tail = ("t" if self.tma else "") + ("-ws" if self.ws else "")
+        tail = "t" if self.tma else ""
         return f"{self.block_m}x{self.block_n}s{self.stages}w{self.warps}g{self.group_m}{tail}"
 
 
@@ -72,7 +76,7 @@ def _fp8_block_gemm_kernel(
     stride_a, stride_b, stride_c, stride_sa_m, stride_sa_k, stride_sb_r, stride_sb_k,
     SB_ROWS: tl.constexpr, SB_SCALAR: tl.constexpr, HAS_BIAS: tl.constexpr,
     TMA: tl.constexpr, DECODE: tl.constexpr, ROUND_BF16: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, WS: tl.constexpr,
+    BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -96,7 +100,7 @@ def _fp8_block_gemm_kernel(
         a_ptrs = a_src + offs_m.to(tl.int64)[:, None] * stride_a + offs_k[None, :]
         b_ptrs = b_src + offs_n.to(tl.int64)[:, None] * stride_b + offs_k[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in tl.range(K_BLOCKS, warp_specialize=WS):
+    for kb in range(K_BLOCKS):
         if TMA:
             a = a_src.load([pid_m * BLOCK_M, kb * 128])
             b = b_src.load([pid_n * BLOCK_N, kb * 128])
@@ -180,6 +184,6 @@ def fp8_block_gemm(
         sb.stride(1), SB_ROWS=sb_rows, SB_SCALAR=sb_scalar, HAS_BIAS=bias is not None,
         TMA=tma, DECODE=not on_gpu, ROUND_BF16=not on_gpu and out.dtype == torch.bfloat16,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
-        GROUP_M=tile.group_m, WS=tile.ws and on_gpu, num_warps=tile.warps, num_stages=tile.stages,
+        GROUP_M=tile.group_m, num_warps=tile.warps, num_stages=tile.stages,
     )  # fmt: skip
     return out
