@@ -269,7 +269,7 @@ def linear_regime(
 # --------------------------------------------------------------------------------------------
 # FP8 compute for prefill (opt-in, lossy)
 
-_FP8_RESULTS = "benchmarks/results/fp8-prefill-h200-2026-12-01.md"
+_FP8_RESULTS = "benchmarks/results/fp8-prefill-h200-2026-12-02-hw-rounding.md"
 
 
 @dataclass(frozen=True)
@@ -290,18 +290,20 @@ class Fp8PrefillRegime:
         return Step(None, Family.FP8_PREFILL, self.why)
 
 
-#: The FP8 compute rows, tried in order (:func:`fp8_prefill_regime`). Llama-3-8B shapes on the
-#: H200 (bf16 activations; qkv, o, gate_up, down), in the result file named in each row.
+#: The FP8 compute rows, tried in order (:func:`fp8_prefill_regime`). Llama-3-8B and -70B shapes
+#: on the H200 (bf16 activations; qkv, o, gate_up, down), in the result file named in each row.
 FP8_PREFILL_REGIMES: tuple[Fp8PrefillRegime, ...] = (
     Fp8PrefillRegime(
-        _FP4, SmFamily.SM90, ("prefill",), 4096,
-        "re-encoding each call (~0.6 TB/s) costs more than FP8 tensor cores save below M = 4096; "
-        f"there it beats our weight-only kernels on qkv, gate_up and down ({_FP8_RESULTS})",
+        _FP4, SmFamily.SM90, ("prefill",), 2048,
+        "re-encoding each call (~1 TB/s) costs more than FP8 tensor cores save below M = 2048; "
+        "from there it beats our weight-only kernels on every Llama-3-8B and -70B shape "
+        f"({_FP8_RESULTS})",
     ),
     Fp8PrefillRegime(
         _FP4, SmFamily.SM90, ("prefill-resident",), 256,
-        "a resident FP8 copy beats our weight-only kernels from M = 256 on every 8B shape, bf16 "
-        f"cuBLAS from 256 (qkv, gate_up) / 1024 (o, down) ({_FP8_RESULTS})",
+        "a resident FP8 copy beats our weight-only kernels from M = 256 on every Llama-3-8B and "
+        f"-70B shape, bf16 cuBLAS from 256 (8B qkv, gate_up; 70B) / 512 (8B o, down) "
+        f"({_FP8_RESULTS})",
     ),
     Fp8PrefillRegime(
         _FP4, SmFamily.SM89_PLUS, ("prefill", "prefill-resident"), None,

@@ -25,7 +25,7 @@ from quantdispatch.resolver import fp8_compute_of
 from quantdispatch.settings import FP8_COMPUTE_MODES
 
 VAR = "QUANTDISPATCH_FP8_COMPUTE"
-RESULTS = "benchmarks/results/fp8-prefill-h200-2026-12-01.md"
+RESULTS = "benchmarks/results/fp8-prefill-h200-2026-12-02-hw-rounding.md"
 
 
 def _h200():
@@ -145,7 +145,7 @@ def test_a_policy_file_without_the_key_keeps_the_default_and_a_bad_value_is_name
 
 
 def test_the_rows_thresholds_and_why():
-    assert fp8_prefill_regime("nvfp4", (9, 0), "prefill").min_m == 4096
+    assert fp8_prefill_regime("nvfp4", (9, 0), "prefill").min_m == 2048
     assert fp8_prefill_regime("mxfp4", (9, 0), "prefill-resident").min_m == 256
     for cap in ((8, 9), (10, 0), (12, 0), (12, 1)):
         for mode in ("prefill", "prefill-resident"):
@@ -167,7 +167,7 @@ def test_the_fp8_range_exists_on_sm90_only(mode, preset):
     fp8 = [r for r in d.kernel_ranges() if r.family == Family.FP8_PREFILL]
     if profile.capability == (9, 0):
         ((r,),) = (fp8,)
-        assert (r.first_m, r.last_m) == ({"prefill": 4096, "prefill-resident": 256}[mode], None)
+        assert (r.first_m, r.last_m) == ({"prefill": 2048, "prefill-resident": 256}[mode], None)
         assert r.detail.startswith("lossy")
         assert r.detail.endswith("resident FP8 copy" if mode != "prefill" else "per call")
     else:
@@ -184,7 +184,7 @@ def test_the_trace_says_from_which_m_when_on():
     assert "lossy: FP8 compute from M >= 256 (resident FP8 copy, 25.2 MB; " in d.reason
     assert f"{VAR}=prefill-resident)" in d.reason
     d = _select("prefill", n=28672, k=4096)
-    assert "lossy: FP8 compute from M >= 4096 (FP4 weight re-encoded per call;" in d.reason
+    assert "lossy: FP8 compute from M >= 2048 (FP4 weight re-encoded per call;" in d.reason
     d = _select("prefill-resident")  # no shape: the rule
     assert "from M >= 256 where N % 16 == 0 and K % 128 == 0" in d.reason
 
@@ -274,7 +274,7 @@ def test_verbose_doctor_shows_the_setting_and_the_resident_bytes(capsys, monkeyp
     monkeypatch.setenv(VAR, "prefill")
     out = _doctor(capsys, "--verbose", "--shape", "6144x4096")
     assert "  FP8 compute (lossy)       prefill: lossy FP8 compute for prefill" in out
-    assert "    M >= 4096: fp8 prefill (lossy: " in out
+    assert "    M >= 2048: fp8 prefill (lossy: " in out
     assert "  resident FP8 copy (with fp8_compute=prefill-resident)" in out
     monkeypatch.setenv(VAR, "prefill-resident")
     out = _doctor(capsys, "--verbose", "--shape", "6144x4096")
@@ -291,7 +291,7 @@ def test_doctor_json_has_the_mode_in_effect_and_the_bytes(capsys, monkeypatch, c
     d = next(d for d in data["decisions"] if d["act_dtype"] == "bf16")
     assert d["fp8_compute"] == "prefill" and d["fp8_resident_bytes"] == 6144 * 4096 + 48 * 32 * 4
     assert d["kernel_ranges"][-1]["family"] == "fp8 prefill"
-    assert d["kernel_ranges"][-1]["m_min"] == 4096
+    assert d["kernel_ranges"][-1]["m_min"] == 2048
 
 
 def test_a_bad_variable_is_a_usage_error(capsys, monkeypatch):

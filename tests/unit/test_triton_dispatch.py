@@ -52,7 +52,7 @@ def _cuda13(preset):
 
 
 FP8_MODES = ("prefill", "prefill-resident")
-FP8_MS = (*MS, 1023, 1025, 4095, 4097, 8192)
+FP8_MS = (*MS, 1023, 1025, 2047, 2049, 4095, 4097, 8192)
 
 
 def _old_family(fmt, m, n, k, act, cap):
@@ -102,7 +102,7 @@ def test_kernel_for_with_fp8_compute_is_the_dispatch(preset, fmt, mode):
     families of the old rules."""
     profile = _cuda13(preset)
     facts, cap = dispatch.facts_for(profile), profile.capability
-    min_m = {"prefill": 4096, "prefill-resident": 256}[mode]
+    min_m = {"prefill": 2048, "prefill-resident": 256}[mode]
     for act, (n, k) in itertools.product(DTYPES, SHAPES):
         d = _decision(fmt, "linear", act, profile, fp8=mode, n=n, k=k)
         if d is None:

@@ -22,6 +22,7 @@ from quantdispatch.formats.nvfp4_act import (
     quantize_nvfp4_activations_raw,
     swizzled_scale_shape,
 )
+from quantdispatch.kernels.native.fp8_prefill_quant import e4m3_code, e4m3_value
 
 __all__ = ["quantize_nvfp4_activations_triton"]
 
@@ -31,28 +32,7 @@ _DEFAULT_BLOCKS = (16, 16)  # rows, groups of 16 per program: 4096 elements
 @triton.jit
 def _e4m3_rne_code(v):
     """fp32 v >= 0 (or +inf) -> e4m3 code 0..126: nearest even, saturating at 448."""
-    v = tl.minimum(v, 448.0)
-    b = v.to(tl.int32, bitcast=True)
-    e = b >> 23
-    # normal results (v >= 2**-6): drop 20 mantissa bits with round-half-even, rebias 127 -> 7
-    normal = ((b + 0x7FFFF + ((b >> 20) & 1)) >> 20) - (120 << 3)
-    # subnormal results: round v / 2**-9 to an integer (8 = the smallest normal, code 8)
-    mant = tl.where(e > 0, (b & 0x7FFFFF) | 0x800000, b & 0x7FFFFF)
-    sh = tl.minimum(141 - tl.maximum(e, 1), 31)
-    q = mant >> sh
-    rem = mant - (q << sh)
-    half = 1 << (sh - 1)
-    up = (rem > half) | ((rem == half) & ((q & 1) == 1))
-    return tl.where(e >= 121, normal, q + up.to(tl.int32))
-
-
-@triton.jit
-def _e4m3_value(c):
-    """e4m3 code (int32, non-negative) -> fp32 value, exactly."""
-    e = c >> 3
-    m = c & 7
-    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
-    return tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+    return e4m3_code(tl.minimum(v, 448.0))
 
 
 @triton.jit
@@ -96,7 +76,7 @@ def _nvfp4_act_quant_kernel(
     s = tl.load(s_ptr)
     sf = s * (amax * r6)
     code8 = _e4m3_rne_code(sf)
-    p = _e4m3_value(code8) * tl.math.div_rn(1.0, s)
+    p = e4m3_value(code8) * tl.math.div_rn(1.0, s)
     zero = code8 == 0
     os = tl.where(zero, 0.0, tl.math.div_rn(1.0, tl.where(zero, 1.0, p)))
 
