@@ -302,8 +302,7 @@ FP8_PREFILL_REGIMES: tuple[Fp8PrefillRegime, ...] = (
     Fp8PrefillRegime(
         _FP4, SmFamily.SM90, ("prefill-resident",), 256,
         "a resident FP8 copy beats our weight-only kernels from M = 256 on every Llama-3-8B and "
-        f"-70B shape, bf16 cuBLAS from 256 (8B qkv, gate_up; 70B) / 512 (8B o, down) "
-        f"({_FP8_RESULTS})",
+        f"-70B shape, bf16 cuBLAS from 256 on all but 8B o (from 512) ({_FP8_RESULTS})",
     ),
     Fp8PrefillRegime(
         _FP4, SmFamily.SM89_PLUS, ("prefill", "prefill-resident"), None,
