@@ -119,8 +119,11 @@ def e4m3_bytes(v, HW: tl.constexpr):
 
 
 def hw_rounding(device: torch.device) -> bool:
-    """Whether kernels on ``device`` round with the FP8 conversion instruction (SM 8.9+)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    """Whether kernels on ``device`` round with the FP8 conversion instruction (an NVIDIA GPU of
+    SM 8.9+; the instruction is PTX, so not on ROCm builds)."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 @triton.jit
