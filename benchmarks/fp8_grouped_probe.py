@@ -159,8 +159,11 @@ def main() -> None:
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['shape']} | {r['E']} | | {r['tokens_per_expert']} | "
-                         f"{'uneven' if r['uneven'] else 'even'} | error: {r['error']} |")  # fmt: skip
+            kind = "uneven" if r["uneven"] else "even"
+            lines.append(
+                f"| {r['shape']} | {r['E']} | | {r['tokens_per_expert']} | {kind} | "
+                f"error: {r['error']} |"
+            )
             continue
         f8 = r["fp8_us"]
         lines.append(

@@ -11,7 +11,7 @@ export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl >"$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
 export PYTHONPATH=/tmp/site:$PWD
-STEPS=${STEPS:-"doctor doctor-json verify wgmma-waits gpu-tests dequant-sweep bench-linear bench-moe"}  # also: selfcheck model-decode decode-profile fp8-logits tp-nccl eager-ab host-overhead fp8-prefill fp8-gemm-sweep bench-moe-mx mma-sweep gemv-ablation gemm-sweep stream-small
+STEPS=${STEPS:-"doctor doctor-json verify wgmma-waits gpu-tests dequant-sweep bench-linear bench-moe"}  # also: selfcheck model-decode decode-profile fp8-logits tp-nccl eager-ab host-overhead fp8-prefill fp8-gemm-sweep fp8-grouped-probe bench-moe-mx mma-sweep gemv-ablation gemm-sweep stream-small
 step() {  # step NAME SECONDS CMD...   (runs only if NAME is in $STEPS)
   local name=$1 limit=$2; shift 2
   case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
@@ -44,6 +44,7 @@ step bench-linear "${LINEAR_S:-200}" python3 benchmarks/linear.py --out "$OUT" $
 step bench-moe "${MOE_S:-150}" python3 benchmarks/moe.py --out "$OUT" ${MOE_ARGS:-}
 step bench-moe-mx "${MOE_MX_S:-120}" python3 benchmarks/moe.py --format mxfp4 --out "$OUT" ${MOE_ARGS:-}
 TAIL=40 step fp8-gemm-sweep "${SWEEP_S:-300}" python3 benchmarks/fp8_gemm_sweep.py --out "$OUT" ${SWEEP_ARGS:-}
+TAIL=40 step fp8-grouped-probe 240 python3 benchmarks/fp8_grouped_probe.py --out "$OUT"
 TAIL=70 step fp8-prefill "${PREFILL_S:-260}" python3 benchmarks/fp8_prefill.py --out "$OUT" --budget-s "${PREFILL_BUDGET:-200}" ${PREFILL_ARGS:-}
 step stream-small 90 python3 benchmarks/stream_small.py --out "$OUT"
 ls -la "$OUT"
