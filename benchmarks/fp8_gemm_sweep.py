@@ -43,9 +43,8 @@ TILES = [
     T(128, 128, 4, 8), T(128, 128, 5, 8), T(64, 128, 4, 4), T(128, 128, 4, 8, 16),
     T(128, 128, 4, 8, tma=False), T(64, 128, 4, 4, tma=False),
 ]  # fmt: skip
-#: activation quantizer variants: (rows per program, warps, byte stores)
-QUANT = [(16, 4, False), (16, 4, True), (32, 4, True), (32, 8, True), (64, 8, True),
-         (8, 4, True), (16, 2, True)]  # fmt: skip
+#: activation quantizer variants: (rows per program, warps)
+QUANT = [(16, 4), (32, 4), (32, 8), (64, 8), (8, 4), (16, 2)]
 ROTATE_BYTES = 256 << 20
 
 
@@ -148,11 +147,11 @@ def one_m(model, name, n, k, m, g, weight) -> dict:
         }
     # the quantizer: integer vs hardware rounding, program shapes; all bit-equal
     outs = {}
-    variants = [("actq_int", False, (16, 4, False))] + [
-        (f"actq_hw_r{r_}w{w_}{'b' if b_ else 'w'}", True, (r_, w_, b_)) for r_, w_, b_ in QUANT
+    variants = [("actq_int", False, (16, 4))] + [
+        (f"actq_hw_r{r_}w{w_}", True, (r_, w_)) for r_, w_ in QUANT
     ]
-    for lab, hw, (rpp, nw, byt) in variants:
-        kw = {"hw": hw, "rows_per_program": rpp, "num_warps": nw, "byte_stores": byt}
+    for lab, hw, (rpp, nw) in variants:
+        kw = {"hw": hw, "rows_per_program": rpp, "num_warps": nw}
         qa = torch.empty((mp, k), dtype=torch.uint8, device="cuda")
         s = torch.empty((k // 128, mp), device="cuda").t()
         quantize_blocks_triton(x, qa, s, **kw)

@@ -255,21 +255,11 @@ def _dense_amax(x):
 
 
 @triton.jit
-def _dense_encode(q_ptr, x, e_rows, rows64, inside, kc, stride_q, BLOCK_R: tl.constexpr,
-                  HW: tl.constexpr, BYTES: tl.constexpr):  # fmt: skip
-    v = x * pow2(-e_rows)[:, None]
-    if BYTES:  # one byte per element; the hardware path rounds four per instruction pair
-        cols = tl.arange(0, 128)
-        tl.store(q_ptr + rows64[:, None] * stride_q + kc * 128 + cols[None, :],
-                 e4m3_bytes(v, HW), mask=inside[:, None])  # fmt: skip
-    else:  # 32-bit words of four codes
-        lo, hi = tl.split(tl.reshape(v, (BLOCK_R, 64, 2)))
-        h = e4m3_pair(lo, hi, HW)
-        a, b = tl.split(tl.reshape(h, (BLOCK_R, 32, 2)))
-        w = a | (b << 16)
-        cols = tl.arange(0, 32)
-        tl.store(q_ptr.to(tl.pointer_type(tl.int32)) + rows64[:, None] * (stride_q // 4)
-                 + kc * 32 + cols[None, :], w, mask=inside[:, None])  # fmt: skip
+def _dense_encode(q_ptr, x, e_rows, rows64, inside, kc, stride_q, HW: tl.constexpr):
+    """One byte per code; the hardware path rounds four values per two instructions."""
+    cols = tl.arange(0, 128)
+    tl.store(q_ptr + rows64[:, None] * stride_q + kc * 128 + cols[None, :],
+             e4m3_bytes(x * pow2(-e_rows)[:, None], HW), mask=inside[:, None])  # fmt: skip
 
 
 @triton.jit
@@ -277,7 +267,7 @@ def _dense_to_fp8_kernel(x_ptr, mult_ptr, q_ptr, qs_ptr, n_valid, n_rows, chunks
                          stride_q, stride_qs_r, stride_qs_k, HAS_MULT: tl.constexpr,
                          SHARE_ROWS: tl.constexpr, ONE_CHUNK: tl.constexpr,
                          BF16_BITS: tl.constexpr, BLOCK_R: tl.constexpr,
-                         HW: tl.constexpr, BYTES: tl.constexpr):  # fmt: skip
+                         HW: tl.constexpr):  # fmt: skip
     pid_r = tl.program_id(0)
     kb = tl.program_id(1)
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -309,12 +299,11 @@ def _dense_to_fp8_kernel(x_ptr, mult_ptr, q_ptr, qs_ptr, n_valid, n_rows, chunks
         scale = tl.where(amax == 0.0, 0.0, scale)
         tl.store(qs_ptr + rows64 * stride_qs_r + kb * stride_qs_k, scale, mask=inside)
     if ONE_CHUNK:
-        _dense_encode(q_ptr, x, e_rows, rows64, inside, kb, stride_q, BLOCK_R, HW, BYTES)
+        _dense_encode(q_ptr, x, e_rows, rows64, inside, kb, stride_q, HW)
     else:
         for c in range(chunks):
             x = _dense_load(x_ptr, rows64, valid, kb * chunks + c, stride_x, BF16_BITS)
-            _dense_encode(q_ptr, x, e_rows, rows64, inside, kb * chunks + c, stride_q,
-                          BLOCK_R, HW, BYTES)  # fmt: skip
+            _dense_encode(q_ptr, x, e_rows, rows64, inside, kb * chunks + c, stride_q, HW)
 
 
 def _as_words(q: torch.Tensor) -> torch.Tensor:
@@ -371,7 +360,6 @@ def quantize_blocks_triton(
     mult: torch.Tensor | None = None,
     rows_per_program: int = 16,
     hw: bool | None = None,
-    byte_stores: bool = True,
     num_warps: int | None = None,
 ) -> None:
     """Quantize x [M, K] (16/32-bit, K contiguous) into ``q`` [Mq, K] (Mq >= M; rows M.. are
@@ -391,5 +379,5 @@ def quantize_blocks_triton(
         rows, block_cols // 128, x.stride(0), qb.stride(0), scale.stride(0), scale.stride(1),
         HAS_MULT=mult is not None, SHARE_ROWS=share, ONE_CHUNK=block_cols == 128,
         BF16_BITS=bf16, BLOCK_R=block_r, HW=hw_rounding(q.device) if hw is None else hw,
-        BYTES=byte_stores, num_warps=num_warps or (8 if block_r >= 64 else 4),
+        num_warps=num_warps or (8 if block_r >= 64 else 4),
     )  # fmt: skip
