@@ -30,9 +30,10 @@ import torch
 import triton
 import triton.language as tl
 
+from quantdispatch.kernels.common.device_facts import device_facts
 from quantdispatch.kernels.native.fp8_prefill_quant import e4m3_value
 
-__all__ = ["BlockGemmTile", "fp8_block_gemm", "has_tma_descriptors"]
+__all__ = ["BlockGemmTile", "fp8_block_gemm"]
 
 BLOCK_K = 128  # one scale block per step
 
@@ -51,15 +52,6 @@ class BlockGemmTile:
     def label(self) -> str:
         tail = "t" if self.tma else ""
         return f"{self.block_m}x{self.block_n}s{self.stages}w{self.warps}g{self.group_m}{tail}"
-
-
-def has_tma_descriptors() -> bool:
-    """Triton's host tensor descriptors (Triton >= 3.3)."""
-    try:
-        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 @triton.jit
@@ -164,7 +156,7 @@ def fp8_block_gemm(
         return out
     tile = tile or BlockGemmTile()
     on_gpu = a.device.type == "cuda"
-    tma = tile.tma and on_gpu and has_tma_descriptors()
+    tma = tile.tma and device_facts(a.device).tma
     if tma:
         av = a.view(torch.float8_e4m3fn)
         bv = b.view(torch.float8_e4m3fn)

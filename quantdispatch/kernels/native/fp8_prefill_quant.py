@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from quantdispatch.kernels.common.decode import e2m1_pair_to_f32
+from quantdispatch.kernels.common.device_facts import device_facts
 
 __all__ = [
     "block_exponent",
@@ -121,9 +122,9 @@ def e4m3_bytes(v, HW: tl.constexpr):
 def hw_rounding(device: torch.device) -> bool:
     """Whether kernels on ``device`` round with the FP8 conversion instruction (an NVIDIA GPU of
     SM 8.9+; the instruction is PTX, so not on ROCm builds)."""
-    if device.type != "cuda" or torch.version.hip is not None:
-        return False
-    return torch.cuda.get_device_capability(device) >= (8, 9)
+    facts = device_facts(device)  # cached per device: no driver call per launch
+    cap = facts.capability
+    return facts.compiled and torch.version.hip is None and cap is not None and cap >= (8, 9)
 
 
 @triton.jit
@@ -190,6 +191,32 @@ def _fp4_encode(q32_ptr, sbits, byte, e_rows, rows64, rmask, kc, stride_q32, MX:
 
 
 @triton.jit
+def _block_scales(amax, mult_ptr, qs_ptr, pid_r, rows64, mask, kb, stride_qs_r, stride_qs_k,
+                  HAS_MULT: tl.constexpr, SHARE_ROWS: tl.constexpr,
+                  BLOCK_R: tl.constexpr):  # fmt: skip
+    """From each row's largest |value| [BLOCK_R] of block column ``kb``: store the block scales
+    (2^e times the multiplier; 0 for an all-zero block), one for the program's rows
+    (``SHARE_ROWS``) or one per row, and return each row's exponent e."""
+    if SHARE_ROWS:
+        bmax = tl.max(amax, axis=0)
+        e = block_exponent(bmax)
+        scale = pow2(e)
+        if HAS_MULT:
+            scale = scale * tl.load(mult_ptr)
+        scale = tl.where(bmax == 0.0, 0.0, scale)
+        tl.store(qs_ptr + pid_r * stride_qs_r + kb * stride_qs_k, scale)
+        return tl.zeros((BLOCK_R,), dtype=tl.int32) + e
+    else:
+        e_rows = block_exponent(amax)
+        scale = pow2(e_rows)
+        if HAS_MULT:
+            scale = scale * tl.load(mult_ptr)
+        scale = tl.where(amax == 0.0, 0.0, scale)
+        tl.store(qs_ptr + rows64 * stride_qs_r + kb * stride_qs_k, scale, mask=mask)
+        return e_rows
+
+
+@triton.jit
 def _fp4_to_fp8_kernel(p_ptr, s_ptr, gs_ptr, q32_ptr, qs_ptr, n_rows, chunks, stride_p,
                        stride_s, stride_q32, stride_qs_r, stride_qs_k, MX: tl.constexpr,
                        HAS_GS: tl.constexpr, SHARE_ROWS: tl.constexpr, ONE_CHUNK: tl.constexpr,
@@ -209,22 +236,8 @@ def _fp4_to_fp8_kernel(p_ptr, s_ptr, gs_ptr, q32_ptr, qs_ptr, n_rows, chunks, st
             sb, by = _fp4_load(p_ptr, s_ptr, rows64, rmask, kb * chunks + c, stride_p, stride_s,
                                BPG, G)  # fmt: skip
             amax = tl.maximum(amax, tl.max(_fp4_group_max(sb, by, MX), axis=1))
-    if SHARE_ROWS:
-        bmax = tl.max(amax, axis=0)
-        e = block_exponent(bmax)
-        scale = pow2(e)
-        if HAS_GS:
-            scale = scale * tl.load(gs_ptr)
-        scale = tl.where(bmax == 0.0, 0.0, scale)  # an all-zero block: scale 0
-        tl.store(qs_ptr + pid_r * stride_qs_r + kb * stride_qs_k, scale)
-        e_rows = tl.zeros((BLOCK_R,), dtype=tl.int32) + e
-    else:
-        e_rows = block_exponent(amax)
-        scale = pow2(e_rows)
-        if HAS_GS:
-            scale = scale * tl.load(gs_ptr)
-        scale = tl.where(amax == 0.0, 0.0, scale)
-        tl.store(qs_ptr + rows64 * stride_qs_r + kb * stride_qs_k, scale, mask=rmask)
+    e_rows = _block_scales(amax, gs_ptr, qs_ptr, pid_r, rows64, rmask, kb, stride_qs_r,
+                           stride_qs_k, HAS_GS, SHARE_ROWS, BLOCK_R)  # fmt: skip
     if ONE_CHUNK:
         _fp4_encode(q32_ptr, sbits, byte, e_rows, rows64, rmask, kb, stride_q32, MX, BPG, G,
                     BLOCK_R, HW)  # fmt: skip
@@ -282,22 +295,8 @@ def _dense_to_fp8_kernel(x_ptr, mult_ptr, q_ptr, qs_ptr, n_valid, n_rows, chunks
         for c in range(chunks):
             x = _dense_load(x_ptr, rows64, valid, kb * chunks + c, stride_x, BF16_BITS)
             amax = tl.maximum(amax, _dense_amax(x))
-    if SHARE_ROWS:
-        bmax = tl.max(amax, axis=0)
-        e = block_exponent(bmax)
-        scale = pow2(e)
-        if HAS_MULT:
-            scale = scale * tl.load(mult_ptr)
-        scale = tl.where(bmax == 0.0, 0.0, scale)  # an all-zero block: scale 0
-        tl.store(qs_ptr + pid_r * stride_qs_r + kb * stride_qs_k, scale)
-        e_rows = tl.zeros((BLOCK_R,), dtype=tl.int32) + e
-    else:
-        e_rows = block_exponent(amax)
-        scale = pow2(e_rows)
-        if HAS_MULT:
-            scale = scale * tl.load(mult_ptr)
-        scale = tl.where(amax == 0.0, 0.0, scale)
-        tl.store(qs_ptr + rows64 * stride_qs_r + kb * stride_qs_k, scale, mask=inside)
+    e_rows = _block_scales(amax, mult_ptr, qs_ptr, pid_r, rows64, inside, kb, stride_qs_r,
+                           stride_qs_k, HAS_MULT, SHARE_ROWS, BLOCK_R)  # fmt: skip
     if ONE_CHUNK:
         _dense_encode(q_ptr, x, e_rows, rows64, inside, kb, stride_q, HW)
     else:
