@@ -34,6 +34,7 @@ import torch
 from quantdispatch.errors import BackendUnavailableError, InputError, format_error
 from quantdispatch.formats import fp8_prefill as rule
 from quantdispatch.kernels.common.checks import check_native_call
+from quantdispatch.kernels.native import fp8_handoff
 
 __all__ = [
     "RECIPES",
@@ -310,13 +311,17 @@ def _run_slabs(
     encode: Callable[[int, int, torch.Tensor], PrefillWeight] | None,
     resident: PrefillWeight | None = None,
 ) -> torch.Tensor:
-    """Quantize x once, then per slab: encode rows a..b into the workspace and run its GEMM
-    into the output's columns a..b (or one GEMM on a resident copy)."""
+    """Quantize x once (or take its codes from :mod:`.fp8_handoff`), then per slab: encode
+    rows a..b into the workspace and run its GEMM into the output's columns a..b (or one GEMM
+    on a resident copy)."""
     m = x.shape[0]
     out_dtype = x.dtype
     if m == 0:
         return torch.empty((0, n), dtype=out_dtype, device=x.device)
-    xq, scale_a = quantize_activations(x, recipe, impl)
+    if recipe == "rowwise":
+        xq, scale_a = quantize_activations(x, recipe, impl)
+    else:  # both block recipes take the 1x128 form: shared with x's other readers
+        xq, scale_a = fp8_handoff.quantized(x, lambda v: quantize_activations(v, recipe, impl))
     out = torch.empty((xq.shape[0], n), dtype=out_dtype, device=x.device)
     if resident is not None:
         _gemm(xq, scale_a, resident, bias, out)
