@@ -1,0 +1,255 @@
+"""Fused producers of FP8 prefill activations: the kernel that makes an activation also
+quantizes it, so the FP8 linears that read it need no pass of their own.
+
+* :func:`rmsnorm_fp8`: ``weight * bf16(x * rsqrt(mean(x^2) + eps))``, the RMSNorm of the Llama
+  family (HF's ``LlamaRMSNorm`` and its copies), rounded as it rounds: fp32 inside, once to the
+  input dtype before the weight, once after.
+* :func:`silu_mul_fp8`: ``bf16(silu(gate)) * up``, the gated MLP's input to ``down_proj``.
+
+Each writes the 16-bit output (the tensor the model passes on) and, with ``quantize``, its
+e4m3 codes and ``scale_a`` per token and per 128 columns (M padded to 16, zero rows), exactly
+what :func:`.fp8_prefill.quantize_activations` gives for that output: the same block rule,
+the same rounding helpers (:mod:`.fp8_prefill_quant`). The codes are offered to
+:mod:`.fp8_handoff`, where the next FP8 linears reading the output find them.
+
+The 16-bit results match torch's to within its own fp32 rounding: the sums of squares are
+added in another order, ``rsqrt`` and ``exp`` are other routines, so an element can land a
+16-bit step away from the eager module's (two steps after the norm's weight: a step of the
+normalized value is two of a product in the binade below). The codes are always those of the
+output written here.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from quantdispatch.errors import InputError, format_error
+from quantdispatch.kernels.native import fp8_handoff
+from quantdispatch.kernels.native.fp8_prefill_quant import (
+    _block_scales,
+    _dense_amax,
+    _dense_encode,
+    _dense_load,
+    block_exponent,
+    e4m3_bytes,
+    hw_rounding,
+    pow2,
+)
+
+__all__ = ["rmsnorm_fp8", "silu_mul_fp8"]
+
+_16_BIT = (torch.bfloat16, torch.float16)
+
+
+@triton.jit
+def _round16(v, BF16: tl.constexpr):
+    """fp32 -> the nearest bf16 / fp16 value (ties to even), kept as fp32. bf16 by integer
+    rounding (the interpreter has no bf16 cast of its own)."""
+    if BF16:
+        bits = v.to(tl.int32, bitcast=True)
+        r = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # -65536 == 0xFFFF0000
+        return tl.where(v != v, v, r.to(tl.float32, bitcast=True))
+    else:
+        return v.to(tl.float16).to(tl.float32)
+
+
+@triton.jit
+def _widen(raw, BF16: tl.constexpr):
+    """Loaded bf16 bits (int16) or fp16 values -> fp32 (bf16 by a shift: exact for
+    subnormals too, which the interpreter's bf16 conversion gets wrong)."""
+    if BF16:
+        return ((raw.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+    else:
+        return raw.to(tl.float32)
+
+
+@triton.jit
+def _narrow(v, BF16: tl.constexpr):
+    """fp32 holding a 16-bit value (:func:`_round16`) -> what to store: bf16 bits or fp16."""
+    if BF16:
+        return (v.to(tl.int32, bitcast=True) >> 16).to(tl.int16)
+    else:
+        return v.to(tl.float16)
+
+
+@triton.jit
+def _store16(y_ptr, v, rows64, valid, kc, stride_y, BF16: tl.constexpr):
+    cols = tl.arange(0, 128)
+    offs = rows64[:, None] * stride_y + kc * 128 + cols[None, :]
+    tl.store(y_ptr + offs, _narrow(v, BF16), mask=valid[:, None])
+
+
+@triton.jit
+def _quantize_chunk(q_ptr, qs_ptr, y, pid_r, rows64, inside, kc, stride_q, stride_qs_r,
+                    stride_qs_k, valid, BLOCK_R: tl.constexpr, HW: tl.constexpr):  # fmt: skip
+    y = tl.where(valid[:, None], y, 0.0)  # padding rows are +0 (a -0 weight would make -0)
+    e_rows = _block_scales(_dense_amax(y), qs_ptr, qs_ptr, pid_r, rows64, inside, kc,
+                           stride_qs_r, stride_qs_k, False, False, BLOCK_R)  # fmt: skip
+    _dense_encode(q_ptr, y, e_rows, rows64, inside, kc, stride_q, HW)
+
+
+@triton.jit
+def _rmsnorm_kernel(x_ptr, w_ptr, y_ptr, q_ptr, qs_ptr, n_valid, n_rows, k, eps, stride_x,
+                    stride_y, stride_q, stride_qs_r, stride_qs_k, QUANT: tl.constexpr,
+                    BF16: tl.constexpr, BLOCK_R: tl.constexpr, CH: tl.constexpr,
+                    HW: tl.constexpr):  # fmt: skip
+    """Whole rows in registers as [rows, 128-column blocks, 128]: x is read once, and each
+    block's largest value is a reduction over the last axis."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    valid = rows < n_valid  # rows n_valid .. n_rows: zero codes, scale 0 (the GEMM's padding)
+    inside = rows < n_rows
+    rows2 = rows.to(tl.int64)[:, None]
+    rows64 = rows2[:, :, None]
+    ch = tl.arange(0, CH)
+    cols = ch[None, :, None] * 128 + tl.arange(0, 128)[None, None, :]
+    cmask = cols < k
+    m3 = valid[:, None, None] & cmask
+    x = _widen(tl.load(x_ptr + rows64 * stride_x + cols, mask=m3, other=0), BF16)
+    r = 1.0 / tl.sqrt_rn(tl.sum(tl.sum(x * x, axis=2), axis=1) / k + eps)
+    w = _widen(tl.load(w_ptr + cols, mask=cmask, other=0), BF16)
+    y = _round16(w * _round16(x * r[:, None, None], BF16), BF16)
+    y = tl.where(m3, y, 0.0)  # padding rows are +0 (a -0 weight would make -0)
+    tl.store(y_ptr + rows64 * stride_y + cols, _narrow(y, BF16), mask=m3)
+    if QUANT:
+        a = tl.abs(y)
+        amax = tl.max(tl.where(a != a, float("inf"), a), axis=2)  # NaN counts as infinite
+        e = block_exponent(amax)
+        tl.store(qs_ptr + rows2 * stride_qs_r + ch[None, :] * stride_qs_k,
+                 tl.where(amax == 0.0, 0.0, pow2(e)),
+                 mask=inside[:, None] & (ch[None, :] * 128 < k))  # fmt: skip
+        tl.store(q_ptr + rows64 * stride_q + cols, e4m3_bytes(y * pow2(-e)[:, :, None], HW),
+                 mask=inside[:, None, None] & cmask)  # fmt: skip
+
+
+@triton.jit
+def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, q_ptr, qs_ptr, n_valid, n_rows, stride_g, stride_u,
+                     stride_y, stride_q, stride_qs_r, stride_qs_k, QUANT: tl.constexpr,
+                     BF16: tl.constexpr, BLOCK_R: tl.constexpr, HW: tl.constexpr):  # fmt: skip
+    pid_r = tl.program_id(0)
+    kc = tl.program_id(1)
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    valid = rows < n_valid
+    inside = rows < n_rows
+    rows64 = rows.to(tl.int64)
+    g = _dense_load(g_ptr, rows64, valid, kc, stride_g, BF16)
+    u = _dense_load(u_ptr, rows64, valid, kc, stride_u, BF16)
+    s = _round16(g / (1.0 + tl.exp(-g)), BF16)
+    y = _round16(s * u, BF16)
+    _store16(y_ptr, y, rows64, valid, kc, stride_y, BF16)
+    if QUANT:
+        _quantize_chunk(q_ptr, qs_ptr, y, pid_r, rows64, inside, kc, stride_q, stride_qs_r,
+                        stride_qs_k, valid, BLOCK_R, HW)  # fmt: skip
+
+
+def _check(where: str, x: torch.Tensor, name: str, k: int | None = None) -> None:
+    if x.dim() != 2 or x.dtype not in _16_BIT or x.stride(1) != 1:
+        raise InputError(
+            format_error(
+                f"{where}: {name} is {x.dtype} {tuple(x.shape)} with strides {x.stride()}",
+                f"{name} is a 2-D bf16 / fp16 matrix with contiguous rows",
+                f"pass {name}.reshape(-1, {name}.shape[-1]).contiguous()",
+            )
+        )
+    if x.shape[1] % 128 or (k is not None and x.shape[1] != k):
+        raise InputError(
+            format_error(
+                f"{where}: {name} has {x.shape[1]} columns",
+                "the FP8 activation blocks are 128 columns wide"
+                + ("" if k is None else f" and it must match the other input's {k}"),
+                "run the module's own forward for this width",
+            )
+        )
+
+
+def _outputs(x: torch.Tensor, quantize: bool):
+    m, k = x.shape
+    y = torch.empty_like(x)
+    if not quantize:
+        return y, None, None
+    mp = -(-m // 16) * 16
+    q = torch.empty((mp, k), dtype=torch.uint8, device=x.device)
+    scale = torch.empty((k // 128, mp), dtype=torch.float32, device=x.device).t()
+    return y, q, scale
+
+
+def _finish(y, q, scale, quantize: bool):
+    if not quantize:
+        return y, None
+    codes = (q.view(torch.float8_e4m3fn), scale)
+    fp8_handoff.offer(y, *codes)
+    return y, codes
+
+
+def rmsnorm_fp8(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, quantize: bool = True
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """(y, (codes, scale_a) or None): the RMSNorm of x [M, K] with ``weight`` [K] (same
+    dtype), and with ``quantize`` its FP8 form, offered to :mod:`.fp8_handoff`."""
+    _check("rmsnorm_fp8", x, "x")
+    if weight.shape != (x.shape[1],) or weight.dtype != x.dtype or weight.device != x.device:
+        raise InputError(
+            format_error(
+                f"rmsnorm_fp8: weight is {weight.dtype} {tuple(weight.shape)} on {weight.device}",
+                f"the norm's weight is [{x.shape[1]}] in x's dtype {x.dtype} on {x.device}",
+                "run the module's own forward",
+            )
+        )
+    y, q, scale = _outputs(x, quantize)
+    m, k = x.shape
+    rows = q.shape[0] if quantize else m
+    if rows:
+        block_k = triton.next_power_of_2(k)
+        br = max(1, 2048 // block_k)  # at least 2048 elements per program
+        bf16 = x.dtype == torch.bfloat16
+        view = (lambda t: t.view(torch.int16)) if bf16 else (lambda t: t)
+        _rmsnorm_kernel[(triton.cdiv(rows, br),)](
+            view(x), view(weight.contiguous()), view(y), q if quantize else y,
+            scale if quantize else x, m, rows, k, float(eps), x.stride(0), y.stride(0),
+            q.stride(0) if quantize else 0, scale.stride(0) if quantize else 0,
+            scale.stride(1) if quantize else 0, QUANT=quantize, BF16=bf16, BLOCK_R=br,
+            CH=block_k // 128, HW=quantize and hw_rounding(x.device),
+            num_warps=min(16, max(4, br * block_k // 512)),
+        )  # fmt: skip
+    return _finish(y, q, scale, quantize)
+
+
+def silu_mul_fp8(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    *,
+    quantize: bool = True,
+    rows_per_program: int = 32,
+    num_warps: int = 4,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """(y, (codes, scale_a) or None): ``silu(gate) * up`` for gate, up [M, I] (rows
+    contiguous, any row stride: halves of one [M, 2I] projection work), and with
+    ``quantize`` its FP8 form, offered to :mod:`.fp8_handoff`. ``rows_per_program`` /
+    ``num_warps``: the program shape (one 128-column block each), for tuning."""
+    _check("silu_mul_fp8", gate, "gate")
+    _check("silu_mul_fp8", up, "up", gate.shape[1])
+    if up.shape != gate.shape or up.dtype != gate.dtype or up.device != gate.device:
+        raise InputError(
+            format_error(
+                f"silu_mul_fp8: gate {gate.dtype} {tuple(gate.shape)}, up {up.dtype} "
+                f"{tuple(up.shape)}",
+                "gate and up have one shape, dtype and device",
+                "pass the two halves of the same projection",
+            )
+        )
+    y, q, scale = _outputs(gate, quantize)
+    m, k = gate.shape
+    rows = q.shape[0] if quantize else m
+    if rows:
+        br = rows_per_program
+        bf16 = gate.dtype == torch.bfloat16
+        view = (lambda t: t.view(torch.int16)) if bf16 else (lambda t: t)
+        _silu_mul_kernel[(triton.cdiv(rows, br), k // 128)](
+            view(gate), view(up), view(y), q if quantize else y, scale if quantize else gate,
+            m, rows, gate.stride(0), up.stride(0), y.stride(0), q.stride(0) if quantize else 0,
+            scale.stride(0) if quantize else 0, scale.stride(1) if quantize else 0,
+            QUANT=quantize, BF16=bf16, BLOCK_R=br, HW=quantize and hw_rounding(gate.device),
+            num_warps=num_warps,
+        )  # fmt: skip
+    return _finish(y, q, scale, quantize)

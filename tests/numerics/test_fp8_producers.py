@@ -1,0 +1,170 @@
+"""The fused FP8 producers (RMSNorm, SiLU x mul) in the Triton interpreter, and the handoff
+that lets every FP8 linear reading one activation share its codes.
+
+The 16-bit outputs are checked against float64 formulas rounded as the eager modules round
+(at most two 16-bit steps apart on a few elements: the sum of squares and exp are computed in
+another order / by another routine); the codes and scales bit-equal with the float64 rule
+(fp8_prefill_ref.encode64) applied to the output the kernel wrote, padding rows included."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from fp8_prefill_ref import encode64
+
+from quantdispatch.errors import InputError
+from quantdispatch.kernels.native import fp8_handoff
+from quantdispatch.kernels.native import fp8_prefill as fp8p
+from quantdispatch.kernels.native.fp8_producers import rmsnorm_fp8, silu_mul_fp8
+
+F64 = torch.float64
+
+
+def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many 16-bit steps apart two same-dtype tensors are (0 where both are NaN)."""
+    ia = a.view(torch.int16).to(torch.int64)
+    ib = b.view(torch.int16).to(torch.int64)
+    ia = torch.where(ia < 0, -(ia & 0x7FFF), ia)  # sign-magnitude -> ordered
+    ib = torch.where(ib < 0, -(ib & 0x7FFF), ib)
+    both_nan = torch.isnan(a) & torch.isnan(b)
+    return torch.where(both_nan, 0, (ia - ib).abs())
+
+
+def check_codes(y: torch.Tensor, codes) -> None:
+    """codes / scale_a are the rule's for y (M padded to 16 with zero rows)."""
+    q, scale = codes
+    m, k = y.shape
+    mp = -(-m // 16) * 16
+    assert q.shape == (mp, k) and q.dtype == torch.float8_e4m3fn
+    assert scale.shape == (mp, k // 128) and scale.stride() == (1, mp)
+    yp = torch.cat([y.to(F64), torch.zeros(mp - m, k, dtype=F64)])
+    codes64, scale64 = encode64(yp, 1, 128)
+    assert torch.equal(q.view(torch.uint8).to(torch.int64), codes64)
+    assert torch.equal(scale.to(F64), scale64)
+
+
+def rmsnorm_eager(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's LlamaRMSNorm.forward, with the sum of squares in float64."""
+    h = x.to(torch.float32)
+    var = (h.to(F64) ** 2).mean(-1, keepdim=True).to(torch.float32)
+    return w * (h * torch.rsqrt(var + eps)).to(x.dtype)
+
+
+def inputs(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * torch.logspace(-3, 2, m)[:, None]
+    x[0, :7] = 0.0
+    if m > 3:
+        x[3] = 0.0  # an all-zero row: scale 0, zero codes
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m,k", [(5, 256), (19, 384)])
+def test_rmsnorm_fp8(dtype, m, k):
+    x = inputs(m, k, dtype, m + k)
+    w = (torch.randn(k, generator=torch.Generator().manual_seed(1)) * 0.5 + 1).to(dtype)
+    w[:3] = torch.tensor([0.0, -2.0, 2.0**-8])
+    eps = 1e-6
+    y, codes = rmsnorm_fp8(x, w, eps)
+    ref = rmsnorm_eager(x, w, eps)
+    d = ulps_apart(y, ref)
+    assert int(d.max()) <= 2 and float((d > 0).double().mean()) < 0.02
+    check_codes(y, codes)
+    y2, none = rmsnorm_fp8(x, w, eps, quantize=False)
+    assert none is None and torch.equal(y2, y)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_silu_mul_fp8(dtype):
+    m, k = 21, 256
+    gu = inputs(m, 2 * k, dtype, 7)
+    gu[1, 0], gu[2, 1] = -100.0, 60.0  # exp overflow on both sides
+    gate, up = gu[:, :k], gu[:, k:]  # halves of one projection: row stride 2K
+    y, codes = silu_mul_fp8(gate, up)
+    g32 = gate.to(torch.float32)
+    ref = (g32 / (1 + torch.exp(-g32))).to(dtype) * up
+    d = ulps_apart(y, ref)
+    assert int(d.max()) <= 2 and float((d > 0).double().mean()) < 0.02
+    check_codes(y, codes)
+
+
+def test_producer_errors():
+    x = torch.randn(4, 200).to(torch.bfloat16)
+    with pytest.raises(InputError, match="128 columns"):
+        rmsnorm_fp8(x, torch.ones(200, dtype=torch.bfloat16), 1e-6)
+    x = torch.randn(4, 256).to(torch.bfloat16)
+    with pytest.raises(InputError, match=r"weight is torch\.float32"):
+        rmsnorm_fp8(x, torch.ones(256), 1e-6)
+    with pytest.raises(InputError, match="2-D bf16 / fp16"):
+        rmsnorm_fp8(x.float(), torch.ones(256), 1e-6)
+    with pytest.raises(InputError, match="one shape"):
+        silu_mul_fp8(x, x.to(torch.float16))
+
+
+# -- the handoff --------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def count_quantizer(monkeypatch):
+    calls = []
+    real = fp8p.quantize_activations
+
+    def counted(x, recipe, impl="triton"):
+        calls.append(tuple(x.shape))
+        return real(x, recipe, impl)
+
+    monkeypatch.setattr(fp8p, "quantize_activations", counted)
+    fp8_handoff.clear()
+    yield calls
+    fp8_handoff.clear()
+
+
+def run_linear(x2, w, recipe):
+    """The FP8 prefill linear's activation step as it runs in _run_slabs (torch rule)."""
+    return fp8_handoff.quantized(x2, lambda v: fp8p.quantize_activations(v, recipe, "torch"))
+
+
+def test_handoff_shares_between_readers(count_quantizer):
+    x = torch.randn(2, 8, 256).to(torch.bfloat16)
+    a = run_linear(x.reshape(-1, 256), None, "128x128")  # q_proj's view
+    b = run_linear(x.reshape(-1, 256), None, "1x128")  # k_proj's own view of the same data
+    assert count_quantizer == [(16, 256)] and a[0] is b[0]
+
+
+def test_handoff_misses_what_differs(count_quantizer):
+    x = torch.randn(16, 256).to(torch.bfloat16)
+    run_linear(x, None, "128x128")
+    x.mul_(2)  # in place: the version counter moves
+    b = run_linear(x, None, "128x128")
+    assert len(count_quantizer) == 2
+    check_codes(x, b)
+    run_linear(x[:8], None, "128x128")  # another view: other shape
+    run_linear(x.clone(), None, "128x128")  # same values, other memory
+    assert len(count_quantizer) == 4
+    with torch.inference_mode():  # no version counter: never kept
+        xi = torch.randn(16, 256).to(torch.bfloat16)
+        run_linear(xi, None, "128x128")
+        run_linear(xi, None, "128x128")
+    assert len(count_quantizer) == 6
+
+
+def test_handoff_lives_no_longer_than_the_activation(count_quantizer):
+    x = torch.randn(16, 256).to(torch.bfloat16)
+    run_linear(x, None, "128x128")
+    assert fp8_handoff.lookup(x) is not None
+    del x
+    gc.collect()
+    assert getattr(fp8_handoff._local, "slot", None) is None
+
+
+def test_producer_output_found_by_the_linear(count_quantizer):
+    x = inputs(8, 256, torch.bfloat16, 3)
+    y, codes = rmsnorm_fp8(x, torch.ones(256, dtype=torch.bfloat16), 1e-5)
+    got = run_linear(y.reshape(-1, 256), None, "128x128")
+    assert count_quantizer == [] and got[0] is codes[0]
+    y.add_(1)  # written after: quantized again
+    run_linear(y, None, "128x128")
+    assert count_quantizer == [(8, 256)]
