@@ -20,7 +20,9 @@ Reported per mode: the kernel family the layers' decision names for that M, the 
 error ||y - ref|| / ||ref|| against each reference, the largest error over the largest reference
 logit, and the share of positions whose arg-max agrees with the W4A16 reference's. For scale,
 one more row: the unquantized bf16 model against the W4A16 reference (the change that quantizing
-the weights to FP4 itself makes).
+the weights to FP4 itself makes). Also how many norms / MLPs ``quantize_model`` set to produce
+FP8 activations, and how many linear calls took their codes from the handoff (shared) or
+quantized their input themselves.
 
     PYTHONPATH=$PWD python3 benchmarks/fp8_logits.py [--out DIR]
 """
@@ -144,6 +146,13 @@ def _recorder(seen: dict[str, Any], name: str) -> Any:
     return hook
 
 
+def _producers(model: Any) -> int:
+    """How many norms / MLPs of the model were set to produce FP8 activations."""
+    from quantdispatch.integrations.transformers import fp8_producers
+
+    return sum(hasattr(x, fp8_producers.PATCHED) for x in model.modules())
+
+
 def _layers_vs_rule(
     base: Any, seen: dict[str, tuple[torch.Tensor, torch.Tensor]], fmt: str
 ) -> float:
@@ -173,6 +182,7 @@ def measure(
 ) -> dict[str, Any]:
     from quantdispatch import QuantLinear, load_settings
     from quantdispatch.integrations.transformers import quantize_model
+    from quantdispatch.kernels.native import fp8_handoff
 
     dev = torch.device(device)
     base = float_model(dev)
@@ -191,11 +201,13 @@ def measure(
         layers = {n: x for n, x in model.named_modules() if isinstance(x, QuantLinear)}
         seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         hooks = [x.register_forward_hook(_recorder(seen, n)) for n, x in layers.items()]
+        fp8_handoff.clear()
         with torch.no_grad():
             got = model(ids).logits.double()
+        shared = fp8_handoff.counts()
         for h in hooks:
             h.remove()
-        row = dict(mode=mode, m=m)
+        row = dict(mode=mode, m=m, producers=_producers(model), **shared)
         row["kernels"] = sorted({x.decision.kernel_for(m).family for x in layers.values()})
         row.update(_compare(got, want), finite=bool(torch.isfinite(got).all()))
         row["rel_error_vs_fp8_rule"] = float((got - rule).norm() / rule.norm())
@@ -214,8 +226,9 @@ def render(report: dict[str, Any]) -> str:
         f"dequantized weights (W4A16). {report['date']}, torch {report['torch']}.",
         "",
         "| fp8_compute | kernel at M | rel. error vs W4A16 | max err / max logit | arg-max agrees "
-        "| model vs FP8 rule | worst layer vs FP8 rule |",
-        "|---|---|---|---|---|---|---|",
+        "| model vs FP8 rule | worst layer vs FP8 rule | FP8 producers "
+        "| codes shared / quantized |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["rows"]:
         lines.append(
@@ -227,6 +240,7 @@ def render(report: dict[str, Any]) -> str:
                 if "rel_error_vs_fp8_rule" in r
                 else " |"
             )
+            + (f" {r['producers']} | {r['hits']} / {r['misses']} |" if "producers" in r else " | |")
         )
     return "\n".join(lines) + "\n"
 

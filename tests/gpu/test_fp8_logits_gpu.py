@@ -58,3 +58,16 @@ def test_fp8_error_between_weight_only_and_fp4_quantization(report, mode):
     unquantized = report["bf16 weights (not quantized)"]
     assert off["finite"] and off["rel_error"] < 0.03, off  # bf16 activations, summation order
     assert off["rel_error"] < fp8["rel_error"] < unquantized["rel_error"], (off, fp8, unquantized)
+
+
+@pytest.mark.parametrize("mode", ["prefill", "prefill-resident"])
+def test_producers_quantize_every_input_but_attention_output(report, mode):
+    """Per decoder layer: both norms and the MLP produce the codes (3 patched modules); q / k /
+    v, gate / up and down take them from the handoff (6 shared), only o quantizes its input."""
+    import fp8_logits
+
+    fp8, layers = report[mode], fp8_logits.CONFIG["num_hidden_layers"]
+    assert fp8["producers"] == 3 * layers, fp8
+    assert (fp8["hits"], fp8["misses"]) == (6 * layers, layers), fp8
+    off = report["off"]
+    assert (off["producers"], off["hits"], off["misses"]) == (0, 0, 0), off

@@ -45,6 +45,9 @@ def make_config(arch: str, **overrides):
     if arch == "llama":
         kw.update(intermediate_size=128, tie_word_embeddings=True)
         cls = tf.LlamaConfig
+    elif arch == "qwen3":  # q / k norms after the projections; otherwise Llama's layer
+        kw.update(intermediate_size=128, tie_word_embeddings=False)
+        cls = tf.Qwen3Config
     elif arch == "qwen3_moe":
         kw.update(intermediate_size=128, moe_intermediate_size=64, num_experts=4)
         kw.update(num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=False)

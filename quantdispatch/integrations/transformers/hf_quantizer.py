@@ -49,6 +49,7 @@ from quantdispatch.integrations.transformers.common import (
     text_config,
     warn_if_reference,
 )
+from quantdispatch.integrations.transformers.fp8_producers import install_fp8_producers
 from quantdispatch.integrations.transformers.quantize import quantize_model
 from quantdispatch.integrations.transformers.replace import (
     build_layer,
@@ -152,6 +153,7 @@ class QuantDispatchHfQuantizer(HfQuantizer):
             layer = build_layer(name, original, self._ckpt, text_cfg, kwargs)
             replace_module(model, name, layer)
         self._pending = {}
+        install_fp8_producers(model)
         warn_if_reference(model)
         return model
 

@@ -25,6 +25,7 @@ from quantdispatch.errors import ConfigurationError, format_error
 from quantdispatch.integrations.transformers.checkpoint import open_checkpoint
 from quantdispatch.integrations.transformers.common import resolve_device, warn_if_reference
 from quantdispatch.integrations.transformers.float_tensors import load_float_tensors, tie_weights
+from quantdispatch.integrations.transformers.fp8_producers import install_fp8_producers
 from quantdispatch.integrations.transformers.replace import swap_in_quantized
 
 __all__ = ["keep_fp32_params", "load_model", "params_on_meta"]
@@ -101,6 +102,7 @@ def load_model(
     if (ckpt.path / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(str(ckpt.path))
     model.eval()
+    install_fp8_producers(model)
     warn_if_reference(model)
     return model
 

@@ -23,6 +23,7 @@ from quantdispatch.integrations.transformers.common import (
     text_config,
     warn_if_reference,
 )
+from quantdispatch.integrations.transformers.fp8_producers import install_fp8_producers
 from quantdispatch.integrations.transformers.moe_blocks import (
     experts_arch,
     is_experts_module,
@@ -90,6 +91,7 @@ def quantize_model(
             continue
         if new is not None:
             replace_module(model, name, new)
+    install_fp8_producers(model)
     warn_if_reference(model)
     return model
 
