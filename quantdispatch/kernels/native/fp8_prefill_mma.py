@@ -180,12 +180,14 @@ def reencode_mma_triton(
     block_rows: int,
     block_cols: int,
     rows_per_program: int = 32,
+    num_warps: int | None = None,
 ) -> None:
     """Rows ``row_a .. row_b`` (multiples of 16; of 128 for 128-row blocks unless row_b is the
     end) of an mma16x64 weight into ``q`` (uint8 / e4m3 [row_b - row_a, K]) and ``scale`` (fp32
     natural [row blocks, K / block_cols], any strides), as the checkpoint-layout re-encoder
     would write them (zero-scale NVFP4 blocks: +0 where the checkpoint had -0 codes).
-    ``act_dtype`` is the dtype the layout was packed for; ``global_scale`` the layout's."""
+    ``act_dtype`` is the dtype the layout was packed for; ``global_scale`` the layout's.
+    ``rows_per_program`` (1-row blocks) and ``num_warps``: the program shape, for tuning."""
     chunks = words.shape[1]
     n_tiles = (row_b - row_a) // 16
     if n_tiles == 0:
@@ -201,5 +203,5 @@ def reencode_mma_triton(
         words, scales, global_scale, q32, scale, row_a // 16, n_tiles, chunks, block_cols // 128,
         q32.stride(0), scale.stride(0), scale.stride(1), MX=scales.shape[2] == 16,
         SHARE_ROWS=share, ONE_CHUNK=block_cols == 128, TT=tt, HW=hw_rounding(q.device),
-        num_warps=8 if tt >= 4 else 4, **dict(zip(names, pos, strict=True)),
+        num_warps=num_warps or (8 if tt >= 4 else 4), **dict(zip(names, pos, strict=True)),
     )  # fmt: skip
