@@ -11,7 +11,7 @@ export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl >"$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
 export PYTHONPATH=/tmp/site:$PWD
-STEPS=${STEPS:-"doctor doctor-json verify wgmma-waits gpu-tests dequant-sweep bench-linear bench-moe"}  # also: selfcheck model-decode decode-profile fp8-logits tp-nccl eager-ab host-overhead fp8-prefill fp8-gemm-sweep fp8-grouped-probe bench-moe-mx mma-sweep gemv-ablation gemm-sweep stream-small
+STEPS=${STEPS:-"doctor doctor-json verify wgmma-waits gpu-tests dequant-sweep bench-linear bench-moe"}  # also: selfcheck model-decode decode-profile fp8-logits tp-nccl eager-ab host-overhead fp8-prefill fp8-gemm-sweep fp8-grouped-probe fp8-producers model-prefill fp8-reencode-sweep bench-moe-mx mma-sweep gemv-ablation gemm-sweep stream-small
 step() {  # step NAME SECONDS CMD...   (runs only if NAME is in $STEPS)
   local name=$1 limit=$2; shift 2
   case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
@@ -46,6 +46,9 @@ step bench-moe-mx "${MOE_MX_S:-120}" python3 benchmarks/moe.py --format mxfp4 --
 TAIL=40 step fp8-gemm-sweep "${SWEEP_S:-300}" python3 benchmarks/fp8_gemm_sweep.py --out "$OUT" ${SWEEP_ARGS:-}
 TAIL=40 step fp8-grouped-probe 240 python3 benchmarks/fp8_grouped_probe.py --out "$OUT"
 TAIL=70 step fp8-prefill "${PREFILL_S:-260}" python3 benchmarks/fp8_prefill.py --out "$OUT" --budget-s "${PREFILL_BUDGET:-200}" ${PREFILL_ARGS:-}
+TAIL=40 step fp8-producers 240 python3 benchmarks/fp8_producers.py --out "$OUT"
+TAIL=30 step model-prefill 300 python3 benchmarks/model_prefill.py --out "$OUT" ${MODEL_PREFILL_ARGS:-}
+TAIL=20 step fp8-reencode-sweep 200 python3 benchmarks/fp8_reencode_sweep.py --out "$OUT"
 step stream-small 90 python3 benchmarks/stream_small.py --out "$OUT"
 ls -la "$OUT"
 tar czf "$DEST/results.tgz" -C "$OUT" .
