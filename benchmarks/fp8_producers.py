@@ -12,7 +12,8 @@ model runs them (resident FP8 copy, the 128x128 recipe, NVFP4 weights, bf16 acti
 - ``fp8``: the producer writing bf16, then the FP8 linear quantizing its own input (what runs
   without fused producers);
 - ``fp8_fused``: the producer writing bf16 and the e4m3 codes, the linear taking the codes from
-  the handoff (what ``load_model`` / ``quantize_model`` install for the Llama family).
+  the handoff inside a sharing scope (what ``load_model`` / ``quantize_model`` install for the
+  Llama family).
 
 Checks before timing: on the producer's output, the linear taking the codes from the handoff
 bit-equal with the linear quantizing that output itself, and the handoff hit; the FP8 output
@@ -118,17 +119,22 @@ def run_shape(model: str, name: str, n: int, k: int, ms: list[int]) -> list[dict
                 y, q.packed, sf, q.global_scale, fmt="nvfp4", resident=res[i]
             )
 
+        def fused(i, inps=inps):
+            with fp8_handoff.sharing():  # what a scoped HF decoder layer opens
+                return fp8_linear(ours(inps[i], kind is not None), i)
+
         path = {
             "bf16_eager": lambda i, inps=inps: F.linear(eager(inps[i]), wb[i]),
             "bf16": lambda i, inps=inps: F.linear(ours(inps[i], False), wb[i]),
             "fp8": lambda i, inps=inps: fp8_linear(ours(inps[i], False), i),
-            "fp8_fused": lambda i, inps=inps: fp8_linear(ours(inps[i], kind is not None), i),
+            "fp8_fused": fused,
         }
         r = {"model": model, "shape": name, "N": n, "K": k, "M": m, "producer": kind, "us": {}}
         # the linear on the producer's output: codes from the handoff vs quantized itself
         fp8_handoff.clear()
-        x_fused = ours(inps[0], kind is not None)
-        y_fused = fp8_linear(x_fused, 0)
+        with fp8_handoff.sharing():
+            x_fused = ours(inps[0], kind is not None)
+            y_fused = fp8_linear(x_fused, 0)
         hits = fp8_handoff.counts()["hits"]
         fp8_handoff.clear()
         y_own = fp8_linear(x_fused.clone(), 0)

@@ -11,7 +11,7 @@ token. Variants:
 - ``nvfp4 fp8``: the same with ``fp8_compute="prefill-resident"``, as ``quantize_model``
   installs it (the norms and the MLP produce the FP8 activations);
 - ``nvfp4 fp8, no producers``: that model after ``remove_fp8_producers`` (each FP8 linear
-  quantizes its input; q / k / v and gate / up share through the handoff).
+  quantizes its own input, as before the producers and the handoff).
 
 Per variant and length: the median of ``--reps`` timed forwards after one warm-up (Triton
 compiles there), and for the FP8 variants how many linear calls took their codes from the

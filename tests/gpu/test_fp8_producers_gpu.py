@@ -1,8 +1,8 @@
 """GPU: the fused FP8 producers (RMSNorm, SiLU x mul) with the hardware rounding, on Llama-8B
 widths and sizes that are not multiples of the row tile: the 16-bit output within two steps of
 torch's eager module, the codes bit-equal with the activation quantizer run on that output, and
-a QuantLinear with FP8 compute taking them from the handoff (the same output as quantizing
-itself). Needs SM 8.9+ for the rounding instruction; the linear needs SM 9.0."""
+a QuantLinear with FP8 compute taking them from the handoff inside a sharing scope (the same
+output as quantizing itself). Needs SM 8.9+ for the rounding instruction; the linear SM 9.0."""
 
 from __future__ import annotations
 
@@ -87,8 +87,9 @@ def test_linear_takes_the_producers_codes():
     x = torch.randn(2, m // 2, 4096, device="cuda").to(torch.bfloat16)
     w = torch.ones(4096, dtype=torch.bfloat16, device="cuda")
     fp8_handoff.clear()
-    y, _ = rmsnorm_fp8(x.view(-1, 4096), w, 1e-6)
-    shared = layer(y.view(2, m // 2, 4096))
+    with fp8_handoff.sharing():
+        y, _ = rmsnorm_fp8(x.view(-1, 4096), w, 1e-6)
+        shared = layer(y.view(2, m // 2, 4096))
     assert fp8_handoff.counts() == {"hits": 1, "misses": 0}
     fp8_handoff.clear()
     own = layer(y.clone().view(2, m // 2, 4096))

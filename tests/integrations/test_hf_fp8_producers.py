@@ -17,6 +17,7 @@ pytest.importorskip("transformers")
 from hf_models import PROMPT, float_model, make_config
 
 from quantdispatch.integrations.transformers import fp8_producers, quantize_model
+from quantdispatch.kernels.native import fp8_handoff
 
 
 def patched(model) -> list[str]:
@@ -49,6 +50,9 @@ def test_norms_and_mlp_patched_output_unchanged(arch, fp8_from_m):
     names = patched(model)
     assert {n.split(".")[-1] for n in names} == {
         "input_layernorm", "post_attention_layernorm", "mlp"}  # fmt: skip
+    layers = [m for m in model.modules() if hasattr(m, fp8_producers.SCOPED)]
+    assert [type(m).__name__ for m in layers] == [f"{type(layers[0]).__name__}"] * 2
+    assert type(layers[0]).__name__.endswith("DecoderLayer")
     assert fp8_producers.install_fp8_producers(model) == 0  # already patched
     with torch.no_grad():
         want = base(PROMPT).logits
@@ -56,6 +60,7 @@ def test_norms_and_mlp_patched_output_unchanged(arch, fp8_from_m):
         again = copy.deepcopy(model)(PROMPT).logits  # a copy runs its own weights
     assert torch.equal(got, want) and torch.equal(again, want)
     assert fp8_producers.remove_fp8_producers(model) == 6 and patched(model) == []
+    assert not any(hasattr(m, fp8_producers.SCOPED) for m in model.modules())
     assert all("forward" not in vars(m) for m in model.modules())
 
 
@@ -76,3 +81,16 @@ def test_other_architectures_untouched(fp8_from_m):
     for arch in ("phi3", "mixtral"):
         model = quantize_model(float_model(make_config(arch), dtype=torch.bfloat16), "nvfp4")
         assert all(n.endswith("input_layernorm") for n in patched(model)), (arch, patched(model))
+
+
+def test_decoder_layer_runs_inside_a_sharing_scope(fp8_from_m):
+    """The linears of a scoped layer see an open scope; outside the layer none is open."""
+    model = quantize_model(float_model(make_config("llama"), dtype=torch.bfloat16), "nvfp4")
+    fp8_from_m()
+    fp8_producers.install_fp8_producers(model)
+    depths = []
+    q_proj = model.model.layers[0].self_attn.q_proj
+    q_proj.register_forward_hook(lambda *a: depths.append(fp8_handoff._local.depth))
+    with torch.no_grad():
+        model(PROMPT)
+    assert depths == [1] and fp8_handoff._local.depth == 0

@@ -122,6 +122,12 @@ def count_quantizer(monkeypatch):
     fp8_handoff.clear()
 
 
+@pytest.fixture
+def sharing():
+    with fp8_handoff.sharing():
+        yield
+
+
 def run_linear(x2, w, recipe):
     """The FP8 prefill linear's activation step as it runs in _run_slabs (torch rule)."""
     return fp8_handoff.quantized(x2, lambda v: fp8p.quantize_activations(v, recipe, "torch"))
@@ -129,12 +135,29 @@ def run_linear(x2, w, recipe):
 
 def test_handoff_shares_between_readers(count_quantizer):
     x = torch.randn(2, 8, 256).to(torch.bfloat16)
-    a = run_linear(x.reshape(-1, 256), None, "128x128")  # q_proj's view
-    b = run_linear(x.reshape(-1, 256), None, "1x128")  # k_proj's own view of the same data
+    with fp8_handoff.sharing():
+        a = run_linear(x.reshape(-1, 256), None, "128x128")  # q_proj's view
+        b = run_linear(x.reshape(-1, 256), None, "1x128")  # k_proj's own view of the same data
     assert count_quantizer == [(16, 256)] and a[0] is b[0]
+    assert getattr(fp8_handoff._local, "slot", None) is None  # emptied on leaving the scope
 
 
-def test_handoff_misses_what_differs(count_quantizer):
+def test_handoff_only_inside_a_scope(count_quantizer):
+    """Outside a scope nothing is shared: a buffer rewritten behind torch's back (here through
+    numpy, as a Triton kernel would: no version bump) must not find the old codes."""
+    buf = torch.randn(16, 256).to(torch.float16)
+    first = run_linear(buf, None, "128x128")
+    buf.numpy()[:] = torch.randn(16, 256).to(torch.float16).numpy()
+    second = run_linear(buf, None, "128x128")
+    assert len(count_quantizer) == 2
+    assert not torch.equal(first[0].view(torch.uint8), second[0].view(torch.uint8))
+    check_codes(buf, second)
+    with fp8_handoff.sharing(), fp8_handoff.sharing():  # nested: the outer one empties
+        run_linear(buf, None, "128x128")
+    assert getattr(fp8_handoff._local, "slot", None) is None
+
+
+def test_handoff_misses_what_differs(count_quantizer, sharing):
     x = torch.randn(16, 256).to(torch.bfloat16)
     run_linear(x, None, "128x128")
     x.mul_(2)  # in place: the version counter moves
@@ -151,7 +174,7 @@ def test_handoff_misses_what_differs(count_quantizer):
     assert len(count_quantizer) == 6
 
 
-def test_handoff_lives_no_longer_than_the_activation(count_quantizer):
+def test_handoff_lives_no_longer_than_the_activation(count_quantizer, sharing):
     x = torch.randn(16, 256).to(torch.bfloat16)
     run_linear(x, None, "128x128")
     assert fp8_handoff.lookup(x) is not None
@@ -160,7 +183,7 @@ def test_handoff_lives_no_longer_than_the_activation(count_quantizer):
     assert getattr(fp8_handoff._local, "slot", None) is None
 
 
-def test_producer_output_found_by_the_linear(count_quantizer):
+def test_producer_output_found_by_the_linear(count_quantizer, sharing):
     x = inputs(8, 256, torch.bfloat16, 3)
     y, codes = rmsnorm_fp8(x, torch.ones(256, dtype=torch.bfloat16), 1e-5)
     got = run_linear(y.reshape(-1, 256), None, "128x128")

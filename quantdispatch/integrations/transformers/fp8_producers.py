@@ -8,15 +8,18 @@ e4m3 first: a pass over the activation that, on the 8B shapes, costs about what 
 
 - a decoder layer's ``input_layernorm`` (read by ``self_attn``'s q / k / v projections) and
   ``post_attention_layernorm`` (read by the MLP's gate / up) run :func:`rmsnorm_fp8`;
-- a gated MLP runs :func:`silu_mul_fp8` before ``down_proj``.
+- a gated MLP runs :func:`silu_mul_fp8` before ``down_proj``;
+- the decoder layer runs inside :func:`quantdispatch.kernels.native.fp8_handoff.sharing`, the
+  scope in which the linears may take codes from the handoff (an HF layer writes its
+  activations through torch only, which is what the scope requires).
 
 Only for the module classes named below, whose forwards these kernels reproduce, and only for
 calls with at least as many rows as the first M from which one of the reading linears runs FP8
 compute (its decision's kernel ranges), in eager mode, in the norm weight's own dtype. Any other
 call runs the module's own forward. Installed by ``load_model``, ``quantize_model`` and
 ``QuantDispatchConfig`` when a layer of the model runs FP8 compute; nothing changes otherwise.
-:func:`remove_fp8_producers` gives the modules their own forwards back (the linears then
-quantize their inputs themselves, q / k / v and gate / up still sharing through the handoff).
+:func:`remove_fp8_producers` gives the modules their own forwards back (every FP8 linear then
+quantizes its own input, as without this module).
 The patch is an instance attribute: ``copy.deepcopy`` keeps it, pickling the whole module does
 not (state dicts are unaffected).
 """
@@ -38,6 +41,7 @@ __all__ = [
     "MLP_CLASSES",
     "NORM_CLASSES",
     "PATCHED",
+    "SCOPED",
     "fp8_start",
     "install_fp8_producers",
     "remove_fp8_producers",
@@ -53,8 +57,10 @@ NORM_CLASSES = frozenset(
 #: MLPs computing ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` (LlamaMLP's copies).
 MLP_CLASSES = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"})
 _SILU = ("SiLU", "SiLUActivation")
-#: The attribute a patched module carries: the first M its producer quantizes at.
+#: The attribute a patched norm / MLP carries: the first M its producer quantizes at.
 PATCHED = "_quantdispatch_fp8_producer"
+#: The attribute of a decoder layer that runs inside a sharing scope.
+SCOPED = "_quantdispatch_fp8_sharing"
 
 
 def fp8_start(layers: Iterable[nn.Module | None]) -> int | None:
@@ -113,6 +119,19 @@ def _patch_mlp(mlp: nn.Module, start: int) -> None:
     setattr(mlp, PATCHED, start)
 
 
+def _scope_layer(layer: nn.Module) -> None:
+    from quantdispatch.kernels.native import fp8_handoff
+
+    def forward(self: nn.Module, *args: object, **kwargs: object) -> object:
+        if torch.compiler.is_compiling():  # a compiled graph may reuse buffers: no sharing
+            return type(self).forward(self, *args, **kwargs)
+        with fp8_handoff.sharing():
+            return type(self).forward(self, *args, **kwargs)
+
+    layer.forward = types.MethodType(forward, layer)
+    setattr(layer, SCOPED, True)
+
+
 def _norm_ok(module: object) -> bool:
     return (
         type(module).__name__ in NORM_CLASSES
@@ -132,7 +151,8 @@ def _mlp_ok(module: object) -> bool:
 
 def install_fp8_producers(model: nn.Module) -> int:
     """Patch the decoder layers of ``model`` whose readers run FP8 compute (module doc);
-    returns how many modules were patched. Safe to call again (patched modules are skipped)."""
+    returns how many norms and MLPs now produce FP8 activations. Safe to call again (patched
+    modules are skipped)."""
     done = 0
     for layer in model.modules():
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
@@ -150,17 +170,24 @@ def install_fp8_producers(model: nn.Module) -> int:
             if start is not None:
                 patch(module, start)  # type: ignore[arg-type]
                 done += 1
+        if attn is not None and mlp is not None and not hasattr(layer, SCOPED):
+            readers = [getattr(attn, p, None) for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+            readers += [getattr(mlp, p, None) for p in ("gate_proj", "up_proj", "down_proj")]
+            if fp8_start(readers) is not None:
+                _scope_layer(layer)
     if done:
         logger.info("quantdispatch: %d norms / MLPs produce FP8 activations for prefill", done)
     return done
 
 
 def remove_fp8_producers(model: nn.Module) -> int:
-    """Undo :func:`install_fp8_producers`; returns how many modules got their forward back."""
+    """Undo :func:`install_fp8_producers` (producers and sharing scopes); returns how many norms
+    and MLPs got their forward back."""
     done = 0
     for module in model.modules():
-        if hasattr(module, PATCHED):
-            del module.forward
-            delattr(module, PATCHED)
-            done += 1
+        for mark in (PATCHED, SCOPED):
+            if hasattr(module, mark):
+                del module.forward
+                delattr(module, mark)
+                done += mark == PATCHED
     return done
