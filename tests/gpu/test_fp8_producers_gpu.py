@@ -95,3 +95,35 @@ def test_linear_takes_the_producers_codes():
     own = layer(y.clone().view(2, m // 2, 4096))
     assert fp8_handoff.counts() == {"hits": 0, "misses": 1}
     assert torch.equal(shared, own)
+
+
+def test_compiled_model_with_producers():
+    """torch.compile traces the patched norms, MLPs and decoder layers (their own forwards while
+    compiling: no producers, no sharing) and computes what the eager FP8 model does, up to the
+    roundings where the eager producers' 16-bit outputs differ from torch's norm."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the FP8 prefill rows are on SM 9.0 only")
+    transformers = pytest.importorskip("transformers")
+    from quantdispatch import load_settings
+    from quantdispatch.integrations.transformers import quantize_model
+    from quantdispatch.integrations.transformers.fp8_producers import PATCHED
+
+    cfg = transformers.LlamaConfig(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, vocab_size=512, bos_token_id=None,
+        eos_token_id=None,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        base = transformers.AutoModelForCausalLM.from_config(
+            cfg, dtype=torch.bfloat16, attn_implementation="sdpa"
+        ).eval()
+    settings = load_settings({}, fp8_compute="prefill-resident")
+    model = quantize_model(base, "nvfp4", settings=settings)
+    assert sum(hasattr(m, PATCHED) for m in model.modules()) == 6
+    ids = torch.randint(0, 512, (1, 512), device="cuda")
+    with torch.no_grad():
+        eager = model(ids).logits.float()
+        got = torch.compile(model)(ids).logits.float()
+    assert bool(torch.isfinite(got).all())
+    assert float((got - eager).norm() / eager.norm()) < 5e-2

@@ -92,5 +92,6 @@ def test_decoder_layer_runs_inside_a_sharing_scope(fp8_from_m):
     q_proj = model.model.layers[0].self_attn.q_proj
     q_proj.register_forward_hook(lambda *a: depths.append(fp8_handoff._local.depth))
     with torch.no_grad():
-        model(PROMPT)
-    assert depths == [1] and fp8_handoff._local.depth == 0
+        model(PROMPT)  # 6 rows: from the claimed M = 4 on
+        model(PROMPT[:, :3])  # 3 rows: no FP8 compute, no scope
+    assert depths == [1, 0] and fp8_handoff._local.depth == 0

@@ -59,7 +59,7 @@ MLP_CLASSES = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"})
 _SILU = ("SiLU", "SiLUActivation")
 #: The attribute a patched norm / MLP carries: the first M its producer quantizes at.
 PATCHED = "_quantdispatch_fp8_producer"
-#: The attribute of a decoder layer that runs inside a sharing scope.
+#: The attribute of a decoder layer that runs inside a sharing scope: from which M.
 SCOPED = "_quantdispatch_fp8_sharing"
 
 
@@ -119,17 +119,19 @@ def _patch_mlp(mlp: nn.Module, start: int) -> None:
     setattr(mlp, PATCHED, start)
 
 
-def _scope_layer(layer: nn.Module) -> None:
+def _scope_layer(layer: nn.Module, start: int) -> None:
     from quantdispatch.kernels.native import fp8_handoff
 
     def forward(self: nn.Module, *args: object, **kwargs: object) -> object:
-        if torch.compiler.is_compiling():  # a compiled graph may reuse buffers: no sharing
+        x = args[0] if args else kwargs.get("hidden_states")
+        # a compiled graph may reuse buffers: no sharing; below ``start`` nothing to share
+        if torch.compiler.is_compiling() or not isinstance(x, torch.Tensor) or _rows(x) < start:
             return type(self).forward(self, *args, **kwargs)
         with fp8_handoff.sharing():
             return type(self).forward(self, *args, **kwargs)
 
     layer.forward = types.MethodType(forward, layer)
-    setattr(layer, SCOPED, True)
+    setattr(layer, SCOPED, start)
 
 
 def _norm_ok(module: object) -> bool:
@@ -173,8 +175,9 @@ def install_fp8_producers(model: nn.Module) -> int:
         if attn is not None and mlp is not None and not hasattr(layer, SCOPED):
             readers = [getattr(attn, p, None) for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
             readers += [getattr(mlp, p, None) for p in ("gate_proj", "up_proj", "down_proj")]
-            if fp8_start(readers) is not None:
-                _scope_layer(layer)
+            start = fp8_start(readers)
+            if start is not None:
+                _scope_layer(layer, start)
     if done:
         logger.info("quantdispatch: %d norms / MLPs produce FP8 activations for prefill", done)
     return done
