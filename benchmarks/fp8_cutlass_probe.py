@@ -30,20 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fp8_prefill_report import SHAPES
+from linear import rel_err as rel
+from linear import time_rotated
 
 ROTATE_BYTES = 256 << 20
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-300))
-
-
-def timed(calls: list) -> float:
-    import linear as L
-
-    want = max(len(calls), 16)
-    return L.time_calls([calls[i % len(calls)] for i in range(want)], 10)
 
 
 def load(path: str | None) -> None:
@@ -103,7 +93,7 @@ def main() -> int:
                 if r.get("err_vs_cublas", 1.0) < 1e-3:
                     cand["cutlass"] = cutlass
                 for c, f in cand.items():
-                    r["us"][c] = timed([lambda i=i, f=f: f(i) for i in range(copies)])
+                    r["us"][c] = time_rotated([lambda i=i, f=f: f(i) for i in range(copies)], m)
                 b = r["us"]["bf16"]
                 print(f"{model} {name} M={m}: " + " ".join(
                     f"{c}={t:.1f}({b / t:.2f}x)" for c, t in r["us"].items())

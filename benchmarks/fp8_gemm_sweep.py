@@ -37,6 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fp8_block_gemm_triton import BlockGemmTile
 from fp8_prefill_report import SHAPES
+from linear import rel_err as rel
+from linear import time_rotated as timed
 
 T = BlockGemmTile
 TILES = [
@@ -50,20 +52,6 @@ ROTATE_BYTES = 256 << 20
 
 def log(*a: object) -> None:
     print(*a, flush=True)
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    if not bool(torch.isfinite(a).all()):
-        return math.inf
-    return float((a - b).norm() / b.norm().clamp_min(1e-300))
-
-
-def timed(calls: list, m: int) -> float:
-    import linear as L  # benchmarks/linear.py
-
-    want = len(calls) if m >= 1024 else max(len(calls), 16)
-    return L.time_calls([calls[i % len(calls)] for i in range(want)], 5 if m >= 1024 else 10)
 
 
 def run_shape(model, name, n, k, ms, rows):

@@ -42,6 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fp8_prefill_report import SHAPES
+from linear import rel_err as rel
+from linear import time_rotated as timed
 
 PRODUCER = {"qkv": "rmsnorm", "gate_up": "rmsnorm", "down": "silu_mul", "o": None}
 ROTATE_BYTES = 256 << 20
@@ -52,18 +54,6 @@ SILU_SHAPES = [(8, 4), (16, 8), (32, 4), (32, 8), (64, 8)]
 
 def log(*a: object) -> None:
     print(*a, flush=True)
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-300))
-
-
-def timed(calls: list, m: int) -> float:
-    import linear as L
-
-    want = len(calls) if m >= 1024 else max(len(calls), 16)
-    return L.time_calls([calls[i % len(calls)] for i in range(want)], 5 if m >= 1024 else 10)
 
 
 def producers(kind: str | None, k: int, eps: float = 1e-5):

@@ -25,19 +25,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fp8_prefill_report import SHAPES
+from linear import time_rotated
 
 ROTATE_BYTES = 256 << 20
 VARIANTS = {
     "128x128": [(32, None), (32, 2), (32, 4), (32, 16)],
     "1x128": [(32, None), (16, 2), (16, 4), (32, 2), (32, 8), (64, 4), (64, 8), (128, 8)],
 }
-
-
-def timed(calls: list) -> float:
-    import linear as L
-
-    want = max(len(calls), 8)
-    return L.time_calls([calls[i % len(calls)] for i in range(want)], 10)
 
 
 def main() -> int:
@@ -85,8 +79,8 @@ def main() -> int:
                     if not (torch.equal(outs[0][0], want[0]) and torch.equal(outs[0][1], want[1])):
                         r["us"][lab] = "MISMATCH"
                         continue
-                    us = timed([lambda i=i, rpp=rpp, nw=nw: run(i, rpp, nw)
-                                for i in range(copies)])  # fmt: skip
+                    us = time_rotated([lambda i=i, rpp=rpp, nw=nw: run(i, rpp, nw)
+                                       for i in range(copies)], 0)  # fmt: skip
                     r["us"][lab] = us
                 tb = {c: n * k * 1.5625 / (t * 1e-6) / 1e12
                       for c, t in r["us"].items() if isinstance(t, float)}  # fmt: skip

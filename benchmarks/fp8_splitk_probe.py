@@ -32,20 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fp8_prefill_report import SHAPES
+from linear import rel_err as rel
+from linear import time_rotated as timed
 
 ROTATE_BYTES = 256 << 20
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-300))
-
-
-def timed(calls: list, m: int) -> float:
-    import linear as L
-
-    want = max(len(calls), 16)
-    return L.time_calls([calls[i % len(calls)] for i in range(want)], 10)
 
 
 def split_operands(xq, sa, w, parts: int):

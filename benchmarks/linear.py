@@ -97,8 +97,10 @@ def fp4_weight_f64(packed, scale_bits, group, e8m0, gscale):
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64; inf where out is not finite."""
     if not torch.isfinite(out).all():
         return math.inf
+    ref = ref.double()
     return ((out.double() - ref).norm() / ref.norm()).item()
 
 
@@ -130,6 +132,13 @@ def time_calls(calls: list[Callable[[], object]], replays: int) -> float:
         times.append(a.elapsed_time(b) * 1e3 / len(calls))
     del g
     return statistics.median(times)
+
+
+def time_rotated(calls: list[Callable[[], object]], m: int) -> float:
+    """:func:`time_calls` of calls that each use their own copy of the operands (rotated past
+    L2): at least 16 per graph below M = 1024, where one call is short."""
+    want = len(calls) if m >= 1024 else max(len(calls), 16)
+    return time_calls([calls[i % len(calls)] for i in range(want)], 5 if m >= 1024 else 10)
 
 
 def copy_bandwidth() -> dict[str, float]:

@@ -35,6 +35,7 @@ __all__ = [
     "pow2",
     "quantize_blocks_triton",
     "reencode_fp4_triton",
+    "widen16",
 ]
 
 
@@ -250,15 +251,22 @@ def _fp4_to_fp8_kernel(p_ptr, s_ptr, gs_ptr, q32_ptr, qs_ptr, n_rows, chunks, st
 
 
 @triton.jit
-def _dense_load(x_ptr, rows64, valid, kc, stride_x, BF16_BITS: tl.constexpr):
-    """One 128-column chunk as fp32. bf16 comes in as its int16 bits and is widened by a shift
+def widen16(raw, BF16_BITS: tl.constexpr):
+    """Loaded 16-bit values -> fp32. bf16 comes in as its int16 bits and is widened by a shift
     (exact for subnormals too, which the interpreter's bf16 conversion gets wrong)."""
+    if BF16_BITS:
+        return ((raw.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+    else:
+        return raw.to(tl.float32)
+
+
+@triton.jit
+def _dense_load(x_ptr, rows64, valid, kc, stride_x, BF16_BITS: tl.constexpr):
+    """One 128-column chunk as fp32 (:func:`widen16`)."""
     cols = tl.arange(0, 128)
     x = tl.load(x_ptr + rows64[:, None] * stride_x + kc * 128 + cols[None, :],
                 mask=valid[:, None], other=0)  # fmt: skip
-    if BF16_BITS:
-        return ((x.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
-    return x.to(tl.float32)
+    return widen16(x, BF16_BITS)
 
 
 @triton.jit

@@ -36,6 +36,7 @@ from quantdispatch.kernels.native.fp8_prefill_quant import (
     e4m3_bytes,
     hw_rounding,
     pow2,
+    widen16,
 )
 
 __all__ = ["rmsnorm_fp8", "silu_mul_fp8"]
@@ -53,16 +54,6 @@ def _round16(v, BF16: tl.constexpr):
         return tl.where(v != v, v, r.to(tl.float32, bitcast=True))
     else:
         return v.to(tl.float16).to(tl.float32)
-
-
-@triton.jit
-def _widen(raw, BF16: tl.constexpr):
-    """Loaded bf16 bits (int16) or fp16 values -> fp32 (bf16 by a shift: exact for
-    subnormals too, which the interpreter's bf16 conversion gets wrong)."""
-    if BF16:
-        return ((raw.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
-    else:
-        return raw.to(tl.float32)
 
 
 @triton.jit
@@ -106,9 +97,9 @@ def _rmsnorm_kernel(x_ptr, w_ptr, y_ptr, q_ptr, qs_ptr, n_valid, n_rows, k, eps,
     cols = ch[None, :, None] * 128 + tl.arange(0, 128)[None, None, :]
     cmask = cols < k
     m3 = valid[:, None, None] & cmask
-    x = _widen(tl.load(x_ptr + rows64 * stride_x + cols, mask=m3, other=0), BF16)
+    x = widen16(tl.load(x_ptr + rows64 * stride_x + cols, mask=m3, other=0), BF16)
     r = 1.0 / tl.sqrt_rn(tl.sum(tl.sum(x * x, axis=2), axis=1) / k + eps)
-    w = _widen(tl.load(w_ptr + cols, mask=cmask, other=0), BF16)
+    w = widen16(tl.load(w_ptr + cols, mask=cmask, other=0), BF16)
     y = _round16(w * _round16(x * r[:, None, None], BF16), BF16)
     y = tl.where(m3, y, 0.0)  # padding rows are +0 (a -0 weight would make -0)
     tl.store(y_ptr + rows64 * stride_y + cols, _narrow(y, BF16), mask=m3)
