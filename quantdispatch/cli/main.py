@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import warnings
 from collections.abc import Sequence
 from typing import NoReturn
 
@@ -155,9 +154,6 @@ def _tp_size(text: str) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    # torch warns when it is imported without numpy (a fresh `pip install quantdispatch` has
-    # none); nothing here uses numpy, so that warning should not be the doctor's first line
-    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     command = parser.commands.get(args.command, parser)  # its --help is the one to read

@@ -166,6 +166,7 @@ def test_unknown_device_and_format(capsys):
 
 
 def test_matrix_covers_every_preset(capsys):
+    pytest.importorskip("triton")
     code, out, err = _run(capsys, "doctor", "--matrix", "--json")
     assert code == 0, err
     m = json.loads(out)["matrix"]
@@ -315,6 +316,7 @@ def test_doctor_fits_one_screen(capsys, device):
 def test_concise_groups_dtypes_and_cuts_reasons(capsys):
     """One line per (format, op) where bf16 and fp16 decide alike, the chosen backend on it;
     rejected candidates one line each, the reason cut to its first clause."""
+    pytest.importorskip("triton")
     lines = _lines(capsys, "--device", "cpu")
     heads = [line for line in lines if line.startswith("nvfp4 linear")]
     assert heads == [heads[0]] and "bf16/fp16 -> reference" in heads[0]
@@ -434,6 +436,7 @@ def test_marlin_providers_in_the_header(capsys):
 
 
 def test_settings_only_where_set(capsys, monkeypatch):
+    pytest.importorskip("triton")
     lines = _lines(capsys, "--device", "h200")
     assert not any(line.startswith(("forced", "disabled", "policy")) for line in lines)
     monkeypatch.setenv("QUANTDISPATCH_BACKEND_NVFP4_LINEAR", "triton")
@@ -564,6 +567,7 @@ def test_shorten_cuts_at_a_word():
 def test_doctor_on_a_real_gpu_says_what_the_self_check_found(monkeypatch, capsys):
     """A probed (not simulated) GPU: one 'checked' line per chosen backend; --verbose lists every
     backend. Nothing was probed in this process, so the triton backend is not yet checked."""
+    pytest.importorskip("triton")
     import quantdispatch.device as device_pkg
     from quantdispatch.device import preset_profile
 

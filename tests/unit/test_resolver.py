@@ -81,6 +81,7 @@ def test_v100_nvfp4_goes_to_reference_because_sm70_is_too_old():
 
 
 def test_t4_rejects_bf16_but_not_fp16():
+    pytest.importorskip("triton")
     bf = _trace(select("nvfp4", act_dtype=torch.bfloat16, device="t4", settings=NO_ENV))
     fp = _trace(select("nvfp4", act_dtype=torch.float16, device="t4", settings=NO_ENV))
     for name in ("triton", "marlin"):
@@ -100,6 +101,7 @@ def test_h100_native_fp4_rejected_for_capability_fp8_not():
 
 
 def test_h200_picks_triton_for_fp4_and_torch_for_fp8():
+    pytest.importorskip("triton")
     assert select("nvfp4", device="h200", settings=NO_ENV).backend == "triton"
     assert select("mxfp4", device="h200", settings=NO_ENV).backend == "triton"
     assert select("fp8", device="h200", settings=NO_ENV).backend == "torch"
@@ -113,12 +115,14 @@ def test_w4a4_on_weight_only_kernel_says_so():
 
 
 def test_weight_only_fp8_checkpoint_never_gets_w8a8_kernel():
+    pytest.importorskip("triton")
     d = select("fp8", scheme="weight_only", device="h100", settings=NO_ENV)
     assert d.backend == "triton"
     assert "weight-only" in _trace(d)["torch"].reason
 
 
 def test_block_scaled_fp8_goes_weight_only():
+    pytest.importorskip("triton")
     d = select("fp8", scale_kind="block", device="h100", settings=NO_ENV)
     assert d.backend == "triton"
     assert "block-scaled" in _trace(d)["torch"].reason
@@ -152,6 +156,7 @@ def test_forced_backend_that_can_run_is_used_and_traced():
 
 
 def test_forced_backend_that_cannot_run_raises_with_its_reason():
+    pytest.importorskip("triton")
     s = load_settings({"QUANTDISPATCH_BACKEND_NVFP4": "cutlass"})
     with pytest.raises(BackendUnavailableError) as e:
         select("nvfp4", device="h100", settings=s)
@@ -172,6 +177,7 @@ def test_sglang_marlin_switch_forces_marlin():
 
 
 def test_per_format_force_that_caught_an_op_its_backend_lacks_names_the_per_op_fix():
+    pytest.importorskip("triton")
     s = load_settings({"QUANTDISPATCH_BACKEND_NVFP4": "cutlass"})
     with pytest.raises(BackendUnavailableError) as e:
         select("nvfp4", "moe", device="b200", settings=s)
@@ -214,6 +220,7 @@ def test_per_op_force_that_cannot_run_says_so_without_the_per_op_hint():
 
 
 def test_per_op_forces_pick_per_op_and_win_over_the_per_format_one():
+    pytest.importorskip("triton")
     s = load_settings(
         {"QUANTDISPATCH_BACKEND_NVFP4": "reference", "QUANTDISPATCH_BACKEND_NVFP4_MOE": "triton"}
     )
@@ -396,6 +403,7 @@ def test_triton_states_the_mxfp4_fp16_rebase_and_the_fp8_w8a16_kernels():
 
 
 def test_decision_names_the_kernel_family_for_each_m():
+    pytest.importorskip("triton")
     d = select("nvfp4", device="h200", n=6144, k=4096)
     ranges = d.kernel_ranges()
     assert ranges[0].first_m == 1 and ranges[-1].last_m is None
@@ -411,6 +419,7 @@ def test_decision_names_the_kernel_family_for_each_m():
 
 
 def test_kernel_for_needs_the_shape_it_depends_on():
+    pytest.importorskip("triton")
     with pytest.raises(ConfigurationError, match="pass n= and k="):
         select("nvfp4", device="h200").kernel_for(1)
     moe = select("nvfp4", "moe", device="h200", n=768, k=2048, experts=128)
