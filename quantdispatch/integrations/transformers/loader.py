@@ -6,7 +6,7 @@ small and not in checkpoints); put a ``QuantLinear`` in place of each linear who
 tensors are quantized and a ``QuantExperts`` in place of each quantized experts module; load every
 other tensor from the safetensors shards, one tensor at a time, straight to the device; tie what
 the config ties. Relies on transformers >= 5 (experts modules called as
-``experts(hidden_states, top_k_index, top_k_weights)``, ``AutoModelForCausalLM.from_config``).
+``experts(hidden_states, top_k_index, top_k_weights)``, ``from_config``).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from quantdispatch.errors import ConfigurationError, format_error
+from quantdispatch.integrations.transformers.architectures import build_model
 from quantdispatch.integrations.transformers.checkpoint import open_checkpoint
 from quantdispatch.integrations.transformers.common import resolve_device, warn_if_reference
 from quantdispatch.integrations.transformers.float_tensors import load_float_tensors, tie_weights
@@ -60,16 +61,19 @@ def load_model(
     act_dtype: torch.dtype = torch.bfloat16,
     policy: Any = None,
     settings: Any = None,
+    model_class: Any = None,
     **from_config_kwargs: Any,
 ) -> Any:
     """Load a quantized checkpoint folder as a transformers ``PreTrainedModel`` (eval mode).
 
     ``device``: where the model runs (default: the current GPU, else the CPU). ``act_dtype``:
     the model's float dtype and its quantized layers' activation dtype. ``policy`` / ``settings``
-    go to every layer's ``select()``. Other keyword arguments go to
-    ``AutoModelForCausalLM.from_config`` (e.g. ``attn_implementation="sdpa"``).
+    go to every layer's ``select()``. The model is the class config.json's ``architectures``
+    names (``AutoModelForCausalLM`` where it names none; ``model_class``: a transformers class
+    to build instead). Other keyword arguments go to its ``from_config`` (e.g.
+    ``attn_implementation="sdpa"``).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoConfig, GenerationConfig
 
     if act_dtype not in (torch.bfloat16, torch.float16):
         raise ConfigurationError(
@@ -89,7 +93,7 @@ def load_model(
         del config.quantization_config
     from_config_kwargs.setdefault("dtype", act_dtype)
     with params_on_meta():
-        model = AutoModelForCausalLM.from_config(config, **from_config_kwargs)
+        model = build_model(config, model_class, **from_config_kwargs)
     if quant_config is not None:
         model.config.quantization_config = quant_config
     keep_fp32_params(model, act_dtype)
