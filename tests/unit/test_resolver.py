@@ -177,37 +177,36 @@ def test_sglang_marlin_switch_forces_marlin():
 
 
 def test_per_format_force_that_caught_an_op_its_backend_lacks_names_the_per_op_fix():
-    pytest.importorskip("triton")
-    s = load_settings({"QUANTDISPATCH_BACKEND_NVFP4": "cutlass"})
+    """torch runs nvfp4 linear on a B200 but computes no MoE: force it per op instead."""
+    s = load_settings({"QUANTDISPATCH_BACKEND_NVFP4": "torch"})
     with pytest.raises(BackendUnavailableError) as e:
         select("nvfp4", "moe", device="b200", settings=s)
     msg = str(e.value)
-    assert "QUANTDISPATCH_BACKEND_NVFP4=cutlass forces backend 'cutlass'" in msg
-    assert "cutlass does not compute nvfp4 moe" in msg
-    assert "applies to every op of nvfp4, so it also caught moe" in msg
-    assert "set QUANTDISPATCH_BACKEND_NVFP4_MOE=<backend>" in msg
-    assert "backends that can run it here: triton, reference" in msg
-    assert "QUANTDISPATCH_BACKEND_NVFP4_LINEAR=cutlass" in msg
+    assert "QUANTDISPATCH_BACKEND_NVFP4=torch forces backend 'torch'" in msg
+    assert "QUANTDISPATCH_BACKEND_NVFP4=torch forces every op of nvfp4" in msg
+    fix = "unset QUANTDISPATCH_BACKEND_NVFP4 and set QUANTDISPATCH_BACKEND_NVFP4_LINEAR=torch"
+    assert fix in msg and e.value.fix.startswith(fix)
+    followed = load_settings({"QUANTDISPATCH_BACKEND_NVFP4_LINEAR": "torch"})
+    assert select("nvfp4", "linear", device="b200", settings=followed).backend == "torch"
+    select("nvfp4", "moe", device="b200", settings=followed)
 
 
-def test_sglang_switch_that_caught_moe_names_the_per_op_fix():
-    s = load_settings({"SGLANG_FORCE_NVFP4_MARLIN": "1"})
+@pytest.mark.parametrize(
+    ("env", "device", "op"),
+    [
+        ({"QUANTDISPATCH_BACKEND_NVFP4": "cutlass"}, "b200", "moe"),  # no provider for linear
+        ({"QUANTDISPATCH_BACKEND_NVFP4": "cutlass"}, "h100", "linear"),
+        ({"SGLANG_FORCE_NVFP4_MARLIN": "1"}, "h100", "moe"),  # no Marlin provider
+    ],
+)
+def test_a_force_that_runs_no_op_of_its_format_here_says_unset_it(env, device, op):
+    """The per-op form would fail as well: the fix is to unset the force, never to narrow it."""
+    (var,) = env
     with pytest.raises(BackendUnavailableError) as e:
-        select("nvfp4", "moe", device="h100", settings=s)
-    msg = str(e.value)
-    assert "SGLANG_FORCE_NVFP4_MARLIN=1 applies to every op of nvfp4, moe included" in msg
-    assert "QUANTDISPATCH_BACKEND_NVFP4_MOE=<backend>" in msg
-    assert "QUANTDISPATCH_BACKEND_NVFP4_LINEAR=marlin" in msg
-
-
-def test_per_format_force_that_cannot_run_an_op_it_computes_names_the_per_op_form():
-    s = load_settings({"QUANTDISPATCH_BACKEND_NVFP4": "cutlass"})
-    with pytest.raises(BackendUnavailableError) as e:
-        select("nvfp4", device="h100", settings=s)
-    msg = str(e.value)
-    assert "NVFP4=cutlass applies to every op of nvfp4, linear included" in msg
-    assert "unset it to let the policy choose" not in msg
-    assert "QUANTDISPATCH_BACKEND_NVFP4_LINEAR=<backend>" in msg
+        select("nvfp4", op, device=device, settings=load_settings(env))
+    assert e.value.fix.startswith(f"unset {var} (the policy then picks ")
+    assert "QUANTDISPATCH_BACKEND_NVFP4_" not in e.value.fix
+    select("nvfp4", op, device=device, settings=load_settings({}))
 
 
 def test_per_op_force_that_cannot_run_says_so_without_the_per_op_hint():
