@@ -5,7 +5,8 @@
   are ``QuantMoE``-backed, ready for ``generate()``.
 - :func:`quantize_model`: a float model -> the same, weight-only, in place.
 - :class:`QuantDispatchConfig`: ``AutoModelForCausalLM.from_pretrained(path,
-  quantization_config=QuantDispatchConfig())`` takes the same path (see ``hf_quantizer``).
+  quantization_config=QuantDispatchConfig())`` takes the same path (see ``hf_quantizer``);
+  :func:`hf_config` for checkpoints whose config.json has its own ``quantization_config``.
 - :func:`describe_model` / :func:`render_description`: what ``quantdispatch doctor --model``
   prints; reads tensor headers only and does not need transformers.
 
@@ -24,6 +25,7 @@ _EXPORTS = {
     "QuantExperts": "moe_blocks",
     "SUPPORTED_EXPERTS": "moe_blocks",
     "QuantDispatchConfig": "hf_quantizer",
+    "hf_config": "hf_quantizer",
     "describe_model": "describe",
     "render_description": "describe",
     "ReferenceBackendWarning": "common",
@@ -35,6 +37,7 @@ __all__ = [
     "QuantExperts",
     "ReferenceBackendWarning",
     "describe_model",
+    "hf_config",
     "load_model",
     "quantize_model",
     "render_description",
@@ -46,7 +49,7 @@ if TYPE_CHECKING:
         describe_model,
         render_description,
     )
-    from quantdispatch.integrations.transformers.hf_quantizer import QuantDispatchConfig
+    from quantdispatch.integrations.transformers.hf_quantizer import QuantDispatchConfig, hf_config
     from quantdispatch.integrations.transformers.loader import load_model
     from quantdispatch.integrations.transformers.moe_blocks import SUPPORTED_EXPERTS, QuantExperts
     from quantdispatch.integrations.transformers.quantize import quantize_model
