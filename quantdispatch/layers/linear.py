@@ -20,8 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from quantdispatch import ops  # registers torch.ops.quantdispatch.*
-from quantdispatch.backends.base import as_op_tensors
+from quantdispatch import ops  # noqa: F401 (registers torch.ops.quantdispatch.*)
+from quantdispatch.backends import get_backend
+from quantdispatch.backends.base import BoundLinear, as_op_tensors
 from quantdispatch.checkpoints import (
     LoadedLinear,
     QuantWeight,
@@ -240,13 +241,40 @@ class QuantLinear(QuantLayer):
     def _tensors(self) -> list[torch.Tensor]:
         return as_op_tensors([getattr(self, n) for n in self._names])
 
+    def bound(self) -> BoundLinear:
+        """The layer's bound call path (made at the first eager call, kept until a buffer
+        moves): what ``forward`` runs in eager inference, for the same result as the op."""
+        bound = self._bound
+        if bound is None:
+            ref = getattr(self, self._names[0])
+            bound = get_backend(self.backend).bind_linear(
+                self._tensors(), self.bias, self.format, self._layout, self._meta,
+                pdl=self.decision.pdl, device=ref.device,
+            )  # fmt: skip
+            self.__dict__["_bound"] = bound
+            # CUDA layers compare the input's device index per call; others check in full
+            self.__dict__["_device_index"] = ref.get_device() if ref.is_cuda else None
+        return bound
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        k = self.in_features
+        if direct_call_ok(x):  # eager inference: the bound call path
+            bound = self._bound or self.bound()
+            if (
+                x.dtype is not self.act_dtype
+                or not x.dim()
+                or x.shape[-1] != k
+                or x.get_device() != self._device_index
+            ):
+                ref = getattr(self, self._names[0])
+                activations_2d(x, self.act_dtype, k, "in_features", ref.device)  # raises
+            if x.dim() == 2:
+                return bound(x if x.stride(-1) == 1 else x.contiguous())
+            y = bound(x.reshape(-1, k) if x.stride(-1) == 1 else x.reshape(-1, k).contiguous())
+            return y.view(*x.shape[:-1], self.out_features)
         ref = getattr(self, self._names[0])
-        x2 = activations_2d(x, self.act_dtype, self.in_features, "in_features", ref.device)
-        lead = x.shape[:-1]
-        # eager inference runs the op's body without its dispatch cost
-        run = ops.run_linear if direct_call_ok(x2) else torch.ops.quantdispatch.linear
-        y = run(
+        x2 = activations_2d(x, self.act_dtype, k, "in_features", ref.device)
+        y = torch.ops.quantdispatch.linear(
             x2,
             self._tensors(),
             self.bias,
@@ -256,7 +284,7 @@ class QuantLinear(QuantLayer):
             self.out_features,
             self.decision.pdl,
         )
-        return y.reshape(*lead, self.out_features)
+        return y.reshape(*x.shape[:-1], self.out_features)
 
     # -- reporting --------------------------------------------------------------------------------
 
