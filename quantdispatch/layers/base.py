@@ -193,16 +193,31 @@ class QuantLayer(FixedDtypeBuffers):
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         self.__dict__["_bound"] = None
-        return super()._apply(fn, recurse)
+        out = super()._apply(fn, recurse)
+        self._mark_static()
+        return out
+
+    def _mark_static(self) -> None:
+        """Tell torch.compile that the buffers keep their addresses between calls: its CUDA
+        graphs then read them in place instead of copying every packed weight into the graph's
+        inputs on each replay. Redone whenever buffers move."""
+        for buf in self._buffers.values():
+            if buf is not None:
+                torch._dynamo.mark_static_address(buf)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in self.__dict__.get("_buffers", ()):
+        buffer = name in self.__dict__.get("_buffers", ())
+        if buffer:
             self.__dict__["_bound"] = None
         super().__setattr__(name, value)
+        if buffer and isinstance(value, torch.Tensor):
+            torch._dynamo.mark_static_address(value)
 
     def register_buffer(self, name: str, tensor: Any, persistent: bool = True) -> None:
         self.__dict__["_bound"] = None
         super().register_buffer(name, tensor, persistent)
+        if isinstance(tensor, torch.Tensor):
+            torch._dynamo.mark_static_address(tensor)
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()

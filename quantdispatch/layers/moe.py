@@ -21,8 +21,9 @@ from typing import Any
 
 import torch
 
-from quantdispatch import ops  # registers torch.ops.quantdispatch.*
-from quantdispatch.backends.base import CheckpointMeta
+from quantdispatch import ops  # noqa: F401 (registers torch.ops.quantdispatch.*)
+from quantdispatch.backends import get_backend
+from quantdispatch.backends.base import BoundMoe, CheckpointMeta, MoeCall
 from quantdispatch.checkpoints import MoeShard, QuantWeight, read_moe_shard
 from quantdispatch.errors import CheckpointError, ConfigurationError, InputError, format_error
 from quantdispatch.layers.base import (
@@ -335,9 +336,10 @@ class QuantMoE(QuantLayer):
                 self.validate_ids,
             )
         local = to_local_ids(ids, self.expert_map)
-        # eager inference runs the op's body without its dispatch cost
-        run = ops.run_moe if direct_call_ok(x2) else torch.ops.quantdispatch.moe
-        y = run(
+        if direct_call_ok(x2):  # eager inference: the bound call path
+            bound = self._bound or self.bound()
+            return bound(x2, local, weights).reshape(*lead, self.hidden_size)
+        y = torch.ops.quantdispatch.moe(
             x2,
             local,
             weights,
@@ -353,6 +355,21 @@ class QuantMoE(QuantLayer):
             self.decision.pdl,
         )
         return y.reshape(*lead, self.hidden_size)
+
+    def bound(self) -> BoundMoe:
+        """The layer's bound call path (made at the first eager call, kept until a buffer
+        moves): what ``forward`` runs in eager inference, for the same result as the op."""
+        bound = self._bound
+        if bound is None:
+            x = torch.empty(0)  # placeholders: the bound call takes x, ids and weights
+            template = MoeCall(
+                x, x, x, tuple(self._w13()), tuple(self._w2()), self.w13_bias, self.w2_bias,
+                self.format, self.activation, tuple(self._params), self._layout, self._meta,
+                self.decision.pdl,
+            )  # fmt: skip
+            bound = get_backend(self.backend).bind_moe(template)
+            self.__dict__["_bound"] = bound
+        return bound
 
     @property
     def w13_device(self) -> torch.device:

@@ -132,3 +132,33 @@ def test_direct_launch_gives_the_bits_of_tritons_own_launch():
         launcher = gemv._plans[(m, True)][0]
         assert launcher._cache, (m, off)  # the direct launch is armed
         assert torch.equal(gemv(x), MmaGemv(words, scales, gs)(x)), (m, off)
+
+
+@pytest.mark.parametrize(("fmt", "inter", "hidden"), [("nvfp4", 768, 2048), ("nvfp4", 1000, 512),
+                                                     ("mxfp4", 512, 1024), ("fp8", 256, 512)])
+def test_bound_moe_equals_the_op(fmt, inter, hidden):
+    """QuantMoE's eager (bound) call against its custom op: the mma16x64 layout's regimes
+    (single pairs, pair blocks, grouped GEMM) and the checkpoint layout (I not a multiple of
+    64, FP8), every M twice (the second reuses the plan and the direct launches)."""
+    from quantdispatch.layers import QuantMoE
+
+    e, top_k = 16, 4
+    g = torch.Generator(device=DEV).manual_seed(inter)
+
+    def experts(n, k):
+        return [QUANT[fmt](torch.randn(n, k, device=DEV, generator=g) * 0.02) for _ in range(e)]
+
+    moe = QuantMoE(experts(inter, hidden), experts(inter, hidden), experts(hidden, inter),
+                   top_k=top_k, settings=load_settings({}), device=DEV)  # fmt: skip
+    for m in (1, 3, 16, 64, 700):
+        x = torch.randn(m, hidden, device=DEV, dtype=torch.bfloat16)
+        weights, ids = torch.topk(torch.softmax(torch.randn(m, e, device=DEV), -1), top_k)
+        ids = ids.to(torch.int32)
+        first = moe(x, topk_ids=ids, topk_weights=weights)
+        second = moe(x, topk_ids=ids, topk_weights=weights)
+        op = torch.ops.quantdispatch.moe(
+            x, ids, weights.float(), moe._w13(), moe._w2(), moe.w13_bias, moe.w2_bias,
+            moe.backend, moe.format, moe.activation, moe._params, moe._meta_args,
+            moe.decision.pdl,
+        )  # fmt: skip
+        assert torch.equal(first, op) and torch.equal(second, op), (fmt, m)

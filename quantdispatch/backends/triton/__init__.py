@@ -23,6 +23,7 @@ import torch
 
 from quantdispatch.backends.base import (
     BoundLinear,
+    BoundMoe,
     CheckpointMeta,
     Layout,
     LayoutMeta,
@@ -94,6 +95,11 @@ class TritonBackend(TritonFacts):
         from quantdispatch.backends.triton.bind import bind_linear
 
         return bind_linear(tensors, bias, fmt, layout, meta, pdl, device)
+
+    def bind_moe(self, template: MoeCall) -> BoundMoe:
+        from quantdispatch.backends.triton.bind import bind_moe
+
+        return bind_moe(template)
 
     def moe(self, call: MoeCall) -> torch.Tensor:
         from quantdispatch.backends.triton import run

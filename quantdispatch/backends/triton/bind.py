@@ -14,8 +14,15 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from quantdispatch.backends.base import CheckpointMeta, Layout, LayoutMeta, Mma16x64Meta, op_view
-from quantdispatch.backends.bound import BoundLinear
+from quantdispatch.backends.base import (
+    CheckpointMeta,
+    Layout,
+    LayoutMeta,
+    Mma16x64Meta,
+    MoeCall,
+    op_view,
+)
+from quantdispatch.backends.bound import BoundLinear, BoundMoe
 from quantdispatch.backends.triton import dispatch
 from quantdispatch.errors import InputError, format_error
 from quantdispatch.kernels.checkpoint_layout.dequant import Fp4DequantRows, Fp8DequantRows
@@ -29,7 +36,7 @@ from quantdispatch.kernels.mma_layout.gemv import MmaGemv
 from quantdispatch.kernels.mma_layout.layout import CHUNK_K, TILE_N
 from quantdispatch.kernels.regimes import Family
 
-__all__ = ["bind_linear"]
+__all__ = ["bind_linear", "bind_moe"]
 
 Run = Callable[[torch.Tensor], torch.Tensor]
 
@@ -167,3 +174,53 @@ def _op_path(
         return op.linear(x, tensors, bias, fmt, layout, meta, pdl)
 
     return run
+
+
+def bind_moe(template: MoeCall) -> BoundMoe:
+    """A MoE layer's call with the plan of each (M, top-k) made once (the op path asks the
+    layout's plan per call), then the layout's launcher with that plan, as :mod:`.run` calls
+    it."""
+    from dataclasses import replace
+
+    from quantdispatch.backends.triton import run
+
+    facts = device_facts(template.w13[0].device)
+    plans: dict[tuple[int, int], object] = {}
+    w13, w2, b13, b2 = list(template.w13), list(template.w2), template.w13_bias, template.w2_bias
+    act, params, fmt, pdl = template.activation, template.params, template.fmt, template.pdl
+
+    def plan(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> object:
+        key = (x.shape[0], ids.shape[1] if ids.dim() == 2 else -1)
+        cfg = plans.get(key)
+        if cfg is None:
+            call = replace(template, x=x, topk_ids=ids, topk_weights=weights)
+            cfg = run.moe_config(call, facts)
+            if cfg is not None:  # None: an empty batch or malformed input (the launcher says)
+                if len(plans) > 4096:
+                    plans.clear()
+                plans[key] = cfg
+        return cfg
+
+    if template.layout is Layout.MMA16X64:
+        meta = template.meta
+        assert isinstance(meta, Mma16x64Meta), meta
+        from quantdispatch.kernels.mma_layout.moe_gemm import mma_layout_moe
+
+        def mma(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+            return mma_layout_moe(
+                x, ids, weights, w13, w2, b13, b2, activation=act, params=params,
+                packed_for=meta.packed_for, config=plan(x, ids, weights), pdl=pdl, facts=facts,  # type: ignore[arg-type]
+            )  # fmt: skip
+
+        return BoundMoe(mma)
+    meta = template.meta
+    assert isinstance(meta, CheckpointMeta), meta
+    from quantdispatch.kernels.checkpoint_layout.moe import fused_moe
+
+    def checkpoint(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return fused_moe(
+            x, ids, weights, w13, w2, b13, b2, fmt=fmt, activation=act, params=params,
+            block_size=meta.block_size, config=plan(x, ids, weights), facts=facts,  # type: ignore[arg-type]
+        )  # fmt: skip
+
+    return BoundMoe(checkpoint)

@@ -50,6 +50,7 @@ from quantdispatch.integrations.transformers.common import (
     warn_if_reference,
 )
 from quantdispatch.integrations.transformers.fp8_producers import install_fp8_producers
+from quantdispatch.integrations.transformers.fused_ops import install_fused_ops
 from quantdispatch.integrations.transformers.quantize import quantize_model
 from quantdispatch.integrations.transformers.replace import (
     build_layer,
@@ -64,19 +65,22 @@ METHOD = "quantdispatch"
 
 class QuantDispatchConfig(QuantizationConfigMixin):
     """How ``from_pretrained`` should quantize a float checkpoint (``format``, ``exclude``,
-    ``experts``, as in ``quantize_model``); a quantized checkpoint is loaded as it is stored."""
+    ``experts``, ``fused_ops``, as in ``quantize_model``); a quantized checkpoint is loaded as
+    it is stored."""
 
     def __init__(
         self,
         format: str = "nvfp4",
         exclude: tuple[str, ...] | list[str] = ("lm_head",),
         experts: bool = True,
+        fused_ops: bool = True,
         **kwargs: Any,
     ) -> None:
         self.quant_method = METHOD
         self.format = get_format(format).name
         self.exclude = list(exclude)
         self.experts = bool(experts)
+        self.fused_ops = bool(fused_ops)
 
 
 class _Pending(nn.Module):
@@ -145,7 +149,10 @@ class QuantDispatchHfQuantizer(HfQuantizer):
             act_dtype = torch.bfloat16
         cfg = self.quantization_config
         if self._ckpt is None:
-            quantize_model(model, cfg.format, exclude=tuple(cfg.exclude), experts=cfg.experts)
+            quantize_model(
+                model, cfg.format, exclude=tuple(cfg.exclude), experts=cfg.experts,
+                fused_ops=getattr(cfg, "fused_ops", True),
+            )  # fmt: skip
             return model
         kwargs = layer_kwargs(device, act_dtype, None, None)
         text_cfg = text_config(model)
@@ -153,6 +160,8 @@ class QuantDispatchHfQuantizer(HfQuantizer):
             layer = build_layer(name, original, self._ckpt, text_cfg, kwargs)
             replace_module(model, name, layer)
         self._pending = {}
+        if getattr(cfg, "fused_ops", True):
+            install_fused_ops(model)
         install_fp8_producers(model)
         warn_if_reference(model)
         return model

@@ -26,6 +26,7 @@ from quantdispatch.integrations.transformers.checkpoint import open_checkpoint
 from quantdispatch.integrations.transformers.common import resolve_device, warn_if_reference
 from quantdispatch.integrations.transformers.float_tensors import load_float_tensors, tie_weights
 from quantdispatch.integrations.transformers.fp8_producers import install_fp8_producers
+from quantdispatch.integrations.transformers.fused_ops import install_fused_ops
 from quantdispatch.integrations.transformers.replace import swap_in_quantized
 
 __all__ = ["keep_fp32_params", "load_model", "params_on_meta"]
@@ -60,13 +61,16 @@ def load_model(
     act_dtype: torch.dtype = torch.bfloat16,
     policy: Any = None,
     settings: Any = None,
+    fused_ops: bool = True,
     **from_config_kwargs: Any,
 ) -> Any:
     """Load a quantized checkpoint folder as a transformers ``PreTrainedModel`` (eval mode).
 
     ``device``: where the model runs (default: the current GPU, else the CPU). ``act_dtype``:
     the model's float dtype and its quantized layers' activation dtype. ``policy`` / ``settings``
-    go to every layer's ``select()``. Other keyword arguments go to
+    go to every layer's ``select()``. ``fused_ops``: one kernel per RMSNorm (with the residual
+    add) and gated activation (:mod:`.fused_ops`; undo with ``remove_fused_ops``). Other
+    keyword arguments go to
     ``AutoModelForCausalLM.from_config`` (e.g. ``attn_implementation="sdpa"``).
     """
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
@@ -102,6 +106,8 @@ def load_model(
     if (ckpt.path / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(str(ckpt.path))
     model.eval()
+    if fused_ops:
+        install_fused_ops(model)
     install_fp8_producers(model)
     warn_if_reference(model)
     return model

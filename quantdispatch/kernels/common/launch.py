@@ -6,16 +6,18 @@ divisibility by 16), renders the compile options as a string to look the compile
 then launches. A decode step calls hundreds of such launches, and that host time is the step's
 time in eager mode. :class:`Launcher` keeps the fixed arguments (weights, scales, shapes, the
 constexprs and launch options) in an argument list made once; a call passes only the varying
-ones. The first call with a new specialization of those goes through ``kernel[grid]`` (Triton
-compiles or finds the kernel and returns it); later calls with the same specialization launch
-that compiled kernel directly.
+ones. The first call with a new specialization goes through ``kernel[grid]`` (Triton compiles or
+finds the kernel and returns it); later calls with the same specialization, from this launcher
+or any other of the same kernel, fixed-argument specialization and options, launch that
+compiled kernel directly. :func:`launch` does the same for call sites that bind nothing.
 
-The key a call is matched by is never coarser than Triton's: per varying tensor its dtype and
-its address modulo 16, per varying int whether it is 1, its value modulo 16 and its integer
-width; anything else (descriptors, unknown types) takes Triton's own path every time. The
-direct launch is used only where it has been read against Triton's launcher convention
-(:data:`DIRECT_TRITON`), never in the interpreter, and never while launch hooks (profilers)
-are installed: then every call goes through ``kernel[grid]``, the same kernel either way.
+The key a call is matched by is never coarser than Triton's: per tensor its dtype and its
+address modulo 16, per int whether it is 1, its value modulo 16 and its integer width, per host
+tensor descriptor all of those of its base, shape and strides plus its block shape; anything
+else (unknown types) takes Triton's own path every time. The direct launch is used only where
+it has been read against Triton's launcher convention (:data:`DIRECT_TRITON`), never in the
+interpreter, and never while launch hooks (profilers) are installed: then every call goes
+through ``kernel[grid]``, the same kernel either way.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from collections.abc import Mapping, Sequence
 import torch
 import triton
 
-__all__ = ["DIRECT_TRITON", "Launcher", "direct_launch_available"]
+__all__ = ["DIRECT_TRITON", "Launcher", "direct_launch_available", "launch"]
 
 #: Triton versions whose ``CompiledKernel.run`` takes (grid x3, stream, function, packed
 #: metadata, launch metadata, enter hook, exit hook, every argument in signature order):
@@ -36,6 +38,10 @@ DIRECT_TRITON = ((3, 4), (4, 0))
 
 _I32 = 2**31
 _U64 = 2**63
+#: Compiled kernels found by a first launch, per (kernel, fixed-argument key, options,
+#: device) and then per varying-argument key: (launcher, CUfunction, packed metadata).
+_COMPILED: dict[tuple[object, ...], dict[tuple[object, ...], tuple[object, object, object]]] = {}
+_MAX_ENTRIES = 64  # specializations kept per fixed key
 
 
 def _version() -> tuple[int, int]:
@@ -47,13 +53,7 @@ def _version() -> tuple[int, int]:
 def direct_launch_available() -> bool:
     """Whether compiled kernels may be launched directly here (module doc)."""
     low, high = DIRECT_TRITON
-    if not low <= _version() < high:
-        return False
-    try:
-        from triton.runtime.jit import JITFunction
-    except ImportError:
-        return False
-    return JITFunction is not None
+    return low <= _version() < high and torch.cuda.is_available()
 
 
 def _hooks():  # type: ignore[no-untyped-def]
@@ -95,7 +95,27 @@ def _descriptor_spec(desc: object) -> object:
     return "desc", base.dtype, base.data_ptr() & 15, block, getattr(desc, "padding", None), ints
 
 
-_OPAQUE = object()
+class _Opaque:
+    def __repr__(self) -> str:
+        return "<opaque>"
+
+
+_OPAQUE = _Opaque()
+
+
+def _fixed_key(fn: object, fixed: Mapping[str, object], options: Mapping[str, object]):  # type: ignore[no-untyped-def]
+    """The shared-cache key of a launcher's fixed part (None: not cacheable): tensors and
+    descriptors by their specialization, everything else (constexprs, sizes) by value."""
+    parts = []
+    for name, value in fixed.items():
+        tensorish = isinstance(value, torch.Tensor) or type(value).__name__ == "TensorDescriptor"
+        parts.append((name, _spec(value) if tensorish else value))
+    key = (id(fn), tuple(parts), tuple(sorted(options.items())))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 class Launcher:
@@ -108,8 +128,7 @@ class Launcher:
     tensors alive and unchanged in place (a layer's prepared buffers)."""
 
     __slots__ = (
-        "_cache", "_device", "_fixed", "_fn", "_names", "_options", "_positions", "_template",
-        "_varying",
+        "_cache", "_device", "_fixed", "_fn", "_options", "_positions", "_template", "_varying",
     )  # fmt: skip
 
     def __init__(
@@ -122,15 +141,13 @@ class Launcher:
         self._fn = fn
         self._varying = tuple(varying)
         self._options = dict(options or {})
-        self._cache: dict[tuple[object, ...], tuple[object, object, object]] | None = {}
+        self._cache: dict[tuple[object, ...], tuple[object, object, object]] | None = None
         self._device = -1
         try:
             names, defaults = _signature(fn)
         except (TypeError, ValueError):  # not a Python kernel (a stand-in): Triton's path only
-            self._names, self._template, self._positions, self._cache = (), [], (), None
-            self._fixed = dict(fixed)
+            self._template, self._positions, self._fixed = [], (), dict(fixed)
             return
-        self._names = names
         unknown = (set(fixed) | set(self._varying)) - set(names)
         if unknown:
             raise TypeError(f"{_name(fn)} has no parameter {sorted(unknown)}")
@@ -147,14 +164,21 @@ class Launcher:
         self._template = template
         self._positions = tuple(names.index(v) for v in self._varying)
         self._fixed = {n: v for n, v in zip(names, template, strict=True) if n not in self._varying}
+        if type(fn).__name__ == "JITFunction" and direct_launch_available():
+            key = _fixed_key(fn, self._fixed, self._options)
+            if key is not None:
+                self._device = _device_of(self._fixed.values())
+                _KEEP.setdefault(id(fn), fn)  # the key's id stays this kernel's
+                self._cache = _COMPILED.setdefault((*key, self._device), {})
 
     def __call__(self, grid: tuple[int, ...], *values: object) -> None:
         """Launch on ``grid`` with the varying arguments ``values``."""
-        entry = None
-        key = None
-        if self._cache is not None:
-            key = tuple(_spec(v) for v in values)
-            entry = self._cache.get(key)
+        cache = self._cache
+        if cache is None:
+            self._slow(grid, values, None)
+            return
+        key = tuple(_spec(v) for v in values)
+        entry = cache.get(key)
         if entry is not None:
             hooks = _hooks()
             if hooks is None or (_idle(hooks.launch_enter_hook) and _idle(hooks.launch_exit_hook)):
@@ -175,17 +199,82 @@ class Launcher:
         it."""
         kwargs = dict(zip(self._varying, values, strict=True))
         kernel = self._fn[grid](**self._fixed, **kwargs, **self._options)  # type: ignore[index]
-        if key is None or _OPAQUE in key or not direct_launch_available():  # type: ignore[operator]
+        cache = self._cache
+        if cache is None or key is None or _OPAQUE in key:  # type: ignore[operator]
             return
-        run = getattr(kernel, "run", None)
-        function = getattr(kernel, "function", None)
-        if run is None or function is None or not torch.cuda.is_available():
-            self._cache = None  # the interpreter or an unknown kernel object: Triton's path only
+        run, function = getattr(kernel, "run", None), getattr(kernel, "function", None)
+        if run is None or function is None or torch._C._cuda_getDevice() != self._device:
             return
-        self._device = torch.cuda.current_device()
-        if len(self._cache) >= 64:  # a bounded set of specializations per bound kernel
-            self._cache.clear()
-        self._cache[key] = (run, function, kernel.packed_metadata)  # type: ignore[index]
+        if len(cache) >= _MAX_ENTRIES:
+            cache.clear()
+        cache[key] = (run, function, kernel.packed_metadata)  # type: ignore[index]
+
+
+def _device_of(values: object) -> int:
+    """The CUDA device of the first CUDA tensor among ``values``, else the current one."""
+    for v in values:  # type: ignore[attr-defined]
+        if isinstance(v, torch.Tensor) and v.is_cuda:
+            return v.get_device()
+    return torch.cuda.current_device()
+
+
+def launch(fn: object, grid: tuple[int, ...], /, *args: object, **kwargs: object) -> None:
+    """``fn[grid](*args, **kwargs)`` through a :class:`Launcher` kept per kernel and per set of
+    constexpr values and launch options: for launch sites whose arguments all change per call
+    (activations, routing buffers), where no object can hold them. Every runtime argument is
+    matched per call, so it saves less than a bound :class:`Launcher`, but skips Triton's
+    binding and option rendering."""
+    split = _split(fn)
+    if split is None:
+        fn[grid](*args, **kwargs)  # type: ignore[index]
+        return
+    names, constexprs, runtime = split
+    values = dict(zip(names, args, strict=False))
+    values.update(kwargs)
+    try:
+        key = (
+            id(fn),
+            tuple(values.get(n, _MISSING) for n in constexprs),
+            tuple(sorted((k, v) for k, v in values.items() if k not in names)),  # options
+            torch._C._cuda_getDevice(),
+        )
+        launcher = _LAUNCHERS.get(key)
+    except TypeError:  # an unhashable constexpr or option: Triton's own path
+        fn[grid](*args, **kwargs)  # type: ignore[index]
+        return
+    if launcher is None:
+        options = {k: v for k, v in values.items() if k not in names}
+        fixed = {n: values[n] for n in constexprs if n in values}
+        launcher = Launcher(fn, runtime, fixed, options)
+        if len(_LAUNCHERS) >= 4096:
+            _LAUNCHERS.clear()
+        _LAUNCHERS[key] = launcher
+    _, defaults = _signature(fn)
+    launcher(grid, *(values[n] if n in values else defaults[n] for n in runtime))
+
+
+_MISSING = _Opaque()
+_LAUNCHERS: dict[tuple[object, ...], Launcher] = {}
+#: Kernels whose id is part of a cache key, kept alive so the id stays theirs.
+_KEEP: dict[int, object] = {}
+_SPLITS: dict[int, tuple[tuple[str, ...], ...] | None] = {}
+
+
+def _split(fn: object) -> tuple[tuple[str, ...], ...] | None:
+    """(parameter names, constexpr names, runtime names) of a JIT kernel; None for anything
+    else (the interpreter's kernels, stand-ins, a Triton without the direct launch)."""
+    found = _SPLITS.get(id(fn), _MISSING)
+    if found is not _MISSING:
+        return found  # type: ignore[return-value]
+    params = getattr(fn, "params", None)
+    split = None
+    if params is not None and direct_launch_available() and type(fn).__name__ == "JITFunction":
+        names, _ = _signature(fn)
+        constexprs = tuple(p.name for p in params if p.is_constexpr)
+        split = (names, constexprs, tuple(n for n in names if n not in constexprs))
+    _KEEP.setdefault(id(fn), fn)
+    _SPLITS[id(fn)] = split
+    return split
 
 
 @functools.cache

@@ -31,6 +31,7 @@ import triton.language as tl
 
 from quantdispatch.kernels.common import checks
 from quantdispatch.kernels.common.activation import apply_activation
+from quantdispatch.kernels.common.launch import launch
 
 __all__ = ["WORKSPACE_ELEMENTS", "DequantGemm", "dequant_gemm", "run_dequant_moe"]
 
@@ -154,7 +155,7 @@ def run_dequant_moe(
     inter = h.shape[1] // 2 if gated else h.shape[1]
     a = checks.empty((h.shape[0], inter), x.dtype, x.device)
     bn = min(1024, triton.next_power_of_2(inter))
-    _act_rows_kernel[(h.shape[0], triton.cdiv(inter, bn))](
+    launch(_act_rows_kernel, (h.shape[0], triton.cdiv(inter, bn)),
         h, a, sorted_expert, b13 if b13 is not None else h, inter, h.stride(0), a.stride(0),
         b13.stride(0) if b13 is not None else 0, float(alpha), float(limit),
         ACT=act_code, GATED=gated, HAS_BIAS=b13 is not None, BN=bn, num_warps=4,
