@@ -88,20 +88,35 @@ class DecodeGraph:
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
         """``input_ids`` [batch_size, prompt] followed by ``max_new_tokens`` greedy tokens."""
+        self.prefill(input_ids, max_new_tokens)
+        toks = [self._tok.clone()]
+        for _ in range(max_new_tokens - 1):
+            self.step()
+            toks.append(self._tok.clone())
+        return torch.cat([input_ids.to(self.device), *toks], dim=1)
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, max_new_tokens: int = 2) -> torch.Tensor:
+        """Run the prompt (eagerly) into a reset cache; returns the first new token [batch, 1]
+        (a view that the next :meth:`step` overwrites). Captures the step first if needed."""
         self._check(input_ids, max_new_tokens)
         ids = input_ids.to(self.device)
         if self.capture and self.graph is None and max_new_tokens > 1:
             self._prefill(ids)
             self._capture(ids)  # the warm-up and capture advanced the cache: prefill again
         self._prefill(ids)
-        toks = [self._tok.clone()]
-        for _ in range(max_new_tokens - 1):
-            if self.graph is not None:
-                self.graph.replay()
-            else:
-                self._step()
-            toks.append(self._tok.clone())
-        return torch.cat([ids, *toks], dim=1)
+        return self._tok
+
+    @torch.no_grad()
+    def step(self) -> torch.Tensor:
+        """One decode step (a graph replay once captured): the next token [batch, 1] (a view
+        the next step overwrites). Call :meth:`prefill` first; nothing checks the cache's
+        length here (``max_len`` bounds prompt + steps)."""
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self._step()
+        return self._tok
 
     def _check(self, input_ids: torch.Tensor, n: int) -> None:
         if (
