@@ -22,9 +22,17 @@ from typing import Any
 import torch
 
 from quantdispatch.checkpoints import QuantConfig, SafetensorsStateDict, load_quant_config
+from quantdispatch.checkpoints.config import read_json
 from quantdispatch.errors import CheckpointError, format_error
 
-__all__ = ["MODULE_ALIASES", "Checkpoint", "PrefixView", "open_checkpoint", "read_headers"]
+__all__ = [
+    "MODULE_ALIASES",
+    "Checkpoint",
+    "PrefixView",
+    "open_checkpoint",
+    "read_config",
+    "read_headers",
+]
 
 #: Module-name pieces transformers 5 renamed at load time: (name in the model, name in the
 #: checkpoint). Mixtral-style MoE blocks are ``mlp`` in the model, ``block_sparse_moe`` on disk.
@@ -158,6 +166,20 @@ def read_headers(path: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     return out
 
 
+def read_config(cfg_file: Path) -> dict[str, Any]:
+    """config.json as a mapping (CheckpointError naming the file otherwise)."""
+    config = read_json(cfg_file)
+    if not isinstance(config, dict):
+        raise CheckpointError(
+            format_error(
+                f"{cfg_file} holds a JSON {type(config).__name__}",
+                "config.json is a JSON object",
+                "use the config.json that came with these weights",
+            )
+        )
+    return config
+
+
 def _candidates(name: str) -> list[str]:
     out = [name]
     dotted = "." + name + "."
@@ -179,12 +201,7 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
                 "pass the folder that holds config.json (a local path: nothing is downloaded)",
             )
         )
-    try:
-        config = json.loads(cfg_file.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise CheckpointError(
-            format_error(f"{cfg_file} cannot be read as JSON: {exc}", "configs are JSON", "fix it")
-        ) from None
+    config = read_config(cfg_file)
     quant = load_quant_config(p)
     dtypes = {k: v[0] for k, v in read_headers(p).items()}
     return Checkpoint(p, config, quant, SafetensorsStateDict(p), dtypes)
