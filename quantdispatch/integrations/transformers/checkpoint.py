@@ -12,8 +12,6 @@ the config must agree with them, which ``QuantLinear.from_checkpoint`` checks.
 from __future__ import annotations
 
 import bisect
-import json
-import struct
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -140,30 +138,7 @@ class Checkpoint:
 
 def read_headers(path: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     """{tensor name: (safetensors dtype, shape)} from the headers of a checkpoint's shards."""
-    p = Path(path)
-    index = p / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
-        files = sorted({p / f for f in weight_map.values()})
-    else:
-        files = sorted(p.glob("*.safetensors")) if p.is_dir() else []
-    if not files:
-        raise CheckpointError(
-            format_error(
-                f"no safetensors files at {str(path)!r}",
-                "a checkpoint folder holds *.safetensors (optionally with an index)",
-                "check the path",
-            )
-        )
-    out: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for f in files:
-        with f.open("rb") as h:
-            (size,) = struct.unpack("<Q", h.read(8))
-            header = json.loads(h.read(size))
-        for name, info in header.items():
-            if name != "__metadata__":
-                out[name] = (str(info["dtype"]), tuple(int(d) for d in info["shape"]))
-    return out
+    return SafetensorsStateDict(path).headers()
 
 
 def read_config(cfg_file: Path) -> dict[str, Any]:
@@ -203,5 +178,6 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         )
     config = read_config(cfg_file)
     quant = load_quant_config(p)
-    dtypes = {k: v[0] for k, v in read_headers(p).items()}
-    return Checkpoint(p, config, quant, SafetensorsStateDict(p), dtypes)
+    state = SafetensorsStateDict(p)
+    dtypes = {k: v[0] for k, v in state.headers().items()}
+    return Checkpoint(p, config, quant, state, dtypes)
