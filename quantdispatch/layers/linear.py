@@ -300,7 +300,9 @@ def load_linear(
     quantized = [config.layer(m) is not None if config is not None else None for m in modules]
     if config is not None and not any(quantized):
         split = TpSplit(**{f.name: kwargs[f.name] for f in fields(TpSplit) if f.name in kwargs})
-        weight, bias = read_dense_shard(state_dict, modules, split)
+        excluded = [config.excluded_by(m) for m in modules]
+        why = next((f"the config excludes it: pattern {e!r}" for e in excluded if e), "")
+        weight, bias = read_dense_shard(state_dict, modules, split, why=why)
         dtype = parse_act_dtype(act_dtype)
         linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
         linear.weight = nn.Parameter(weight.to(dtype), requires_grad=False)
