@@ -72,3 +72,16 @@ def test_a_config_that_lies_about_kv_heads_fails_at_load_naming_the_layer(tmp_pa
     _lie_about_kv_heads(fused_float, 1)
     with pytest.raises(CheckpointError, match=r"q_proj\.weight \+ .*k_proj.*fused weight"):
         load_model(fused_float, device="cpu", attn_implementation="eager")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [({"exclude": "lm_head"}, "exclude is a list"), ({"experts": "false"}, "experts is true")],
+)
+def test_from_pretrained_config_values_of_the_wrong_type(kwargs, fragment):
+    from quantdispatch.errors import ConfigurationError
+    from quantdispatch.integrations.transformers.hf_quantizer import QuantDispatchConfig
+
+    with pytest.raises(ConfigurationError, match=fragment):
+        QuantDispatchConfig(**kwargs)
+    assert QuantDispatchConfig(exclude=["lm_head"], experts=False).exclude == ["lm_head"]

@@ -75,8 +75,24 @@ class QuantDispatchConfig(QuantizationConfigMixin):
     ) -> None:
         self.quant_method = METHOD
         self.format = get_format(format).name
+        if isinstance(exclude, str) or not all(isinstance(e, str) for e in exclude):
+            raise ConfigurationError(
+                format_error(
+                    f"quantdispatch config exclude={exclude!r}",
+                    "exclude is a list of module names or patterns",
+                    f"write exclude: [{exclude!r}]" if isinstance(exclude, str) else "fix it",
+                )
+            )
+        if not isinstance(experts, bool):
+            raise ConfigurationError(
+                format_error(
+                    f"quantdispatch config experts={experts!r}",
+                    "experts is true or false (a JSON boolean, not a string)",
+                    "write experts: true or experts: false",
+                )
+            )
         self.exclude = list(exclude)
-        self.experts = bool(experts)
+        self.experts = experts
 
 
 class _Pending(nn.Module):
