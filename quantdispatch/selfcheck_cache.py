@@ -91,6 +91,8 @@ def _parse(data: bytes) -> dict[str, dict[str, Any]]:
     except RecursionError:
         raise ValueError("nested too deeply") from None
     version = raw.get("version") if isinstance(raw, dict) else None
+    if version in range(1, FILE_VERSION):
+        return {}  # an older quantdispatch's file: re-probed and rewritten, nothing to warn
     if version != FILE_VERSION:
         raise ValueError(f"not a version-{FILE_VERSION} self-check cache (version {version!r})")
     try:

@@ -91,6 +91,15 @@ def test_a_cache_that_is_not_utf8_is_one_warning_and_rewritten(env, monkeypatch)
     assert json.loads(path.read_text(encoding="utf-8"))["version"] == 2
 
 
+def test_an_older_version_is_re_probed_without_a_warning(env, monkeypatch):  # noqa: F811
+    path, env_key, probe, entry = _recorded_file(monkeypatch)
+    path.write_text(json.dumps({"version": 1, "entries": {env_key: {probe: entry}}}))
+    layer, wrong, messages = _build_with_wrong_backend(monkeypatch)
+    assert layer.backend == "reference" and wrong.calls > 0
+    assert not [m for m in messages if "cache" in m], messages  # only the failed check's
+    assert json.loads(path.read_text())["version"] == 2
+
+
 def _writer(args) -> None:
     path, worker, count = args
     for i in range(count):
