@@ -30,7 +30,7 @@ from quantdispatch.checkpoints import (
     read_dense_shard,
     read_linear_split,
 )
-from quantdispatch.checkpoints.split_plan import Parallel
+from quantdispatch.checkpoints.split_plan import Parallel, tp_of_group
 from quantdispatch.errors import CheckpointError, ConfigurationError, format_error
 from quantdispatch.formats import Fp8Weight, quantize_fp8, quantize_mxfp4, quantize_nvfp4
 from quantdispatch.layers.base import (
@@ -153,8 +153,9 @@ class QuantLinear(QuantLayer):
         prefix: str | Sequence[str],
         quant_config: object = None,
         *,
-        tp_rank: int = 0,
-        tp_size: int = 1,
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
+        process_group: object = None,
         parallel: Parallel = "column",
         heads: tuple[int, int] | None = None,
         segments: Sequence[int] | None = None,
@@ -173,8 +174,11 @@ class QuantLinear(QuantLayer):
         group with ``heads=(q heads, kv heads)``, one tensor holding fused parts with
         ``segments`` (its parts' row counts). ``parallel="row"`` splits K in whole scale groups
         (feed the rank its input columns, sum the ranks' outputs); the bias is rank 0's.
-        ``align``: splits in whole multiples of it too.
+        ``align``: splits in whole multiples of it too. ``process_group``: the rank's
+        torch.distributed tensor-parallel group; tp_rank / tp_size are checked against it (or
+        taken from it when left out).
         """
+        tp_rank, tp_size = tp_of_group(tp_rank, tp_size, process_group)
         config = resolve_quant_config(quant_config)
         prefixes = [prefix] if isinstance(prefix, str) else list(prefix)
         modules = [_module_name(p) for p in prefixes]
@@ -319,16 +323,22 @@ def load_linear(
     """The layer at ``prefix`` as the checkpoint has it: a ``QuantLinear`` when it is quantized,
     a plain ``nn.Linear`` (in ``act_dtype``) when the config leaves it unquantized. Other
     keyword arguments are :meth:`QuantLinear.from_checkpoint`'s; its tensor-parallel ones
-    (``tp_rank``, ``tp_size``, ``parallel``, ``heads``, ``segments``, ``align``) cut an
+    (``tp_rank``, ``tp_size``, ``process_group``, ``parallel``, ``heads``, ``segments``,
+    ``align``) cut an
     unquantized layer the same way (column: its rows, row: its input columns with the bias on
     rank 0), reading only its slice."""
     config = resolve_quant_config(quant_config)
+    kwargs["tp_rank"], kwargs["tp_size"] = tp_of_group(
+        kwargs.get("tp_rank"), kwargs.get("tp_size"), kwargs.pop("process_group", None)
+    )
     prefixes = [prefix] if isinstance(prefix, str) else list(prefix)
     modules = [_module_name(p) for p in prefixes]
     quantized = [config.layer(m) is not None if config is not None else None for m in modules]
     if config is not None and not any(quantized):
         split = TpSplit(**{f.name: kwargs[f.name] for f in fields(TpSplit) if f.name in kwargs})
-        weight, bias = read_dense_shard(state_dict, modules, split)
+        excluded = [config.excluded_by(m) for m in modules]
+        why = next((f"the config excludes it: pattern {e!r}" for e in excluded if e), "")
+        weight, bias = read_dense_shard(state_dict, modules, split, why=why)
         dtype = parse_act_dtype(act_dtype)
         linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
         linear.weight = nn.Parameter(weight.to(dtype), requires_grad=False)

@@ -25,6 +25,7 @@ from quantdispatch import ops  # noqa: F401 (registers torch.ops.quantdispatch.*
 from quantdispatch.backends import get_backend
 from quantdispatch.backends.base import BoundMoe, CheckpointMeta, MoeCall
 from quantdispatch.checkpoints import MoeShard, QuantWeight, read_moe_shard
+from quantdispatch.checkpoints.split_plan import tp_of_group
 from quantdispatch.errors import CheckpointError, ConfigurationError, InputError, format_error
 from quantdispatch.layers.base import (
     QuantLayer,
@@ -193,8 +194,9 @@ class QuantMoE(QuantLayer):
         top_k: int,
         activation: str = "silu",
         expert_ids: Sequence[int] | None = None,
-        tp_rank: int = 0,
-        tp_size: int = 1,
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
+        process_group: object = None,
         align: int = 1,
         act_dtype: torch.dtype | str = torch.bfloat16,
         device: torch.device | str | None = None,
@@ -208,11 +210,13 @@ class QuantMoE(QuantLayer):
         Expert parallel: only the experts in ``expert_ids`` (global ids; default: all) are read.
         Tensor parallel: ``tp_rank`` of ``tp_size`` reads only its slice of the intermediate size
         I (whole scale groups, as even as possible; ``align``: whole multiples of it too, 64
-        keeps every rank on the repacked MoE kernels); w2's bias is rank 0's. Every rank routes
+        keeps every rank on the repacked MoE kernels); w2's bias is rank 0's; ``process_group``:
+        the rank's tensor-parallel group, checked against tp_rank / tp_size. Every rank routes
         all tokens; the ranks' outputs summed (all-reduce) are the whole layer's output.
         ``{prefix}.gate.e_score_correction_bias`` is picked up when present; other keyword
         arguments go to the constructor (:meth:`from_shard`).
         """
+        tp_rank, tp_size = tp_of_group(tp_rank, tp_size, process_group)
         config = resolve_quant_config(quant_config)
         prefix = prefix.rstrip(".")
         shard = read_moe_shard(

@@ -78,9 +78,30 @@ class QuantDispatchConfig(QuantizationConfigMixin):
     ) -> None:
         self.quant_method = METHOD
         self.format = get_format(format).name
+        if isinstance(exclude, str) or not all(isinstance(e, str) for e in exclude):
+            raise ConfigurationError(
+                format_error(
+                    f"quantdispatch config exclude={exclude!r}",
+                    "exclude is a list of module names or patterns",
+                    f"write exclude: [{exclude!r}]" if isinstance(exclude, str) else "fix it",
+                )
+            )
         self.exclude = list(exclude)
-        self.experts = bool(experts)
-        self.fused_ops = bool(fused_ops)
+        self.experts = _flag("experts", experts)
+        self.fused_ops = _flag("fused_ops", fused_ops)
+
+
+def _flag(name: str, value: object) -> bool:
+    """A yes / no option of the config, which a JSON string must not stand in for."""
+    if not isinstance(value, bool):
+        raise ConfigurationError(
+            format_error(
+                f"quantdispatch config {name}={value!r}",
+                f"{name} is true or false (a JSON boolean, not a string)",
+                f"write {name}: true or {name}: false",
+            )
+        )
+    return value
 
 
 class _Pending(nn.Module):

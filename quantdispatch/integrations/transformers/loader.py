@@ -1,8 +1,8 @@
 """``load_model``: a quantized checkpoint folder -> a transformers model that generates.
 
-Steps: read config.json and the quantization config; build the model from its config with every
-parameter on the meta device (buffers such as RoPE frequencies are computed as usual: they are
-small and not in checkpoints); put a ``QuantLinear`` in place of each linear whose checkpoint
+Steps: read config.json and the quantization config; build the model from its config on the
+meta device (per thread: ``meta_build``), then compute the buffers checkpoints do not hold (RoPE
+frequencies) on the target device; put a ``QuantLinear`` in place of each linear whose checkpoint
 tensors are quantized and a ``QuantExperts`` in place of each quantized experts module; load every
 other tensor from the safetensors shards, one tensor at a time, straight to the device; tie what
 the config ties. Relies on transformers >= 5 (experts modules called as
@@ -11,10 +11,8 @@ the config ties. Relies on transformers >= 5 (experts modules called as
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,31 +25,12 @@ from quantdispatch.integrations.transformers.common import resolve_device, warn_
 from quantdispatch.integrations.transformers.float_tensors import load_float_tensors, tie_weights
 from quantdispatch.integrations.transformers.fp8_producers import install_fp8_producers
 from quantdispatch.integrations.transformers.fused_ops import install_fused_ops
+from quantdispatch.integrations.transformers.meta_build import compute_buffers, on_meta
 from quantdispatch.integrations.transformers.replace import swap_in_quantized
 
-__all__ = ["keep_fp32_params", "load_model", "params_on_meta"]
+__all__ = ["keep_fp32_params", "load_model"]
 
 logger = logging.getLogger("quantdispatch")
-
-
-@contextlib.contextmanager
-def params_on_meta() -> Iterator[None]:
-    """Every parameter registered inside is moved to the meta device as it is registered (before
-    a module's own init touches it), so building the model allocates no float weights; buffers
-    stay where they are created."""
-    original = nn.Module.register_parameter
-
-    def register(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        original(self, name, param)
-        p = self._parameters.get(name)
-        if p is not None and p.device.type != "meta":
-            self._parameters[name] = nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
-
-    nn.Module.register_parameter = register  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
 def load_model(
@@ -91,12 +70,18 @@ def load_model(
     if quant_config is not None:
         # building from the config must not start transformers' own quantizer
         del config.quantization_config
-    from_config_kwargs.setdefault("dtype", act_dtype)
-    with params_on_meta():
-        model = AutoModelForCausalLM.from_config(config, **from_config_kwargs)
+    # dtype=None: transformers would set the process-wide default dtype; on_meta does it for
+    # this thread's new tensors only
+    dtype = from_config_kwargs.pop("dtype", None) or act_dtype
+    with on_meta(dtype):
+        model = AutoModelForCausalLM.from_config(config, dtype=None, **from_config_kwargs)
+    for cfg in (model.config, *(getattr(model.config, k, None) for k in model.config.sub_configs)):
+        if cfg is not None:
+            cfg.dtype = dtype
     if quant_config is not None:
         model.config.quantization_config = quant_config
-    keep_fp32_params(model, act_dtype)
+    keep_fp32_params(model, dtype)
+    compute_buffers(model, target)
     swap_in_quantized(
         model, ckpt, device=target, act_dtype=act_dtype, policy=policy, settings=settings
     )
