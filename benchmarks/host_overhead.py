@@ -1,18 +1,21 @@
 #!/usr/bin/env python3
-"""Host time of one quantized linear call in eager mode, layer by layer down to the kernel.
+"""Host time of one eager layer call, against ``F.linear``: what an eager decode step pays.
 
-In eager decode (transformers without compile) each layer call costs its host time, not its
-kernel time: at M = 1 the kernels take a few microseconds. This times, per call, with the GPU
-never the bottleneck (calls queue faster than they run only if the host is faster):
+In eager mode (transformers without compile or graphs) a layer call costs its host time
+whenever that exceeds its kernel time: at M = 1 the kernels take a few microseconds. Per call,
+on Llama-3-8B linear shapes and a Qwen3-30B-A3B MoE layer, at M = 1, 16, 256, 4096:
 
-- ``QuantLinear``: the layer's forward (checks, the custom op, the backend, the launcher);
-- ``custom op``: ``torch.ops.quantdispatch.linear`` with the layer's arguments;
-- ``backend``: the triton backend's ``linear`` (dispatch by the regime table, the launcher);
-- ``launcher``: the kernel file's launcher (``mma_linear``: config, grid, Triton's launch);
-- ``triton floor``: a one-line Triton kernel's launch, the cost of any Triton call;
-- ``F.linear``: bf16 cuBLAS on the dequantized weight, for comparison.
+- ``F.linear``: bf16 cuBLAS on a bf16 weight of the same shape (the target: 1.5x of it);
+- ``QuantLinear``: the layer's eager forward (the bound call path, quantdispatch.backends.bound);
+- ``op``: ``torch.ops.quantdispatch.linear`` with the layer's arguments (what compile traces);
+- ``QuantMoE``: the MoE layer's eager forward with precomputed top-k ids and weights.
 
-    PYTHONPATH=$PWD python3 benchmarks/host_overhead.py [--n 2048 --k 2048] [--out DIR]
+Host time is measured without waiting for the GPU: ``calls`` launches are timed on the host
+(few enough that the launch queue never fills and blocks), then the GPU is synchronized. The
+first calls of each size run first (compiles, plans). Every layer is checked against float64
+on its first call, so a fast wrong path cannot pass.
+
+    PYTHONPATH=$PWD python3 benchmarks/host_overhead.py [--out DIR] [--calls 40]
 """
 
 from __future__ import annotations
@@ -26,68 +29,129 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+MS = (1, 16, 256, 4096)
+#: Qwen3-30B-A3B: experts, top-k, hidden, intermediate.
+MOE = (128, 8, 2048, 768)
 
-@triton.jit
-def _touch(out_ptr):
-    tl.store(out_ptr, 1.0)
 
-
-def per_call_us(fn: Callable[[], object], calls: int = 2000) -> float:
-    for _ in range(50):
+def host_us(fn: Callable[[], object], calls: int) -> float:
+    """Median over 5 rounds of host microseconds per call (no GPU wait inside a round)."""
+    for _ in range(3):
         fn()
     torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(3):
+    rounds = []
+    for _ in range(5):
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
+        rounds.append((time.perf_counter() - t0) / calls)
         torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - t0) / calls)
-    return 1e6 * best
+    rounds.sort()
+    return 1e6 * rounds[len(rounds) // 2]
 
 
-def main(argv: list[str] | None = None) -> dict[str, float]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--n", type=int, default=2048)
-    p.add_argument("--k", type=int, default=2048)
-    p.add_argument("--m", type=int, default=1)
-    p.add_argument("--out", default=None, help="folder for host-overhead-<n>x<k>.json")
-    args = p.parse_args(argv)
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want).norm() / want.norm().clamp_min(1e-30))
+
+
+def linear_rows(calls: int) -> list[dict[str, object]]:
+    rows = []
+    for name, (n, k) in SHAPES.items():
+        rows += _shape_rows(name, n, k, calls)
+    return rows
+
+
+def _shape_rows(name: str, n: int, k: int, calls: int) -> list[dict[str, object]]:
     from quantdispatch import QuantLinear, load_settings
-    from quantdispatch.backends import get_backend
-    from quantdispatch.kernels.mma_layout.gemv import mma_linear
+    from quantdispatch.formats import dequantize_nvfp4, quantize_nvfp4
 
     dev = torch.device("cuda")
-    dense = torch.nn.Linear(args.k, args.n, bias=False, dtype=torch.bfloat16, device=dev)
+    dense = torch.nn.Linear(k, n, bias=False, dtype=torch.bfloat16, device=dev)
     layer = QuantLinear.from_float(dense, "nvfp4", settings=load_settings({}))
-    x = torch.randn(args.m, args.k, dtype=torch.bfloat16, device=dev)
-    tensors = layer._tensors()
-    op_args = (x, tensors, layer.bias, layer.backend, layer.format, layer._meta_args,
+    # the weight from_float quantizes, dequantized exactly
+    w64 = dequantize_nvfp4(quantize_nvfp4(dense.weight.detach()), dtype=torch.float64)
+    op_args = (layer._tensors(), layer.bias, layer.backend, layer.format, layer._meta_args,
                layer.out_features, layer.decision.pdl)  # fmt: skip
-    backend = get_backend(layer.backend)
-    out = torch.empty(1, device=dev)
-    w = dense.weight
-    rows = {
-        "QuantLinear": per_call_us(lambda: layer(x)),
-        "custom op": per_call_us(lambda: torch.ops.quantdispatch.linear(*op_args)),
-        "backend": per_call_us(
-            lambda: backend.linear(x, tensors, None, layer.format, layer._layout, layer._meta)
-        ),
-        "triton floor": per_call_us(lambda: _touch[(1,)](out)),
-        "F.linear": per_call_us(lambda: F.linear(x, w)),
+    rows = []
+    for m in MS:
+        x = torch.randn(m, k, dtype=torch.bfloat16, device=dev)
+        err = _rel_err(layer(x), x.double() @ w64.T)
+        if not err < 1e-2:
+            raise SystemExit(f"{name} M={m}: QuantLinear rel. error {err:.3g} vs float64")
+        row: dict[str, object] = {
+            "layer": name, "n": n, "k": k, "m": m, "family": layer.bound().family_for(m),
+            "F.linear": host_us(lambda x=x: F.linear(x, dense.weight), calls),
+            "QuantLinear": host_us(lambda x=x: layer(x), calls),
+            "op": host_us(lambda x=x: torch.ops.quantdispatch.linear(x, *op_args), calls),
+            "rel_err": err,
+        }  # fmt: skip
+        row["ratio"] = row["QuantLinear"] / row["F.linear"]  # type: ignore[operator]
+        rows.append(row)
+        _show(row)
+    return rows
+
+
+def _show(row: dict[str, object]) -> None:
+    print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}))
+
+
+def moe_rows(calls: int) -> list[dict[str, object]]:
+    from quantdispatch import load_settings
+    from quantdispatch.formats import quantize_nvfp4
+    from quantdispatch.layers import QuantMoE
+
+    e, top_k, hidden, inter = MOE
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def experts(n: int, k: int) -> list[object]:
+        return [quantize_nvfp4(torch.randn(n, k, device=dev, generator=g) * 0.02)
+                for _ in range(e)]  # fmt: skip
+
+    moe = QuantMoE(
+        experts(inter, hidden), experts(inter, hidden), experts(hidden, inter), top_k=top_k,
+        settings=load_settings({}), device=dev,
+    )  # fmt: skip
+    rows = []
+    for m in MS:
+        x = torch.randn(m, hidden, dtype=torch.bfloat16, device=dev)
+        logits = torch.randn(m, e, device=dev)
+        weights, ids = torch.topk(torch.softmax(logits, -1), top_k)
+        weights = weights / weights.sum(-1, keepdim=True)
+        ids = ids.to(torch.int32)
+        row = {
+            "layer": "qwen3-30b-a3b moe", "m": m,
+            "QuantMoE": host_us(lambda x=x, i=ids, w=weights: moe(x, topk_ids=i, topk_weights=w),
+                                calls),
+        }  # fmt: skip
+        rows.append(row)
+        _show(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict[str, object]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--calls", type=int, default=40, help="calls per timed round")
+    p.add_argument("--out", default=None, help="folder for host-overhead-<gpu>.json")
+    p.add_argument("--skip-moe", action="store_true")
+    args = p.parse_args(argv)
+    import triton
+
+    report: dict[str, object] = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "what": "host microseconds per eager call (median of 5 rounds), no GPU wait in a round",
+        "linear": linear_rows(args.calls),
+        "moe": [] if args.skip_moe else moe_rows(args.calls),
     }
-    if layer._layout.value == "mma16x64":
-        rows["launcher"] = per_call_us(lambda: mma_linear(x, *tensors[:3]))
-    report = {"n": args.n, "k": args.k, "m": args.m, "layout": layer._layout.value}
-    report.update({k: round(v, 1) for k, v in rows.items()})
-    print(json.dumps(report))
     if args.out:
-        path = Path(args.out) / f"host-overhead-{args.n}x{args.k}.json"
+        gpu = torch.cuda.get_device_name().lower().replace(" ", "-")
+        path = Path(args.out) / f"host-overhead-{gpu}.json"
         path.write_text(json.dumps(report, indent=1), encoding="utf-8")
     return report
 

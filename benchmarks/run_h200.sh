@@ -35,7 +35,7 @@ TAIL=60 step decode-profile "${PROFILE_S:-300}" python3 benchmarks/decode_profil
 TAIL=12 step fp8-logits 120 python3 benchmarks/fp8_logits.py --out "$OUT"
 TAIL=20 step tp-nccl "${TP_S:-300}" torchrun --nproc_per_node "${TP_RANKS:-2}" benchmarks/tp_nccl.py --out "$OUT"
 step eager-ab 200 python3 benchmarks/eager_dispatch_ab.py --out "$OUT"
-step host-overhead 60 bash -c 'for s in "2048 2048" "8192 2048" "2048 8192"; do set -- $s; python3 benchmarks/host_overhead.py --n $1 --k $2 --out "$0"; done' "$OUT"
+TAIL=30 step host-overhead 240 python3 benchmarks/host_overhead.py --out "$OUT"
 TAIL=26 step dequant-sweep 90 python3 benchmarks/dequant_sweep.py
 TAIL=40 step mma-sweep "${MMA_S:-300}" python3 benchmarks/mma_sweep.py ${MMA_ARGS:-}
 TAIL=40 step gemv-ablation "${ABL_S:-150}" python3 benchmarks/gemv_ablation.py ${ABL_ARGS:-}

@@ -6,6 +6,7 @@ kernels and CUDA graphs capture them as opaque calls. The real implementation
 (:func:`run_linear` / :func:`run_moe`) looks the backend up by name and hands it the prepared
 tensors; layers call it directly, with the op's arguments, in eager inference, where the op's
 dispatch would cost more host time than a decode kernel (``layers.base.direct_call_ok``).
+The fused norm and activation ops of the HF integration are here too, for the same reasons.
 """
 
 from __future__ import annotations
@@ -15,7 +16,18 @@ import torch
 from quantdispatch.backends import get_backend
 from quantdispatch.backends.base import MoeCall, decode_meta
 
-__all__ = ["linear", "moe", "run_linear", "run_moe"]
+__all__ = [
+    "add_rms_norm",
+    "linear",
+    "moe",
+    "rms_norm",
+    "run_add_rms_norm",
+    "run_linear",
+    "run_moe",
+    "run_rms_norm",
+    "run_silu_mul",
+    "silu_mul",
+]
 
 NAMESPACE = "quantdispatch"
 
@@ -96,3 +108,59 @@ def _moe_fake(
     pdl: bool = True,
 ) -> torch.Tensor:
     return x.new_empty(x.shape)
+
+
+# -- fused norms and activations (the HF integration's fused ops) -------------------------------
+
+
+def run_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x [M, K] with ``weight`` [K], rounded as HF's LlamaRMSNorm rounds."""
+    from quantdispatch.kernels.native.fp8_producers import rmsnorm
+
+    return rmsnorm(x, weight, eps)[0]
+
+
+rms_norm = torch.library.custom_op(f"{NAMESPACE}::rms_norm", run_rms_norm, mutates_args=())
+
+
+@rms_norm.register_fake
+def _rms_norm_fake(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def run_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm of s, s) with s = x + residual rounded to x's dtype (the residual stream)."""
+    from quantdispatch.kernels.native.fp8_producers import rmsnorm
+
+    y, s, _ = rmsnorm(x, weight, eps, residual=residual)
+    assert s is not None
+    return y, s
+
+
+add_rms_norm = torch.library.custom_op(
+    f"{NAMESPACE}::add_rms_norm", run_add_rms_norm, mutates_args=()
+)
+
+
+@add_rms_norm.register_fake
+def _add_rms_norm_fake(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+def run_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate, up [M, I], rounded as eager ``act_fn(gate) * up`` rounds."""
+    from quantdispatch.kernels.native.fp8_producers import silu_mul_fp8
+
+    return silu_mul_fp8(gate, up, quantize=False)[0]
+
+
+silu_mul = torch.library.custom_op(f"{NAMESPACE}::silu_mul", run_silu_mul, mutates_args=())
+
+
+@silu_mul.register_fake
+def _silu_mul_fake(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(gate)

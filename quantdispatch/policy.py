@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import functools
 import importlib.resources
+import os
+import stat
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -196,7 +198,7 @@ def parse_policy(data: dict[str, Any], source: str) -> Policy:
 def _read_toml(text: str, source: str) -> dict[str, Any]:
     try:
         return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
+    except (tomllib.TOMLDecodeError, RecursionError) as exc:
         raise ConfigurationError(
             format_error(
                 f"policy file {source} is not valid TOML: {exc}",
@@ -221,26 +223,55 @@ def default_policy() -> Policy:
     return parse_policy(_read_toml(text, source), source)
 
 
+#: Largest policy file read (a policy is a few hundred bytes).
+MAX_POLICY_BYTES = 1 << 20
+
+
+def _unreadable(shown: str, what: str, fix: str = "check the path") -> ConfigurationError:
+    return ConfigurationError(
+        format_error(f"policy file {shown} {what}", "a policy is a regular UTF-8 TOML file", fix)
+    )
+
+
+def _read_policy_bytes(path: Path, shown: str) -> bytes:
+    """The bytes of a regular file of at most MAX_POLICY_BYTES; anything else (a directory, a
+    FIFO, a device such as /dev/zero, a huge file) is refused without blocking on it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as exc:
+        raise _unreadable(shown, f"cannot be read: {exc.strerror or exc}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+            raise _unreadable(shown, f"is {kind}", "pass the path of a .toml file")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(MAX_POLICY_BYTES + 1)
+    except OSError as exc:
+        raise _unreadable(shown, f"cannot be read: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    if len(data) > MAX_POLICY_BYTES:
+        raise _unreadable(shown, f"is larger than {MAX_POLICY_BYTES >> 10} KiB")
+    return data
+
+
 @functools.lru_cache(maxsize=32)
-def _load_file(path: str, mtime_ns: int) -> Policy:
-    text = Path(path).read_text(encoding="utf-8")
+def _parse_file(path: str, data: bytes) -> Policy:
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _unreadable(
+            path, f"is not UTF-8 ({exc.reason} at byte {exc.start})", "save it as UTF-8"
+        ) from None
     return parse_policy(_read_toml(text, path), path)
 
 
 def load_policy(path: str | Path | None = None) -> Policy:
-    """The default policy, with the file at ``path`` (if any) laid over it."""
+    """The default policy, with the file at ``path`` (if any) laid over it. The file is read
+    at every call (it is small) and parsed once per content, so a rewrite is always seen."""
     base = default_policy()
     if path is None:
         return base
     p = Path(path).expanduser()
-    try:
-        mtime = p.stat().st_mtime_ns
-    except OSError as exc:
-        raise ConfigurationError(
-            format_error(
-                f"policy file {str(path)!r} cannot be read: {exc.strerror or exc}",
-                "a policy is a TOML file",
-                "check the path",
-            )
-        ) from None
-    return base.overlay(_load_file(str(p), mtime))
+    return base.overlay(_parse_file(str(p), _read_policy_bytes(p, repr(str(path)))))

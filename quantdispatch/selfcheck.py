@@ -18,23 +18,24 @@ W4A4 / W8A8 backends against the emulated quantized activations).
 Never probed: the reference backend (it is the contract), a simulated device, a device that is
 not a CUDA GPU (kernels run on the CPU only in tests), inside CUDA-graph capture or torch.compile
 tracing (skipped, checked at the next eager construction), and with ``QUANTDISPATCH_SELF_CHECK=
-off``. A corrupt or unwritable cache is ignored with one warning.
+off``. A corrupt or unwritable cache, or an entry that is not what a probe here recorded, is
+ignored with one warning (:mod:`quantdispatch.selfcheck_cache` reads and writes the file).
 """
 
 from __future__ import annotations
 
 import datetime
-import json
 import logging
 import os
 import threading
 import time
 import warnings
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+
+from quantdispatch.selfcheck_cache import CheckResult, read_entries, record, recorded
 
 if TYPE_CHECKING:
     from quantdispatch.device import DeviceProfile
@@ -60,28 +61,12 @@ __all__ = [
 logger = logging.getLogger("quantdispatch")
 
 CACHE_FILE = "selfcheck.json"
-_FILE_VERSION = 1
 #: Device types the probe runs on (kernels run on the CPU only in tests, which widen this).
 ELIGIBLE_DEVICE_TYPES: tuple[str, ...] = ("cuda",)
 
 
 class SelfCheckWarning(UserWarning):
     """A backend failed its self-check, or the self-check cache could not be used."""
-
-
-@dataclass(frozen=True)
-class CheckResult:
-    """One probe's outcome: ``worst`` is the largest error / bound ratio over its calls."""
-
-    backend: str
-    passed: bool
-    detail: str
-    worst: float
-    seconds: float
-    date: str
-
-    def reason(self) -> str:
-        return self.detail
 
 
 _lock = threading.RLock()
@@ -170,59 +155,20 @@ def _warn_once(key: object, message: str) -> None:
     warnings.warn(message, SelfCheckWarning, stacklevel=4)
 
 
-def _load() -> dict:
-    path = cache_path()
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (FileNotFoundError, NotADirectoryError):
-        return {}
-    except OSError as exc:
-        _warn_once("cache", f"quantdispatch: self-check cache {path} is unreadable ({exc})")
-        return {}
-    try:
-        data = json.loads(text)
-        if not isinstance(data, dict) or data.get("version") != _FILE_VERSION:
-            raise ValueError(f"not a version-{_FILE_VERSION} self-check cache")
-        entries = data["entries"]
-        if not isinstance(entries, dict) or not all(isinstance(v, dict) for v in entries.values()):
-            raise ValueError("entries is not a mapping of environments")
-        return entries
-    except (ValueError, KeyError, TypeError) as exc:
-        _warn_once(
-            "cache",
-            f"quantdispatch: self-check cache {path} is corrupt ({exc}); ignored (it is "
-            "rewritten at the next recorded check; delete it to silence this)",
-        )
-        return {}
+def _cache_warning(message: str) -> None:
+    _warn_once("cache", message)
+
+
+def _entries() -> dict:
+    return read_entries(cache_path(), _cache_warning)
 
 
 def _recorded(env: str, probe: str) -> CheckResult | None:
-    entry = _load().get(env, {}).get(probe)
-    if not isinstance(entry, dict):
-        return None
-    try:
-        return CheckResult(**{k: entry[k] for k in CheckResult.__dataclass_fields__})
-    except (KeyError, TypeError):
-        return None
+    return recorded(_entries(), env, probe, lambda m: _warn_once(("entry", env, probe), m))
 
 
 def _record(env: str, probe: str, result: CheckResult) -> None:
-    path = cache_path()
-    with _lock:
-        entries = _load()
-        entries.setdefault(env, {})[probe] = asdict(result)
-        body = json.dumps({"version": _FILE_VERSION, "entries": entries}, indent=1)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(body, encoding="utf-8")
-            os.replace(tmp, path)
-        except OSError as exc:
-            _warn_once(
-                "cache",
-                f"quantdispatch: cannot write the self-check cache {path} ({exc}); results are "
-                "kept for this process only (set XDG_CACHE_HOME to a writable directory)",
-            )
+    record(cache_path(), env, probe, result, _cache_warning)
 
 
 # -- when the probe runs --------------------------------------------------------------------------
@@ -277,10 +223,10 @@ def ensure_checked(
         if known is not None:
             return known
         if mode == "once":
-            recorded = _recorded(env, probe)
-            if recorded is not None and recorded.passed:
-                _results[(env, probe)] = recorded
-                return recorded
+            found = _recorded(env, probe)
+            if found is not None and found.passed:
+                _results[(env, probe)] = found
+                return found
         result = run_probe(backend, request, device)
         _results[(env, probe)] = result
     _record(env, probe, result)
@@ -376,13 +322,12 @@ def selfcheck_status(backend: str, profile: DeviceProfile) -> str:
     env = environment_key(backend, profile)
     with _lock:
         mine = {p: r for (e, p), r in _results.items() if e == env}
-    recorded = {}
-    for probe, entry in _load().get(env, {}).items():
-        try:
-            recorded[probe] = CheckResult(**{k: entry[k] for k in CheckResult.__dataclass_fields__})
-        except (KeyError, TypeError):
-            continue
-    results = {**recorded, **mine}
+    on_disk = {}
+    for probe in _entries().get(env, {}):
+        found = _recorded(env, probe)
+        if found is not None:
+            on_disk[probe] = found
+    results = {**on_disk, **mine}
     if not results:
         return "not yet checked here"
     failed = {p: r for p, r in results.items() if not r.passed}

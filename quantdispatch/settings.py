@@ -40,9 +40,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, NamedTuple
 
-from pydantic import BeforeValidator, Field, ValidationError, field_validator, model_validator
-from pydantic.fields import FieldInfo
-from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from quantdispatch.errors import ConfigurationError, format_error
 
@@ -63,14 +69,8 @@ __all__ = [
 ENV_PREFIX = "QUANTDISPATCH_"
 BACKEND_PREFIX = ENV_PREFIX + "BACKEND_"
 SGLANG_MARLIN_ENV = "SGLANG_FORCE_NVFP4_MARLIN"
-_PLAIN_FIELDS = {
-    "DISABLE": "disable",
-    "POLICY": "policy",
-    "DEVICE": "device",
-    "PDL": "pdl",
-    "SELF_CHECK": "self_check",
-    "FP8_COMPUTE": "fp8_compute",
-}
+_PLAIN_FIELDS = {"DISABLE": "disable", "POLICY": "policy", "DEVICE": "device", "PDL": "pdl"}
+_PLAIN_FIELDS |= {"SELF_CHECK": "self_check", "FP8_COMPUTE": "fp8_compute"}
 SELF_CHECK_MODES = ("once", "always", "off")
 #: ``QUANTDISPATCH_FP8_COMPUTE`` / the policy file's ``fp8_compute`` (quantdispatch.resolver)
 FP8_COMPUTE_MODES = ("off", "prefill", "prefill-resident")
@@ -183,16 +183,13 @@ def _names() -> Registry:
     return registry
 
 
-class _EnvSource(PydanticBaseSettingsSource):
-    """Reads our variables from the environment (or a mapping given to load_settings)."""
-
-    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
-        raise NotImplementedError  # __call__ does the work; pydantic-settings requires this hook
+class _EnvSource:
+    """Our variables from a snapshot of the environment (or load_settings' mapping)."""
 
     def __call__(self) -> dict[str, Any]:
         env = _environ.get()
         if env is None:
-            env = os.environ
+            env = environ_snapshot()
         registry = _names()
         values: dict[str, Any] = {}
         forced: dict[str, str] = {}
@@ -258,16 +255,16 @@ class _EnvSource(PydanticBaseSettingsSource):
         return values
 
 
-class Settings(BaseSettings):
+class Settings(BaseModel):
     """Everything the environment can change about a decision. Frozen; compare by value."""
 
-    model_config = SettingsConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
     backend: dict[str, str] = Field(default_factory=dict)
     """Forced backends: ``"<format>"`` (every op) or ``"<format>:<op>"`` -> backend name."""
     forced_by: dict[str, str] = Field(default_factory=dict)
     """Where each force came from, e.g. ``{"nvfp4": "QUANTDISPATCH_BACKEND_NVFP4=marlin"}``."""
-    disable: Annotated[frozenset[str], NoDecode] = frozenset()
+    disable: frozenset[str] = frozenset()
     policy: Path | None = None
     device: str | None = None
     pdl: bool = True
@@ -279,16 +276,16 @@ class Settings(BaseSettings):
     ``QUANTDISPATCH_FP8_COMPUTE=prefill``), else the policy file's (resolver.fp8_compute_of)."""
     fp8_compute_by: str | None = None
 
+    @model_validator(mode="before")
     @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings, _EnvSource(settings_cls))
+    def _over_environment(cls, data: Any) -> dict[str, Any]:
+        """Keyword values laid over the environment's (mappings merged key by key)."""
+        values = _EnvSource()()
+        for key, value in (data or {}).items():
+            old = values.get(key)
+            both = isinstance(value, Mapping) and isinstance(old, Mapping)
+            values[key] = {**old, **value} if both else value
+        return values
 
     @field_validator("backend", mode="before")
     @classmethod
@@ -487,14 +484,14 @@ _cache: dict[tuple[Registry, tuple[tuple[str, str], ...]], Settings] = {}
 
 def current_settings(registry: Registry) -> Settings:
     """Settings of the current environment, re-read whenever the relevant variables change."""
-    env = tuple(
-        sorted(
-            (k, v)
-            for k, v in os.environ.items()
-            if k.startswith(ENV_PREFIX) or k == SGLANG_MARLIN_ENV
-        )
-    )
-    key = (registry, env)
+    env = environ_snapshot()
+    key = (registry, tuple(sorted(env.items())))
     if key not in _cache:
-        _cache[key] = load_settings(registry=registry)
+        _cache[key] = load_settings(env, registry=registry)
     return _cache[key]
+
+
+def environ_snapshot() -> dict[str, str]:
+    """Our variables; iterating ``os.environ`` raises if another thread deletes one meanwhile."""
+    keys = [k for k in list(os.environ) if k.startswith(ENV_PREFIX) or k == SGLANG_MARLIN_ENV]
+    return {k: v for k in keys if (v := os.environ.get(k)) is not None}

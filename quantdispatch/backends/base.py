@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from quantdispatch.backends.bound import BoundLinear, BoundMoe
 from quantdispatch.backends.prepared import (
     CheckpointMeta,
     CutlassFp4Meta,
@@ -37,6 +38,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Backend",
+    "BoundLinear",
+    "BoundMoe",
     "CheckpointMeta",
     "CutlassFp4Meta",
     "KernelRange",
@@ -308,6 +311,40 @@ class Backend(ABC):
         raise BackendUnavailableError(
             format_error(f"backend {self.name} has no linear kernel", "not implemented yet", "")
         )
+
+    def bind_linear(
+        self,
+        tensors: Sequence[torch.Tensor],
+        bias: torch.Tensor | None,
+        fmt: str,
+        layout: Layout,
+        meta: LayoutMeta,
+        *,
+        pdl: bool = True,
+        device: torch.device,
+    ) -> BoundLinear:
+        """The bound call path of one prepared weight on ``device`` (:mod:`.bound`): made once,
+        then called with x [M, K] for what :meth:`linear` computes, the same bits. Default:
+        :meth:`linear` with every other argument bound; backends override it to make the
+        per-call work (meta, regime lookup, launch arguments) once."""
+        linear = self.linear
+        tensors = tuple(tensors)
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            return linear(x, tensors, bias, fmt, layout, meta, pdl=pdl)
+
+        return BoundLinear(((None, run),), (self.name,))
+
+    def bind_moe(self, template: MoeCall) -> BoundMoe:
+        """The bound call path of one prepared MoE layer: ``template`` holds everything but the
+        per-call x, ids and weights (those fields are placeholders). Default: :meth:`moe` on a
+        copy of it per call; backends override it to make the per-call work once."""
+        moe, fields = self.moe, template.__dict__
+
+        def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+            return moe(MoeCall(**{**fields, "x": x, "topk_ids": ids, "topk_weights": weights}))
+
+        return BoundMoe(run)
 
     def moe(self, call: MoeCall) -> torch.Tensor:
         """Routed experts: out[t] = sum_k w[t, k] * expert_{id[t, k]}(x[t]); [M, H] in x.dtype."""

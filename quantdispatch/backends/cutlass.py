@@ -25,6 +25,7 @@ import torch
 from quantdispatch.backends import fp4_providers
 from quantdispatch.backends.base import (
     Backend,
+    BoundLinear,
     CutlassFp4Meta,
     Layout,
     LayoutMeta,
@@ -221,24 +222,54 @@ class CutlassBackend(Backend):
         *,
         pdl: bool = True,
     ) -> torch.Tensor:
+        return _CutlassLinear(tensors, bias, meta)(x)
+
+    def bind_linear(
+        self,
+        tensors: Sequence[torch.Tensor],
+        bias: torch.Tensor | None,
+        fmt: str,
+        layout: Layout,
+        meta: LayoutMeta,
+        *,
+        pdl: bool = True,
+        device: torch.device,
+    ) -> BoundLinear:
+        return BoundLinear(((None, _CutlassLinear(tensors, bias, meta)),), (self.name,))
+
+
+class _CutlassLinear:
+    """One prepared weight with its provider binding loaded and its operands viewed once; a call
+    quantizes the activations, runs the provider GEMM and adds the bias."""
+
+    def __init__(
+        self, tensors: Sequence[torch.Tensor], bias: torch.Tensor | None, meta: object
+    ) -> None:
         from quantdispatch.backends.base import op_view
+
+        assert isinstance(meta, CutlassFp4Meta), meta
+        self.binding = binding = fp4_providers.BINDINGS[meta.binding]
+        status = fp4_providers.active()
+        if status is None or status.binding != binding:
+            status = fp4_providers.Fp4ProviderStatus(binding.provider, None, binding)
+        self.provider = fp4_providers.load(status)
+        self.w = op_view(tensors[0], torch.uint8)
+        self.w_scale = op_view(tensors[1], torch.float8_e4m3fn)
+        self.alpha, self.encode, self.bias = tensors[2], tensors[3], bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         from quantdispatch.formats.nvfp4_act import (
             quantize_nvfp4_activations_raw,
             swizzled_scale_shape,
         )
 
-        assert isinstance(meta, CutlassFp4Meta), meta
-        binding = fp4_providers.BINDINGS[meta.binding]
-        status = fp4_providers.active()
-        if status is None or status.binding != binding:
-            status = fp4_providers.Fp4ProviderStatus(binding.provider, None, binding)
-        provider = fp4_providers.load(status)
-        w, w_scale = op_view(tensors[0], torch.uint8), op_view(tensors[1], torch.float8_e4m3fn)
-        alpha, encode = tensors[2], tensors[3]
+        provider, w, w_scale, alpha, encode = (
+            self.provider, self.w, self.w_scale, self.alpha, self.encode
+        )  # fmt: skip
         m, n = x.shape[0], w.shape[0]
         if m == 0:
             return x.new_empty((0, n))
-        if binding.quantizer == "provider":
+        if self.binding.quantizer == "provider":
             a, a_scale = provider.scaled_fp4_quant(x, encode)
             out = provider.cutlass_scaled_fp4_mm(a, w, a_scale, w_scale, alpha, x.dtype)
         else:
@@ -253,6 +284,6 @@ class CutlassBackend(Backend):
             a_scale = flat.reshape(swizzled_scale_shape(m, x.shape[1] // 16))
             out = torch.empty((m, n), dtype=x.dtype, device=x.device)
             provider(out, a, w, a_scale, w_scale, alpha)
-        if bias is not None:
-            out = (out.to(torch.float32) + bias.to(torch.float32)).to(x.dtype)
+        if self.bias is not None:
+            out = (out.to(torch.float32) + self.bias.to(torch.float32)).to(x.dtype)
         return out

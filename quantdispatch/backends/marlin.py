@@ -20,6 +20,7 @@ import torch
 from quantdispatch.backends import marlin_providers as providers
 from quantdispatch.backends.base import (
     Backend,
+    BoundLinear,
     CheckpointMeta,
     Layout,
     LayoutMeta,
@@ -27,6 +28,7 @@ from quantdispatch.backends.base import (
     MoeCall,
     PreparedMoe,
     PreparedWeight,
+    op_view,
 )
 from quantdispatch.backends.marlin_contract import (
     FLOAT4_E2M1F_ID,
@@ -212,31 +214,20 @@ class MarlinBackend(Backend):
         *,
         pdl: bool = True,
     ) -> torch.Tensor:
-        assert isinstance(meta, MarlinMeta), meta
-        row = providers.CONTRACTS[meta.contract]
-        n, k, n_pad, k_pad = meta.n, meta.k, meta.n_pad, meta.k_pad
-        if x.dtype != meta.act_dtype:
-            raise InputError(
-                format_error(
-                    f"input is {x.dtype} but the Marlin weight was prepared for {meta.act_dtype}",
-                    "Marlin's NVFP4 scale encoding depends on the activation dtype",
-                    "call the layer with the activation dtype it was built for",
-                )
-            )
-        if x.shape[0] == 0:
-            return x.new_empty((0, n))
-        a = x if k_pad == k else torch.nn.functional.pad(x, (0, k_pad - k))
-        if a.stride(-1) != 1 or a.stride(0) % 8 or a.data_ptr() % 16:
-            a = a.contiguous()
-        scale_dtype = torch.float8_e4m3fn if fmt == "nvfp4" else torch.float8_e8m0fnu
-        scales = tensors[1] if tensors[1].dtype == scale_dtype else tensors[1].view(scale_dtype)
-        g = tensors[2] if fmt == "nvfp4" else None
-        out = _gemm(row, a, tensors[0], scales, g, tensors[-1], n_pad, k_pad)
-        if n_pad != n:
-            out = out[:, :n]
-        if bias is not None:
-            out = (out.float() + bias.float()).to(x.dtype)
-        return out.contiguous()
+        return _MarlinLinear(tensors, bias, fmt, meta)(x)
+
+    def bind_linear(
+        self,
+        tensors: Sequence[torch.Tensor],
+        bias: torch.Tensor | None,
+        fmt: str,
+        layout: Layout,
+        meta: LayoutMeta,
+        *,
+        pdl: bool = True,
+        device: torch.device,
+    ) -> BoundLinear:
+        return BoundLinear(((None, _MarlinLinear(tensors, bias, fmt, meta)),), (self.name,))
 
     def prepare_moe(
         self,
@@ -309,6 +300,46 @@ class MarlinBackend(Backend):
             inter_pad=meta.n_pad,
             gated=meta.gated,
         )
+
+
+class _MarlinLinear:
+    """One Marlin weight with its provider op, scale views and global scale looked up once; a
+    call pads K where needed, runs the provider GEMM and adds the bias."""
+
+    def __init__(
+        self, tensors: Sequence[torch.Tensor], bias: torch.Tensor | None, fmt: str, meta: object
+    ) -> None:
+        assert isinstance(meta, MarlinMeta), meta
+        self.row, self.meta, self.bias = providers.CONTRACTS[meta.contract], meta, bias
+        scale_dtype = torch.float8_e4m3fn if fmt == "nvfp4" else torch.float8_e8m0fnu
+        self.qweight, self.workspace = tensors[0], tensors[-1]
+        self.scales = op_view(tensors[1], scale_dtype)
+        self.global_scale = tensors[2] if fmt == "nvfp4" else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        meta = self.meta
+        n, k, n_pad, k_pad = meta.n, meta.k, meta.n_pad, meta.k_pad
+        if x.dtype != meta.act_dtype:
+            raise InputError(
+                format_error(
+                    f"input is {x.dtype} but the Marlin weight was prepared for {meta.act_dtype}",
+                    "Marlin's NVFP4 scale encoding depends on the activation dtype",
+                    "call the layer with the activation dtype it was built for",
+                )
+            )
+        if x.shape[0] == 0:
+            return x.new_empty((0, n))
+        a = x if k_pad == k else torch.nn.functional.pad(x, (0, k_pad - k))
+        if a.stride(-1) != 1 or a.stride(0) % 8 or a.data_ptr() % 16:
+            a = a.contiguous()
+        out = _gemm(
+            self.row, a, self.qweight, self.scales, self.global_scale, self.workspace, n_pad, k_pad
+        )
+        if n_pad != n:
+            out = out[:, :n]
+        if self.bias is not None:
+            out = (out.float() + self.bias.float()).to(x.dtype)
+        return out.contiguous()
 
 
 def _gemm(

@@ -164,9 +164,10 @@ class ReferenceBackend(Backend):
         weight = self.weight_object(fmt, tensors, meta)
         emulate = meta.emulate_activations
         if emulate and fmt == "nvfp4":
-            return _w4a4_matmul(x, weight, bias).to(x.dtype)
+            return _keep_non_finite(_w4a4_matmul(x, weight, bias), x).to(x.dtype)
         if emulate and fmt == "fp8":
-            x = fake_quantize_fp8_activations(x, weight.input_scale)
+            xq = fake_quantize_fp8_activations(x, weight.input_scale)
+            return _keep_non_finite(_chunked_matmul(xq.float(), weight, fmt, bias), x).to(x.dtype)
         return _chunked_matmul(x.to(torch.float32), weight, fmt, bias).to(x.dtype)
 
     def moe(self, call: MoeCall) -> torch.Tensor:
@@ -200,6 +201,13 @@ class ReferenceBackend(Backend):
                 0, token_idx, y * topk_weights[token_idx, slot].to(torch.float32)[:, None]
             )
         return out.to(x.dtype)
+
+
+def _keep_non_finite(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Rows of ``out`` whose activations hold an inf or NaN become NaN. Quantizing activations
+    saturates an inf to the largest code, so the emulated product would come out finite where
+    the unquantized one is not; x * 0 is NaN exactly at non-finite x (no device sync)."""
+    return out + (x.to(torch.float32) * 0).sum(dim=-1, keepdim=True)
 
 
 def _w4a4_matmul(x: torch.Tensor, weight: Any, bias: torch.Tensor | None) -> torch.Tensor:

@@ -19,7 +19,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from quantdispatch.backends.base import Backend, Layout, LayoutMeta, PreparedWeight, ScaledMmMeta
+from quantdispatch.backends.base import (
+    Backend,
+    BoundLinear,
+    Layout,
+    LayoutMeta,
+    PreparedWeight,
+    ScaledMmMeta,
+)
 from quantdispatch.capability import (
     FP4_MMA,
     FP8_MMA,
@@ -201,29 +208,56 @@ class TorchScaledMMBackend(Backend):
         *,
         pdl: bool = True,
     ) -> torch.Tensor:
-        import torch
+        return _scaled_mm_linear(tensors, bias, fmt)(x)
 
-        from quantdispatch.backends.base import op_view
-        from quantdispatch.kernels.native.scaled_mm import fp8_scaled_mm_linear
+    def bind_linear(
+        self,
+        tensors: Sequence[torch.Tensor],
+        bias: torch.Tensor | None,
+        fmt: str,
+        layout: Layout,
+        meta: LayoutMeta,
+        *,
+        pdl: bool = True,
+        device: torch.device,
+    ) -> BoundLinear:
+        return BoundLinear(((None, _scaled_mm_linear(tensors, bias, fmt)),), (self.name,))
 
-        if fmt == "nvfp4":
-            from quantdispatch.kernels.native.scaled_mm_fp4 import (
-                PreparedNvfp4ScaledMm,
-                nvfp4_scaled_mm_linear,
-            )
 
-            prepared = PreparedNvfp4ScaledMm(
-                weight_packed=op_view(tensors[0], torch.uint8),
-                weight_scale_swizzled=op_view(tensors[1], torch.float8_e4m3fn),
-                alpha=tensors[2],
-                encode_scale=tensors[3],
-            )
+def _scaled_mm_linear(tensors: Sequence[torch.Tensor], bias: torch.Tensor | None, fmt: str):  # type: ignore[no-untyped-def]
+    """The weight's torch._scaled_mm call with its tensors viewed and wrapped once: x -> y."""
+    import torch
+
+    from quantdispatch.backends.base import op_view
+    from quantdispatch.kernels.native.scaled_mm import fp8_scaled_mm_linear
+
+    if fmt == "nvfp4":
+        from quantdispatch.kernels.native.scaled_mm_fp4 import (
+            PreparedNvfp4ScaledMm,
+            nvfp4_scaled_mm_linear,
+        )
+
+        prepared = PreparedNvfp4ScaledMm(
+            weight_packed=op_view(tensors[0], torch.uint8),
+            weight_scale_swizzled=op_view(tensors[1], torch.float8_e4m3fn),
+            alpha=tensors[2],
+            encode_scale=tensors[3],
+        )
+
+        def nvfp4(x: torch.Tensor) -> torch.Tensor:
             quantizer = "triton" if x.is_cuda else "torch"
             return nvfp4_scaled_mm_linear(x, prepared, bias=bias, quantizer=quantizer)
 
-        weight = op_view(tensors[0], torch.float8_e4m3fn)
-        input_scale = tensors[2] if len(tensors) > 2 else None
-        return fp8_scaled_mm_linear(x, weight, tensors[1], input_scale=input_scale, bias=bias)
+        return nvfp4
+
+    weight = op_view(tensors[0], torch.float8_e4m3fn)
+    scale = tensors[1]
+    input_scale = tensors[2] if len(tensors) > 2 else None
+
+    def fp8(x: torch.Tensor) -> torch.Tensor:
+        return fp8_scaled_mm_linear(x, weight, scale, input_scale=input_scale, bias=bias)
+
+    return fp8
 
 
 def _prepare_nvfp4(weight) -> PreparedWeight:

@@ -8,13 +8,13 @@ shape and dtype, from the file header alone.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from quantdispatch.checkpoints.shards import dtype_and_shape, guarded, shard_map
 from quantdispatch.errors import CheckpointError, format_error
 
 __all__ = ["SafetensorsStateDict"]
@@ -40,71 +40,57 @@ class SafetensorsStateDict(Mapping[str, torch.Tensor]):
     """``Mapping[str, Tensor]`` over ``*.safetensors`` files; tensors load on access, on CPU.
 
     ``bytes_read`` counts the bytes of every tensor and slice returned so far (what a loader
-    really pulled out of the files).
+    really pulled out of the files). Which shard holds each tensor, and the checks on the
+    index and the headers: :mod:`quantdispatch.checkpoints.shards`.
     """
 
     def __init__(self, path: str | Path) -> None:
-        from safetensors import safe_open
-
-        p = Path(path)
-        if p.is_file():
-            files = [p]
-        elif (p / "model.safetensors.index.json").is_file():
-            index = json.loads((p / "model.safetensors.index.json").read_text(encoding="utf-8"))
-            files = sorted({p / f for f in index.get("weight_map", {}).values()})
-        elif p.is_dir():
-            files = sorted(p.glob("*.safetensors"))
-        else:
-            files = []
-        if not files:
-            raise CheckpointError(
-                format_error(
-                    f"no safetensors files at {str(path)!r}",
-                    "a checkpoint is a .safetensors file, or a folder with *.safetensors "
-                    "(optionally model.safetensors.index.json)",
-                    "check the path",
-                )
-            )
-        self._where: dict[str, Path] = {}
+        self._where, self.files = shard_map(Path(path))
         self._handles: dict[Path, Any] = {}
         self.bytes_read = 0
-        for f in files:
-            with safe_open(str(f), framework="pt") as h:
-                for k in h.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                    self._where[k] = f
 
-    def _handle(self, key: str) -> Any:
+    def _handle(self, key: str) -> tuple[Path, Any]:
         f = self._where[key]
         h = self._handles.get(f)
         if h is None:
             from safetensors import safe_open
 
-            h = self._handles[f] = safe_open(str(f), framework="pt")
-        return h
+            h = self._handles[f] = guarded(f, "open", safe_open, str(f), "pt")
+        return f, h
 
     def __getitem__(self, key: str) -> torch.Tensor:
-        t = self._handle(key).get_tensor(key)
+        f, h = self._handle(key)
+        t = guarded(f, f"tensor {key!r}", h.get_tensor, key)
         self.bytes_read += t.numel() * t.element_size()
         return t
 
+    def headers(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """{tensor name: (safetensors dtype name, shape)} from the shards' headers."""
+        out = {}
+        for key in self._where:
+            f, h = self._handle(key)
+            out[key] = guarded(f, f"header of {key!r}", dtype_and_shape, h, key)
+        return out
+
     def tensor_info(self, key: str) -> tuple[tuple[int, ...], torch.dtype]:
         """(shape, dtype) of ``key`` from the file header; no tensor data is read."""
-        s = self._handle(key).get_slice(key)
-        name = s.get_dtype()
+        f, h = self._handle(key)
+        name, shape = guarded(f, f"header of {key!r}", dtype_and_shape, h, key)
         if name not in _DTYPES:
             raise CheckpointError(
                 format_error(
-                    f"{key} has safetensors dtype {name}",
+                    f"{key} has safetensors dtype {name} ({f})",
                     f"quantized checkpoints hold {', '.join(_DTYPES)} tensors",
                     "check the checkpoint",
                 )
             )
-        return tuple(int(v) for v in s.get_shape()), _DTYPES[name]
+        return shape, _DTYPES[name]
 
     def read_slice(self, key: str, index: tuple[slice | int, ...]) -> torch.Tensor:
         """``self[key][index]`` reading only the selected part of the file (basic slices with
         step 1 and integers, one per leading dimension)."""
-        t = self._handle(key).get_slice(key)[index]
+        f, h = self._handle(key)
+        t = guarded(f, f"tensor {key!r}", _read_slice, h, key, index)
         self.bytes_read += t.numel() * t.element_size()
         return t
 
@@ -120,3 +106,7 @@ class SafetensorsStateDict(Mapping[str, torch.Tensor]):
 
     def __contains__(self, key: object) -> bool:
         return key in self._where
+
+
+def _read_slice(handle: Any, key: str, index: tuple[slice | int, ...]) -> torch.Tensor:
+    return handle.get_slice(key)[index]

@@ -25,6 +25,7 @@ __all__ = [
     "column_ranges",
     "plan_split",
     "split_range",
+    "tp_of_group",
 ]
 
 Parallel = Literal["column", "row"]
@@ -45,6 +46,57 @@ def check_tp(tp_rank: int, tp_size: int) -> None:
                 "(torch.distributed.get_rank(group), get_world_size(group))",
             )
         )
+
+
+def tp_of_group(
+    tp_rank: int | None, tp_size: int | None, process_group: object = None
+) -> tuple[int, int]:
+    """(tp_rank, tp_size) checked against ``process_group`` (a torch.distributed group: this
+    rank's group of tensor-parallel peers), which fills the ones left None; without a group,
+    None means rank 0 of 1. Each rank checks itself against the group, with no collective, so
+    ranks that disagree fail at load instead of summing wrong shards (or hanging)."""
+    if process_group is None:
+        return (0 if tp_rank is None else tp_rank), (1 if tp_size is None else tp_size)
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise ConfigurationError(
+            format_error(
+                "process_group given but torch.distributed is not initialized",
+                "the group says which rank of how many this process is",
+                "call torch.distributed.init_process_group first, or pass tp_rank / tp_size only",
+            )
+        )
+    try:
+        size, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise ConfigurationError(
+            format_error(
+                f"process_group {process_group!r} is not a usable group ({exc})",
+                "pass the torch.distributed group of this rank's tensor-parallel peers",
+                "pass the group made by torch.distributed.new_group",
+            )
+        ) from None
+    if rank < 0:
+        raise ConfigurationError(
+            format_error(
+                "this process is not a member of process_group",
+                "a rank loads its shard of its own tensor-parallel group",
+                "pass the group this process belongs to",
+            )
+        )
+    for name, given, actual in (("tp_size", tp_size, size), ("tp_rank", tp_rank, rank)):
+        if given is not None and given != actual:
+            raise ConfigurationError(
+                format_error(
+                    f"{name}={given!r} but process_group says {actual} (rank {rank} of {size})",
+                    "every rank's tp_rank / tp_size are its group's rank and size, or the "
+                    "shards it loads do not add up to the layer",
+                    "pass the group's values (or leave tp_rank / tp_size out: the group fills "
+                    "them)",
+                )
+            )
+    return rank, size
 
 
 def split_range(

@@ -132,13 +132,18 @@ def read_linear_split(
 
 
 def read_dense_shard(
-    state_dict: Mapping[str, torch.Tensor], prefix: str | Sequence[str], split: TpSplit
+    state_dict: Mapping[str, torch.Tensor],
+    prefix: str | Sequence[str],
+    split: TpSplit,
+    *,
+    why: str = "",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``split.tp_rank``'s (weight, bias or None) of an unquantized linear
     (``{prefix}.weight`` [N, K], ``{prefix}.bias``), split by the rules of
     :func:`read_linear_shard` (K in any columns: no scale groups), reading only the slice.
     Fused prefixes concatenate along N; a part without a bias gets zeros when another part has
-    one."""
+    one. A layer the checkpoint stores quantized (scales beside it, or a weight that is not
+    16/32-bit float) is refused: ``why`` says why it was read as unquantized."""
     prefixes = [_normalize(p) for p in ([prefix] if isinstance(prefix, str) else prefix)]
     split.check_parts(len(prefixes))
     shapes = []
@@ -151,7 +156,9 @@ def read_dense_shard(
                     "pass the complete state dict",
                 )
             )
-        shapes.append(tensor_info(state_dict, f"{p}.weight")[0])
+        shape, dtype = tensor_info(state_dict, f"{p}.weight")
+        _refuse_quantized(state_dict, p, dtype, why)
+        shapes.append(shape)
     if len({s[1:] for s in shapes}) != 1 or len(shapes[0]) != 2:
         raise CheckpointError(
             format_error(
@@ -220,3 +227,26 @@ def linear_shard_shapes(
         n_r = n if rows is None else sum(b - a for part in rows for a, b in part)
         shapes.append((n_r, k if cols is None else cols[1] - cols[0]))
     return shapes
+
+
+#: Tensors beside a weight that only quantized layers have.
+_SCALE_LEAVES = ("weight_scale", "weight_scale_inv", "weight_scale_2", "weight_global_scale")
+
+
+def _refuse_quantized(
+    state_dict: Mapping[str, torch.Tensor], prefix: str, dtype: torch.dtype, why: str
+) -> None:
+    scales = [leaf for leaf in _SCALE_LEAVES if f"{prefix}.{leaf}" in state_dict]
+    if dtype in (torch.float16, torch.bfloat16, torch.float32) and not scales:
+        return
+    stored = f"its weight is {dtype}" + (f" with {', '.join(scales)}" if scales else "")
+    raise CheckpointError(
+        format_error(
+            f"{prefix!r} is read as an unquantized linear{f' ({why})' if why else ''}, but the "
+            f"checkpoint stores it quantized ({stored})",
+            "an unquantized linear has a 16- or 32-bit float weight and no scales; reading "
+            "quantized codes as floats gives wrong outputs",
+            "fix the config's exclusion list (ignore / exclude_modules) so it does not name "
+            "this layer, or load it with QuantLinear.from_checkpoint",
+        )
+    )

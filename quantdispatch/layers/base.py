@@ -180,10 +180,49 @@ class FixedDtypeBuffers(nn.Module):
 
 class QuantLayer(FixedDtypeBuffers):
     """A quantized layer: one kernel decision at construction, the backend's prepared tensors
-    as buffers (a state-dict round trip restores them), nothing dequantized kept."""
+    as buffers (a state-dict round trip restores them), nothing dequantized kept.
+
+    Eager calls run the layer's bound call path (``_bound``, quantdispatch.backends.bound),
+    built at the first such call from the buffers as they are then, and dropped whenever a
+    buffer moves or is replaced (``.to()``, ``load_state_dict(assign=True)``, assignment), so
+    it never holds stale tensors. Copies and pickles leave it behind."""
 
     decision: Decision
     backend: str
+    _bound: Any = None
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        self.__dict__["_bound"] = None
+        out = super()._apply(fn, recurse)
+        self._mark_static()
+        return out
+
+    def _mark_static(self) -> None:
+        """Tell torch.compile that the buffers keep their addresses between calls: its CUDA
+        graphs then read them in place instead of copying every packed weight into the graph's
+        inputs on each replay. Redone whenever buffers move."""
+        for buf in self._buffers.values():
+            if buf is not None:
+                torch._dynamo.mark_static_address(buf)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        buffer = name in self.__dict__.get("_buffers", ())
+        if buffer:
+            self.__dict__["_bound"] = None
+        super().__setattr__(name, value)
+        if buffer and isinstance(value, torch.Tensor):
+            torch._dynamo.mark_static_address(value)
+
+    def register_buffer(self, name: str, tensor: Any, persistent: bool = True) -> None:
+        self.__dict__["_bound"] = None
+        super().register_buffer(name, tensor, persistent)
+        if isinstance(tensor, torch.Tensor):
+            torch._dynamo.mark_static_address(tensor)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.pop("_bound", None)
+        return state
 
     def _decide(
         self,

@@ -20,8 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from quantdispatch import ops  # registers torch.ops.quantdispatch.*
-from quantdispatch.backends.base import as_op_tensors
+from quantdispatch import ops  # noqa: F401 (registers torch.ops.quantdispatch.*)
+from quantdispatch.backends import get_backend
+from quantdispatch.backends.base import BoundLinear, as_op_tensors
 from quantdispatch.checkpoints import (
     LoadedLinear,
     QuantWeight,
@@ -29,7 +30,7 @@ from quantdispatch.checkpoints import (
     read_dense_shard,
     read_linear_split,
 )
-from quantdispatch.checkpoints.split_plan import Parallel
+from quantdispatch.checkpoints.split_plan import Parallel, tp_of_group
 from quantdispatch.errors import CheckpointError, ConfigurationError, format_error
 from quantdispatch.formats import Fp8Weight, quantize_fp8, quantize_mxfp4, quantize_nvfp4
 from quantdispatch.layers.base import (
@@ -152,8 +153,9 @@ class QuantLinear(QuantLayer):
         prefix: str | Sequence[str],
         quant_config: object = None,
         *,
-        tp_rank: int = 0,
-        tp_size: int = 1,
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
+        process_group: object = None,
         parallel: Parallel = "column",
         heads: tuple[int, int] | None = None,
         segments: Sequence[int] | None = None,
@@ -172,8 +174,11 @@ class QuantLinear(QuantLayer):
         group with ``heads=(q heads, kv heads)``, one tensor holding fused parts with
         ``segments`` (its parts' row counts). ``parallel="row"`` splits K in whole scale groups
         (feed the rank its input columns, sum the ranks' outputs); the bias is rank 0's.
-        ``align``: splits in whole multiples of it too.
+        ``align``: splits in whole multiples of it too. ``process_group``: the rank's
+        torch.distributed tensor-parallel group; tp_rank / tp_size are checked against it (or
+        taken from it when left out).
         """
+        tp_rank, tp_size = tp_of_group(tp_rank, tp_size, process_group)
         config = resolve_quant_config(quant_config)
         prefixes = [prefix] if isinstance(prefix, str) else list(prefix)
         modules = [_module_name(p) for p in prefixes]
@@ -240,13 +245,40 @@ class QuantLinear(QuantLayer):
     def _tensors(self) -> list[torch.Tensor]:
         return as_op_tensors([getattr(self, n) for n in self._names])
 
+    def bound(self) -> BoundLinear:
+        """The layer's bound call path (made at the first eager call, kept until a buffer
+        moves): what ``forward`` runs in eager inference, for the same result as the op."""
+        bound = self._bound
+        if bound is None:
+            ref = getattr(self, self._names[0])
+            bound = get_backend(self.backend).bind_linear(
+                self._tensors(), self.bias, self.format, self._layout, self._meta,
+                pdl=self.decision.pdl, device=ref.device,
+            )  # fmt: skip
+            self.__dict__["_bound"] = bound
+            # CUDA layers compare the input's device index per call; others check in full
+            self.__dict__["_device_index"] = ref.get_device() if ref.is_cuda else None
+        return bound
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        k = self.in_features
+        if direct_call_ok(x):  # eager inference: the bound call path
+            bound = self._bound or self.bound()
+            if (
+                x.dtype is not self.act_dtype
+                or not x.dim()
+                or x.shape[-1] != k
+                or x.get_device() != self._device_index
+            ):
+                ref = getattr(self, self._names[0])
+                activations_2d(x, self.act_dtype, k, "in_features", ref.device)  # raises
+            if x.dim() == 2:
+                return bound(x if x.stride(-1) == 1 else x.contiguous())
+            y = bound(x.reshape(-1, k) if x.stride(-1) == 1 else x.reshape(-1, k).contiguous())
+            return y.view(*x.shape[:-1], self.out_features)
         ref = getattr(self, self._names[0])
-        x2 = activations_2d(x, self.act_dtype, self.in_features, "in_features", ref.device)
-        lead = x.shape[:-1]
-        # eager inference runs the op's body without its dispatch cost
-        run = ops.run_linear if direct_call_ok(x2) else torch.ops.quantdispatch.linear
-        y = run(
+        x2 = activations_2d(x, self.act_dtype, k, "in_features", ref.device)
+        y = torch.ops.quantdispatch.linear(
             x2,
             self._tensors(),
             self.bias,
@@ -256,7 +288,7 @@ class QuantLinear(QuantLayer):
             self.out_features,
             self.decision.pdl,
         )
-        return y.reshape(*lead, self.out_features)
+        return y.reshape(*x.shape[:-1], self.out_features)
 
     # -- reporting --------------------------------------------------------------------------------
 
@@ -291,16 +323,22 @@ def load_linear(
     """The layer at ``prefix`` as the checkpoint has it: a ``QuantLinear`` when it is quantized,
     a plain ``nn.Linear`` (in ``act_dtype``) when the config leaves it unquantized. Other
     keyword arguments are :meth:`QuantLinear.from_checkpoint`'s; its tensor-parallel ones
-    (``tp_rank``, ``tp_size``, ``parallel``, ``heads``, ``segments``, ``align``) cut an
+    (``tp_rank``, ``tp_size``, ``process_group``, ``parallel``, ``heads``, ``segments``,
+    ``align``) cut an
     unquantized layer the same way (column: its rows, row: its input columns with the bias on
     rank 0), reading only its slice."""
     config = resolve_quant_config(quant_config)
+    kwargs["tp_rank"], kwargs["tp_size"] = tp_of_group(
+        kwargs.get("tp_rank"), kwargs.get("tp_size"), kwargs.pop("process_group", None)
+    )
     prefixes = [prefix] if isinstance(prefix, str) else list(prefix)
     modules = [_module_name(p) for p in prefixes]
     quantized = [config.layer(m) is not None if config is not None else None for m in modules]
     if config is not None and not any(quantized):
         split = TpSplit(**{f.name: kwargs[f.name] for f in fields(TpSplit) if f.name in kwargs})
-        weight, bias = read_dense_shard(state_dict, modules, split)
+        excluded = [config.excluded_by(m) for m in modules]
+        why = next((f"the config excludes it: pattern {e!r}" for e in excluded if e), "")
+        weight, bias = read_dense_shard(state_dict, modules, split, why=why)
         dtype = parse_act_dtype(act_dtype)
         linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
         linear.weight = nn.Parameter(weight.to(dtype), requires_grad=False)

@@ -21,9 +21,11 @@ from typing import Any
 
 import torch
 
-from quantdispatch import ops  # registers torch.ops.quantdispatch.*
-from quantdispatch.backends.base import CheckpointMeta
+from quantdispatch import ops  # noqa: F401 (registers torch.ops.quantdispatch.*)
+from quantdispatch.backends import get_backend
+from quantdispatch.backends.base import BoundMoe, CheckpointMeta, MoeCall
 from quantdispatch.checkpoints import MoeShard, QuantWeight, read_moe_shard
+from quantdispatch.checkpoints.split_plan import tp_of_group
 from quantdispatch.errors import CheckpointError, ConfigurationError, InputError, format_error
 from quantdispatch.layers.base import (
     QuantLayer,
@@ -192,8 +194,9 @@ class QuantMoE(QuantLayer):
         top_k: int,
         activation: str = "silu",
         expert_ids: Sequence[int] | None = None,
-        tp_rank: int = 0,
-        tp_size: int = 1,
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
+        process_group: object = None,
         align: int = 1,
         act_dtype: torch.dtype | str = torch.bfloat16,
         device: torch.device | str | None = None,
@@ -207,11 +210,13 @@ class QuantMoE(QuantLayer):
         Expert parallel: only the experts in ``expert_ids`` (global ids; default: all) are read.
         Tensor parallel: ``tp_rank`` of ``tp_size`` reads only its slice of the intermediate size
         I (whole scale groups, as even as possible; ``align``: whole multiples of it too, 64
-        keeps every rank on the repacked MoE kernels); w2's bias is rank 0's. Every rank routes
+        keeps every rank on the repacked MoE kernels); w2's bias is rank 0's; ``process_group``:
+        the rank's tensor-parallel group, checked against tp_rank / tp_size. Every rank routes
         all tokens; the ranks' outputs summed (all-reduce) are the whole layer's output.
         ``{prefix}.gate.e_score_correction_bias`` is picked up when present; other keyword
         arguments go to the constructor (:meth:`from_shard`).
         """
+        tp_rank, tp_size = tp_of_group(tp_rank, tp_size, process_group)
         config = resolve_quant_config(quant_config)
         prefix = prefix.rstrip(".")
         shard = read_moe_shard(
@@ -335,9 +340,10 @@ class QuantMoE(QuantLayer):
                 self.validate_ids,
             )
         local = to_local_ids(ids, self.expert_map)
-        # eager inference runs the op's body without its dispatch cost
-        run = ops.run_moe if direct_call_ok(x2) else torch.ops.quantdispatch.moe
-        y = run(
+        if direct_call_ok(x2):  # eager inference: the bound call path
+            bound = self._bound or self.bound()
+            return bound(x2, local, weights).reshape(*lead, self.hidden_size)
+        y = torch.ops.quantdispatch.moe(
             x2,
             local,
             weights,
@@ -353,6 +359,21 @@ class QuantMoE(QuantLayer):
             self.decision.pdl,
         )
         return y.reshape(*lead, self.hidden_size)
+
+    def bound(self) -> BoundMoe:
+        """The layer's bound call path (made at the first eager call, kept until a buffer
+        moves): what ``forward`` runs in eager inference, for the same result as the op."""
+        bound = self._bound
+        if bound is None:
+            x = torch.empty(0)  # placeholders: the bound call takes x, ids and weights
+            template = MoeCall(
+                x, x, x, tuple(self._w13()), tuple(self._w2()), self.w13_bias, self.w2_bias,
+                self.format, self.activation, tuple(self._params), self._layout, self._meta,
+                self.decision.pdl,
+            )  # fmt: skip
+            bound = get_backend(self.backend).bind_moe(template)
+            self.__dict__["_bound"] = bound
+        return bound
 
     @property
     def w13_device(self) -> torch.device:

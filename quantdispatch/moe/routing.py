@@ -5,7 +5,9 @@ holds.
 (``e_score_correction_bias`` is used to choose, never as a weight), optional renormalization,
 and applies the routed scaling factor exactly once, here. Expert parallelism: a layer may hold
 a subset of the experts; pairs routed to experts it does not hold contribute nothing (their
-local id is -1), so the sum over ranks is the full layer.
+local id is -1), so the sum over ranks is the full layer. Precomputed ids outside
+[0, num_experts) are checked on the host in eager mode (``validate_ids``); where they are not
+(capture, compile, ``validate_ids=False``) they contribute nothing, never another expert.
 """
 
 from __future__ import annotations
@@ -169,10 +171,17 @@ def route(
 
 
 def to_local_ids(global_ids: torch.Tensor, expert_map: torch.Tensor | None) -> torch.Tensor:
-    """Global expert ids -> this layer's local ids (-1 for experts it does not hold)."""
+    """Global expert ids -> this layer's local ids (-1 for experts it does not hold).
+
+    Ids outside [0, num_experts) (-1 for a dropped pair, or garbage) are "no expert" and
+    contribute nothing, without a device sync (so also under CUDA graphs and torch.compile,
+    where ``validate_ids`` cannot look at the values): the map has one extra last entry -1 and
+    ids are clamped to [-1, num_experts], so every invalid id lands on a -1. Without a map the
+    ids go to the backends as they are, and every backend skips ids outside [0, E)."""
     if expert_map is None:
         return global_ids
-    return expert_map[global_ids.to(torch.long)]
+    last = expert_map.shape[0] - 1
+    return expert_map[global_ids.to(torch.long).clamp(-1, last)]
 
 
 def held_experts(expert_ids: Sequence[int] | torch.Tensor | None, e: int, total: int) -> list[int]:
@@ -215,11 +224,11 @@ def held_experts(expert_ids: Sequence[int] | torch.Tensor | None, e: int, total:
 def build_expert_map(
     held: Sequence[int], num_experts: int, device: torch.device
 ) -> torch.Tensor | None:
-    """Global id -> local id (int32 [num_experts], -1 where not held); None when all are held
-    in global order."""
+    """Global id -> local id (int32 [num_experts + 1], -1 where not held; the last entry, -1,
+    catches invalid ids: :func:`to_local_ids`); None when all are held in global order."""
     if list(held) == list(range(num_experts)):
         return None
-    mapping = torch.full((num_experts,), -1, dtype=torch.int32)
+    mapping = torch.full((num_experts + 1,), -1, dtype=torch.int32)
     mapping[torch.tensor(held, dtype=torch.long)] = torch.arange(len(held), dtype=torch.int32)
     return mapping.to(device)
 

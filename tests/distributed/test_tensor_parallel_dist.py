@@ -174,3 +174,35 @@ def test_moe_tensor_expert_parallel_sum_to_the_whole_layer(ranks):
         slices = dict(r[name]["intermediate"] for r in ranks.results)  # tp rank -> its I
         assert sorted(slices) == list(range(case["tp"]))
         assert sum(slices.values()) == full.intermediate_size
+
+
+def test_ranks_that_disagree_with_their_process_group_fail_at_load(tmp_path):
+    import json
+
+    import tp_group_workers
+    from safetensors.torch import save_file
+    from tp_checkpoints import linear_layer
+
+    reason = gloo_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    g = torch.Generator().manual_seed(7)
+    sd = linear_layer("modelopt-nvfp4", tp_group_workers.PREFIX, 64, 128, g)
+    sd["dense.o.weight"] = torch.randn(32, 64, generator=g).to(torch.bfloat16)
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    launch(tp_group_workers.run, 2, str(tmp_path), timeout=120)
+    r0, r1 = (json.loads((tmp_path / f"group{r}.json").read_text()) for r in range(2))
+    assert r0["in_features"] == r1["in_features"] == 64  # the group filled tp_rank / tp_size
+    assert r0["dense_in"] == r1["dense_in"] == 32
+    assert r0["size"] == "ok" and "tp_size=4 but process_group says 2 (rank 1 of 2)" in r1["size"]
+    assert r0["rank"] == "ok" and "tp_rank=0 but process_group says 1" in r1["rank"]
+
+
+def test_a_process_group_without_torch_distributed_is_an_error():
+    from quantdispatch.checkpoints.split_plan import tp_of_group
+    from quantdispatch.errors import ConfigurationError
+
+    assert tp_of_group(None, None) == (0, 1)
+    assert tp_of_group(1, 2) == (1, 2)
+    with pytest.raises(ConfigurationError, match="not initialized"):
+        tp_of_group(None, 2, object())

@@ -20,6 +20,13 @@ from quantdispatch.integrations.transformers import fp8_producers, quantize_mode
 from quantdispatch.kernels.native import fp8_handoff
 
 
+def _quantized(arch):
+    """The tiny model quantized without the fused ops (this file tests the producers alone)."""
+    return quantize_model(
+        float_model(make_config(arch), dtype=torch.bfloat16), "nvfp4", fused_ops=False
+    )
+
+
 def patched(model) -> list[str]:
     return [n for n, m in model.named_modules() if hasattr(m, fp8_producers.PATCHED)]
 
@@ -36,7 +43,7 @@ def fp8_from_m(monkeypatch):
 
 
 def test_nothing_patched_without_fp8_compute():
-    model = quantize_model(float_model(make_config("llama"), dtype=torch.bfloat16), "nvfp4")
+    model = _quantized("llama")
     assert patched(model) == []
     assert fp8_producers.install_fp8_producers(model) == 0
 
@@ -44,7 +51,7 @@ def test_nothing_patched_without_fp8_compute():
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_norms_and_mlp_patched_output_unchanged(arch, fp8_from_m):
     pytest.importorskip("triton")
-    base = quantize_model(float_model(make_config(arch), dtype=torch.bfloat16), "nvfp4")
+    base = _quantized(arch)
     model = copy.deepcopy(base)
     fp8_from_m()
     assert fp8_producers.install_fp8_producers(model) == 3 * 2  # 2 decoder layers
@@ -82,14 +89,14 @@ def test_other_architectures_untouched(fp8_from_m):
     # Phi-3 fuses qkv_proj / gate_up_proj and its MLP is not LlamaMLP's: nothing to patch;
     # a Mixtral layer's post-attention norm feeds a router, not gate / up linears
     for arch in ("phi3", "mixtral"):
-        model = quantize_model(float_model(make_config(arch), dtype=torch.bfloat16), "nvfp4")
+        model = _quantized(arch)
         assert all(n.endswith("input_layernorm") for n in patched(model)), (arch, patched(model))
 
 
 def test_decoder_layer_runs_inside_a_sharing_scope(fp8_from_m):
     """The linears of a scoped layer see an open scope; outside the layer none is open."""
     pytest.importorskip("triton")
-    model = quantize_model(float_model(make_config("llama"), dtype=torch.bfloat16), "nvfp4")
+    model = _quantized("llama")
     fp8_from_m()
     fp8_producers.install_fp8_producers(model)
     depths = []

@@ -19,7 +19,7 @@ from fp8_prefill_ref import encode64
 from quantdispatch.errors import InputError
 from quantdispatch.kernels.native import fp8_handoff
 from quantdispatch.kernels.native import fp8_prefill as fp8p
-from quantdispatch.kernels.native.fp8_producers import rmsnorm_fp8, silu_mul_fp8
+from quantdispatch.kernels.native.fp8_producers import rmsnorm, rmsnorm_fp8, silu_mul_fp8
 
 F64 = torch.float64
 
@@ -85,6 +85,29 @@ def test_rmsnorm_fp8(dtype, m, k):
     check_codes(y, codes)
     y2, none = rmsnorm_fp8(x, w, eps, quantize=False)
     assert none is None and torch.equal(y2, y)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m,k", [(5, 256), (3, 200), (4, 64)], ids=["blocks", "k200", "k64"])
+@pytest.mark.parametrize("quantize", [False, True])
+def test_rmsnorm_with_the_residual_add(dtype, m, k, quantize):
+    """s = x + r rounded once (bit-equal with eager's add), then the norm of s; any width
+    without FP8 codes (Qwen3's head-dim norms, odd hidden sizes), 128-column blocks with."""
+    if quantize and k % 128:
+        pytest.skip("FP8 codes come in 128-column blocks")
+    x = inputs(m, k, dtype, m + k)
+    r = inputs(m, k, dtype, 3 * k) * 4
+    w = (torch.randn(k, generator=torch.Generator().manual_seed(2)) * 0.5 + 1).to(dtype)
+    y, s, codes = rmsnorm(x, w, 1e-5, residual=r, quantize=quantize)
+    assert torch.equal(s, x + r)
+    d = ulps_apart(y, rmsnorm64(s, w, 1e-5))
+    assert int(d.max()) <= 2 and float((d > 0).double().mean()) < 0.05
+    if quantize:
+        check_codes(y, codes)
+    else:
+        assert codes is None
+        y2, none, _ = rmsnorm(x + r, w, 1e-5)
+        assert none is None and torch.equal(y2, y)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -162,7 +162,7 @@ def test_corrupt_cache_is_ignored_with_one_warning(env, monkeypatch):
     sc = _sc_warnings(record)
     assert len(sc) == 1 and "is corrupt" in str(sc[0].message)
     assert fake.calls == 6
-    assert json.loads(path.read_text())["version"] == 1  # rewritten with the results
+    assert json.loads(path.read_text())["version"] == 2  # rewritten with the results
 
 
 def test_unwritable_cache_dir_is_ignored_with_one_warning(env, monkeypatch):

@@ -265,3 +265,58 @@ def test_settings_imports_no_registry():
     imported = _imported_modules(Path(quantdispatch.settings.__file__))
     banned = ("quantdispatch.backends", "quantdispatch.formats", "quantdispatch.device")
     assert not [m for m in imported if m.startswith(banned)]
+
+
+class _VanishingEnviron(dict):
+    """An environment in which a variable disappears between listing and reading it, as when
+    another thread deletes it meanwhile."""
+
+    def __getitem__(self, key):
+        if key == "QUANTDISPATCH_GONE":
+            raise KeyError(key)
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        try:
+            return self[key]
+        except KeyError:
+            return default
+
+    def items(self):  # what a live os.environ does when a key vanishes mid-iteration
+        return [(k, self[k]) for k in self]
+
+
+def test_settings_survive_variables_deleted_by_another_thread(monkeypatch):
+    import os
+    import threading
+
+    from quantdispatch import select
+
+    fake = _VanishingEnviron(os.environ)
+    fake["QUANTDISPATCH_GONE"] = "1"
+    fake["QUANTDISPATCH_PDL"] = "0"
+    monkeypatch.setattr(os, "environ", fake)
+    assert current_settings().pdl is False
+    monkeypatch.undo()
+
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def churn() -> None:
+        while not stop.is_set():
+            os.environ["QD_TEST_CHURN"] = "x"
+            os.environ.pop("QD_TEST_CHURN", None)
+
+    t = threading.Thread(target=churn)
+    t.start()
+    try:
+        for _ in range(300):
+            try:
+                select("nvfp4")
+            except BaseException as exc:
+                errors.append(exc)
+                break
+    finally:
+        stop.set()
+        t.join()
+    assert not errors, errors

@@ -12,7 +12,7 @@ The package: :mod:`.facts` (what it can run, doctor's words, kernel ranges), :mo
 :mod:`.prepare` (layout choice and repack), :mod:`.fp8_compute` (the opt-in, lossy FP8 compute
 for prefill: which weights take it, the resident copy, the trace's words), :mod:`.run` (a call
 -> its kernel family -> one kernel file's launcher; imported at the first call, as it imports
-triton).
+triton), :mod:`.bind` (the bound call path: the same launchers, built once per weight).
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from collections.abc import Sequence
 import torch
 
 from quantdispatch.backends.base import (
+    BoundLinear,
+    BoundMoe,
     CheckpointMeta,
     Layout,
     LayoutMeta,
@@ -78,6 +80,26 @@ class TritonBackend(TritonFacts):
         from quantdispatch.backends.triton import run
 
         return run.linear(x, tensors, bias, fmt, layout, meta, pdl)
+
+    def bind_linear(
+        self,
+        tensors: Sequence[torch.Tensor],
+        bias: torch.Tensor | None,
+        fmt: str,
+        layout: Layout,
+        meta: LayoutMeta,
+        *,
+        pdl: bool = True,
+        device: torch.device,
+    ) -> BoundLinear:
+        from quantdispatch.backends.triton.bind import bind_linear
+
+        return bind_linear(tensors, bias, fmt, layout, meta, pdl, device)
+
+    def bind_moe(self, template: MoeCall) -> BoundMoe:
+        from quantdispatch.backends.triton.bind import bind_moe
+
+        return bind_moe(template)
 
     def moe(self, call: MoeCall) -> torch.Tensor:
         from quantdispatch.backends.triton import run

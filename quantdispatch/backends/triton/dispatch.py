@@ -39,6 +39,7 @@ __all__ = [
     "linear_layout",
     "linear_ranges",
     "linear_row",
+    "linear_steps",
     "moe_config",
     "moe_layout",
     "moe_ranges",
@@ -103,11 +104,11 @@ def fp8_row(fmt: str, meta: LayoutMeta, facts: DeviceFacts) -> Fp8PrefillRegime 
 
 
 @functools.lru_cache(maxsize=1024)
-def _steps(
+def linear_steps(
     fmt: str, layout: Layout, meta: LayoutMeta, n: int, k: int, facts: DeviceFacts
 ) -> tuple[tuple[int | None, Family], ...]:
-    """(largest M, family) per step of the weight's row, FP8 compute included (cached: a
-    layer's weight asks each call)."""
+    """(largest M or None, family) per step of the weight's row, FP8 compute included (cached:
+    the op path asks each call; the bound path once)."""
     row = linear_row(fmt, layout, meta, n, k, facts)
     return tuple((top, s.family) for top, s in row.steps_for(n, k, fp8_row(fmt, meta, facts)))
 
@@ -116,7 +117,7 @@ def linear_family(
     fmt: str, layout: Layout, meta: LayoutMeta, m: int, n: int, k: int, facts: DeviceFacts
 ) -> Family:
     """The kernel family a call with ``m`` rows runs (:meth:`LinearRegime.family`)."""
-    for top, family in _steps(fmt, layout, meta, n, k, facts):
+    for top, family in linear_steps(fmt, layout, meta, n, k, facts):
         if top is None or m <= top:
             return family
     raise AssertionError(f"the last step of the {fmt} {layout.value} row must take any M")

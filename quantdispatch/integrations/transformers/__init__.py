@@ -7,6 +7,10 @@
 - :class:`QuantDispatchConfig`: ``AutoModelForCausalLM.from_pretrained(path,
   quantization_config=QuantDispatchConfig())`` takes the same path (see ``hf_quantizer``);
   :func:`hf_config` for checkpoints whose config.json has its own ``quantization_config``.
+- :func:`install_fused_ops` / :func:`remove_fused_ops`: one kernel per RMSNorm (with the
+  residual add) and gated activation (on by default in the three above).
+- :func:`capture_decode`: a model's one-token decode step captured in a CUDA graph, for
+  greedy or sampled generation at a fixed batch size.
 - :func:`describe_model` / :func:`render_description`: what ``quantdispatch doctor --model``
   prints; reads tensor headers only and does not need transformers.
 
@@ -29,6 +33,9 @@ _EXPORTS = {
     "describe_model": "describe",
     "render_description": "describe",
     "ReferenceBackendWarning": "common",
+    "install_fused_ops": "fused_ops",
+    "remove_fused_ops": "fused_ops",
+    "capture_decode": "capture",
 }
 
 __all__ = [
@@ -36,18 +43,26 @@ __all__ = [
     "QuantDispatchConfig",
     "QuantExperts",
     "ReferenceBackendWarning",
+    "capture_decode",
     "describe_model",
     "hf_config",
+    "install_fused_ops",
     "load_model",
     "quantize_model",
+    "remove_fused_ops",
     "render_description",
 ]
 
 if TYPE_CHECKING:
+    from quantdispatch.integrations.transformers.capture import capture_decode
     from quantdispatch.integrations.transformers.common import ReferenceBackendWarning
     from quantdispatch.integrations.transformers.describe import (
         describe_model,
         render_description,
+    )
+    from quantdispatch.integrations.transformers.fused_ops import (
+        install_fused_ops,
+        remove_fused_ops,
     )
     from quantdispatch.integrations.transformers.hf_quantizer import QuantDispatchConfig, hf_config
     from quantdispatch.integrations.transformers.loader import load_model

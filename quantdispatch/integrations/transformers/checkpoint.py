@@ -12,8 +12,6 @@ the config must agree with them, which ``QuantLinear.from_checkpoint`` checks.
 from __future__ import annotations
 
 import bisect
-import json
-import struct
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,9 +20,17 @@ from typing import Any
 import torch
 
 from quantdispatch.checkpoints import QuantConfig, SafetensorsStateDict, load_quant_config
+from quantdispatch.checkpoints.config import read_json
 from quantdispatch.errors import CheckpointError, format_error
 
-__all__ = ["MODULE_ALIASES", "Checkpoint", "PrefixView", "open_checkpoint", "read_headers"]
+__all__ = [
+    "MODULE_ALIASES",
+    "Checkpoint",
+    "PrefixView",
+    "open_checkpoint",
+    "read_config",
+    "read_headers",
+]
 
 #: Module-name pieces transformers 5 renamed at load time: (name in the model, name in the
 #: checkpoint). Mixtral-style MoE blocks are ``mlp`` in the model, ``block_sparse_moe`` on disk.
@@ -132,30 +138,21 @@ class Checkpoint:
 
 def read_headers(path: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     """{tensor name: (safetensors dtype, shape)} from the headers of a checkpoint's shards."""
-    p = Path(path)
-    index = p / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
-        files = sorted({p / f for f in weight_map.values()})
-    else:
-        files = sorted(p.glob("*.safetensors")) if p.is_dir() else []
-    if not files:
+    return SafetensorsStateDict(path).headers()
+
+
+def read_config(cfg_file: Path) -> dict[str, Any]:
+    """config.json as a mapping (CheckpointError naming the file otherwise)."""
+    config = read_json(cfg_file)
+    if not isinstance(config, dict):
         raise CheckpointError(
             format_error(
-                f"no safetensors files at {str(path)!r}",
-                "a checkpoint folder holds *.safetensors (optionally with an index)",
-                "check the path",
+                f"{cfg_file} holds a JSON {type(config).__name__}",
+                "config.json is a JSON object",
+                "use the config.json that came with these weights",
             )
         )
-    out: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for f in files:
-        with f.open("rb") as h:
-            (size,) = struct.unpack("<Q", h.read(8))
-            header = json.loads(h.read(size))
-        for name, info in header.items():
-            if name != "__metadata__":
-                out[name] = (str(info["dtype"]), tuple(int(d) for d in info["shape"]))
-    return out
+    return config
 
 
 def _candidates(name: str) -> list[str]:
@@ -179,12 +176,8 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
                 "pass the folder that holds config.json (a local path: nothing is downloaded)",
             )
         )
-    try:
-        config = json.loads(cfg_file.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise CheckpointError(
-            format_error(f"{cfg_file} cannot be read as JSON: {exc}", "configs are JSON", "fix it")
-        ) from None
+    config = read_config(cfg_file)
     quant = load_quant_config(p)
-    dtypes = {k: v[0] for k, v in read_headers(p).items()}
-    return Checkpoint(p, config, quant, SafetensorsStateDict(p), dtypes)
+    state = SafetensorsStateDict(p)
+    dtypes = {k: v[0] for k, v in state.headers().items()}
+    return Checkpoint(p, config, quant, state, dtypes)

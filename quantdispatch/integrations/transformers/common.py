@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import fnmatch
-import re
+import functools
 import warnings
 from collections.abc import Iterable
 from typing import Any
@@ -11,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from quantdispatch.checkpoints.patterns import ModulePattern, any_match, compile_patterns
 from quantdispatch.errors import ConfigurationError, format_error
 
 __all__ = [
@@ -62,14 +62,21 @@ def text_config(model: nn.Module) -> Any:
 def matches(name: str, patterns: Iterable[str]) -> bool:
     """Whether a module name is matched by one of ``patterns``: the exact name, a name suffix
     after a dot (``lm_head`` matches ``model.lm_head``), an fnmatch pattern (``*.mlp.gate``) or a
-    ``re:`` regular expression (compressed-tensors style)."""
-    for p in patterns:
-        if p.startswith("re:"):
-            if re.match(p[3:], name):
-                return True
-        elif name == p or name.endswith("." + p) or fnmatch.fnmatchcase(name, p):
-            return True
-    return False
+    ``re:`` regular expression (compressed-tensors style), in bounded time."""
+    if isinstance(patterns, str):
+        raise ConfigurationError(
+            format_error(
+                f"exclude={patterns!r} is a string",
+                "exclude is a list of module names or patterns",
+                f"pass exclude=[{patterns!r}]",
+            )
+        )
+    return any_match(_compiled(tuple(patterns)), name) is not None
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled(patterns: tuple[str, ...]) -> tuple[ModulePattern, ...]:
+    return compile_patterns(patterns, "exclude", ConfigurationError, suffix=True)
 
 
 def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:

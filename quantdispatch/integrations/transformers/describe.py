@@ -7,7 +7,6 @@ no transformers import), so it answers in well under a second for any model size
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -18,7 +17,7 @@ import torch
 from quantdispatch import select
 from quantdispatch.checkpoints import QuantConfig, load_quant_config
 from quantdispatch.errors import QuantDispatchError
-from quantdispatch.integrations.transformers.checkpoint import read_headers
+from quantdispatch.integrations.transformers.checkpoint import read_config, read_headers
 
 __all__ = ["describe_model", "render_description"]
 
@@ -111,8 +110,9 @@ def describe_model(
     ``"cuda:1"``; a DeviceProfile)."""
     p = Path(path)
     cfg_file = p / "config.json"
-    config = json.loads(cfg_file.read_text(encoding="utf-8")) if cfg_file.is_file() else {}
+    config = read_config(cfg_file) if cfg_file.is_file() else {}
     text = config.get("text_config", config)
+    text = text if isinstance(text, dict) else {}
     quant = load_quant_config(p)
     mods = _modules(read_headers(p))
 

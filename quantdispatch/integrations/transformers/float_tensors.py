@@ -24,10 +24,23 @@ __all__ = [
 
 
 def load_fused_float(module: nn.Linear, shards: list[str], ckpt: Checkpoint) -> None:
+    """A fused model linear (q/k/v, gate/up) from its separate float shards."""
     dtype = module.weight.dtype
-    module.weight = nn.Parameter(
-        torch.cat([ckpt.state[f"{s}.weight"] for s in shards]).to(dtype), requires_grad=False
-    )
+    parts = [ckpt.state[f"{s}.weight"] for s in shards]
+    rows = sum(int(p.shape[0]) for p in parts)
+    shape = (rows, *parts[0].shape[1:]) if len({p.shape[1:] for p in parts}) == 1 else None
+    key = " + ".join(f"{s}.weight" for s in shards)
+    if shape != tuple(module.weight.shape):
+        raise CheckpointError(
+            format_error(
+                f"checkpoint tensors {key} have shapes {[tuple(p.shape) for p in parts]} but "
+                f"the model's fused weight is {tuple(module.weight.shape)}",
+                "config.json describes the checkpoint's shapes (heads, num_key_value_heads, "
+                "intermediate size)",
+                "use the config.json that came with these weights",
+            )
+        )
+    module.weight = nn.Parameter(torch.cat(parts).to(dtype), requires_grad=False)
     if module.bias is not None:
         module.bias = nn.Parameter(
             torch.cat([ckpt.state[f"{s}.bias"] for s in shards]).to(dtype), requires_grad=False

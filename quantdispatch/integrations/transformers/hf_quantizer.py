@@ -50,6 +50,7 @@ from quantdispatch.integrations.transformers.common import (
     warn_if_reference,
 )
 from quantdispatch.integrations.transformers.fp8_producers import install_fp8_producers
+from quantdispatch.integrations.transformers.fused_ops import install_fused_ops
 from quantdispatch.integrations.transformers.quantize import quantize_model
 from quantdispatch.integrations.transformers.replace import (
     build_layer,
@@ -64,19 +65,43 @@ METHOD = "quantdispatch"
 
 class QuantDispatchConfig(QuantizationConfigMixin):
     """How ``from_pretrained`` should quantize a float checkpoint (``format``, ``exclude``,
-    ``experts``, as in ``quantize_model``); a quantized checkpoint is loaded as it is stored."""
+    ``experts``, ``fused_ops``, as in ``quantize_model``); a quantized checkpoint is loaded as
+    it is stored."""
 
     def __init__(
         self,
         format: str = "nvfp4",
         exclude: tuple[str, ...] | list[str] = ("lm_head",),
         experts: bool = True,
+        fused_ops: bool = True,
         **kwargs: Any,
     ) -> None:
         self.quant_method = METHOD
         self.format = get_format(format).name
+        if isinstance(exclude, str) or not all(isinstance(e, str) for e in exclude):
+            raise ConfigurationError(
+                format_error(
+                    f"quantdispatch config exclude={exclude!r}",
+                    "exclude is a list of module names or patterns",
+                    f"write exclude: [{exclude!r}]" if isinstance(exclude, str) else "fix it",
+                )
+            )
         self.exclude = list(exclude)
-        self.experts = bool(experts)
+        self.experts = _flag("experts", experts)
+        self.fused_ops = _flag("fused_ops", fused_ops)
+
+
+def _flag(name: str, value: object) -> bool:
+    """A yes / no option of the config, which a JSON string must not stand in for."""
+    if not isinstance(value, bool):
+        raise ConfigurationError(
+            format_error(
+                f"quantdispatch config {name}={value!r}",
+                f"{name} is true or false (a JSON boolean, not a string)",
+                f"write {name}: true or {name}: false",
+            )
+        )
+    return value
 
 
 def hf_config(path: str | Path, **kwargs: Any) -> Any:
@@ -158,7 +183,10 @@ class QuantDispatchHfQuantizer(HfQuantizer):
             act_dtype = torch.bfloat16
         cfg = self.quantization_config
         if self._ckpt is None:
-            quantize_model(model, cfg.format, exclude=tuple(cfg.exclude), experts=cfg.experts)
+            quantize_model(
+                model, cfg.format, exclude=tuple(cfg.exclude), experts=cfg.experts,
+                fused_ops=getattr(cfg, "fused_ops", True),
+            )  # fmt: skip
             return model
         kwargs = layer_kwargs(device, act_dtype, None, None)
         text_cfg = text_config(model)
@@ -166,6 +194,8 @@ class QuantDispatchHfQuantizer(HfQuantizer):
             layer = build_layer(name, original, self._ckpt, text_cfg, kwargs)
             replace_module(model, name, layer)
         self._pending = {}
+        if getattr(cfg, "fused_ops", True):
+            install_fused_ops(model)
         install_fp8_producers(model)
         warn_if_reference(model)
         return model

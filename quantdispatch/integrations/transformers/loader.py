@@ -1,8 +1,8 @@
 """``load_model``: a quantized checkpoint folder -> a transformers model that generates.
 
-Steps: read config.json and the quantization config; build the model from its config with every
-parameter on the meta device (buffers such as RoPE frequencies are computed as usual: they are
-small and not in checkpoints); put a ``QuantLinear`` in place of each linear whose checkpoint
+Steps: read config.json and the quantization config; build the model from its config on the
+meta device (per thread: ``meta_build``), then compute the buffers checkpoints do not hold (RoPE
+frequencies) on the target device; put a ``QuantLinear`` in place of each linear whose checkpoint
 tensors are quantized and a ``QuantExperts`` in place of each quantized experts module; load every
 other tensor from the safetensors shards, one tensor at a time, straight to the device; tie what
 the config ties. Relies on transformers >= 5 (experts modules called as
@@ -11,10 +11,8 @@ the config ties. Relies on transformers >= 5 (experts modules called as
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,31 +25,13 @@ from quantdispatch.integrations.transformers.checkpoint import open_checkpoint
 from quantdispatch.integrations.transformers.common import resolve_device, warn_if_reference
 from quantdispatch.integrations.transformers.float_tensors import load_float_tensors, tie_weights
 from quantdispatch.integrations.transformers.fp8_producers import install_fp8_producers
+from quantdispatch.integrations.transformers.fused_ops import install_fused_ops
+from quantdispatch.integrations.transformers.meta_build import compute_buffers, on_meta
 from quantdispatch.integrations.transformers.replace import swap_in_quantized
 
-__all__ = ["keep_fp32_params", "load_model", "params_on_meta"]
+__all__ = ["keep_fp32_params", "load_model"]
 
 logger = logging.getLogger("quantdispatch")
-
-
-@contextlib.contextmanager
-def params_on_meta() -> Iterator[None]:
-    """Every parameter registered inside is moved to the meta device as it is registered (before
-    a module's own init touches it), so building the model allocates no float weights; buffers
-    stay where they are created."""
-    original = nn.Module.register_parameter
-
-    def register(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        original(self, name, param)
-        p = self._parameters.get(name)
-        if p is not None and p.device.type != "meta":
-            self._parameters[name] = nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
-
-    nn.Module.register_parameter = register  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
 def load_model(
@@ -62,6 +42,7 @@ def load_model(
     policy: Any = None,
     settings: Any = None,
     model_class: Any = None,
+    fused_ops: bool = True,
     **from_config_kwargs: Any,
 ) -> Any:
     """Load a quantized checkpoint folder as a transformers ``PreTrainedModel`` (eval mode).
@@ -70,8 +51,9 @@ def load_model(
     the model's float dtype and its quantized layers' activation dtype. ``policy`` / ``settings``
     go to every layer's ``select()``. The model is the class config.json's ``architectures``
     names (``AutoModelForCausalLM`` where it names none; ``model_class``: a transformers class
-    to build instead). Other keyword arguments go to its ``from_config`` (e.g.
-    ``attn_implementation="sdpa"``).
+    to build instead). ``fused_ops``: one kernel per RMSNorm (with the residual add) and gated
+    activation (:mod:`.fused_ops`; undo with ``remove_fused_ops``). Other keyword arguments go
+    to its ``from_config`` (e.g. ``attn_implementation="sdpa"``).
     """
     from transformers import AutoConfig, GenerationConfig
 
@@ -91,12 +73,18 @@ def load_model(
     if quant_config is not None:
         # building from the config must not start transformers' own quantizer
         del config.quantization_config
-    from_config_kwargs.setdefault("dtype", act_dtype)
-    with params_on_meta():
-        model = build_model(config, model_class, **from_config_kwargs)
+    # dtype=None: transformers would set the process-wide default dtype; on_meta does it for
+    # this thread's new tensors only
+    dtype = from_config_kwargs.pop("dtype", None) or act_dtype
+    with on_meta(dtype):
+        model = build_model(config, model_class, dtype=None, **from_config_kwargs)
+    for cfg in (model.config, *(getattr(model.config, k, None) for k in model.config.sub_configs)):
+        if cfg is not None:
+            cfg.dtype = dtype
     if quant_config is not None:
         model.config.quantization_config = quant_config
-    keep_fp32_params(model, act_dtype)
+    keep_fp32_params(model, dtype)
+    compute_buffers(model, target)
     swap_in_quantized(
         model, ckpt, device=target, act_dtype=act_dtype, policy=policy, settings=settings
     )
@@ -106,6 +94,8 @@ def load_model(
     if (ckpt.path / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(str(ckpt.path))
     model.eval()
+    if fused_ops:
+        install_fused_ops(model)
     install_fp8_producers(model)
     warn_if_reference(model)
     return model

@@ -24,6 +24,7 @@ from quantdispatch.integrations.transformers.common import (
     warn_if_reference,
 )
 from quantdispatch.integrations.transformers.fp8_producers import install_fp8_producers
+from quantdispatch.integrations.transformers.fused_ops import install_fused_ops
 from quantdispatch.integrations.transformers.moe_blocks import (
     experts_arch,
     is_experts_module,
@@ -47,6 +48,7 @@ def quantize_model(
     act_dtype: torch.dtype | None = None,
     policy: Any = None,
     settings: Any = None,
+    fused_ops: bool = True,
 ) -> nn.Module:
     """Quantize ``model`` in place and return it.
 
@@ -56,6 +58,8 @@ def quantize_model(
     ``QuantExperts`` (an experts module of another architecture raises). A linear whose
     in_features the format's group size does not divide stays float (logged). ``act_dtype``
     defaults to each weight's dtype (bf16 / fp16; fp32 weights get bf16 activations).
+    ``fused_ops``: one kernel per RMSNorm (with the residual add) and gated activation
+    (:mod:`.fused_ops`; undo with ``remove_fused_ops``).
     """
     fmt = get_format(format).name
     if isinstance(exclude, str):
@@ -91,6 +95,8 @@ def quantize_model(
             continue
         if new is not None:
             replace_module(model, name, new)
+    if fused_ops:
+        install_fused_ops(model)
     install_fp8_producers(model)
     warn_if_reference(model)
     return model

@@ -16,6 +16,7 @@ from quantdispatch.integrations.transformers.checkpoint import Checkpoint
 from quantdispatch.integrations.transformers.common import replace_module, text_config
 from quantdispatch.integrations.transformers.float_tensors import (
     load_float_experts,
+    load_fused_float,
 )
 from quantdispatch.integrations.transformers.moe_blocks import (
     QuantExperts,
@@ -58,27 +59,29 @@ def swap_in_quantized(
     kwargs = layer_kwargs(device, act_dtype, policy, settings)
     text_cfg = text_config(model)
     if targets is None:
-        targets = quantized_targets(model, ckpt, load_fused_float=True)
+        targets = quantized_targets(model, ckpt, load_float=True)
     for name, module in targets.items():
         replace_module(model, name, build_layer(name, module, ckpt, text_cfg, kwargs))
     return list(targets)
 
 
 def quantized_targets(
-    model: nn.Module, ckpt: Checkpoint, *, load_fused_float: bool = False
+    model: nn.Module, ckpt: Checkpoint, *, load_float: bool = False
 ) -> dict[str, nn.Module]:
-    """{name: module} of the linears and experts modules the checkpoint stores quantized."""
+    """{name: module} of the linears and experts modules the checkpoint stores quantized
+    (``load_float``: float layers stored in another shape, separate q/k/v shards of a fused
+    linear or per-expert linears, are loaded into their modules on the way)."""
     out: dict[str, nn.Module] = {}
     for name, module in model.named_modules():
         if is_experts_module(module):
-            if _experts_quantized(name, module, ckpt, load_float=load_fused_float):
+            if _experts_quantized(name, module, ckpt, load_float=load_float):
                 out[name] = module
         elif isinstance(module, nn.Linear):
             shards = _linear_shards(name, ckpt)
             kinds = {ckpt.linear_kind(s) for s in shards}
             if shards and kinds == {"quantized"}:
                 out[name] = module
-            elif len(shards) > 1 and kinds == {"float"} and load_fused_float:
+            elif len(shards) > 1 and kinds == {"float"} and load_float:
                 load_fused_float(module, shards, ckpt)
             elif shards and len(kinds) > 1:
                 raise CheckpointError(
@@ -97,9 +100,11 @@ def build_layer(
     """The quantdispatch layer for a module the checkpoint stores quantized."""
     if not is_experts_module(module):
         shards = _linear_shards(name, ckpt)
-        return QuantLinear.from_checkpoint(
+        layer = QuantLinear.from_checkpoint(
             ckpt.view(*shards), shards if len(shards) > 1 else shards[0], ckpt.quant, **kwargs
         )
+        _same_shape(name, shards, (layer.out_features, layer.in_features), module)
+        return layer
     arch = experts_arch(module)
     if arch is None:
         raise unsupported_experts_error(name, module)
@@ -114,6 +119,21 @@ def build_layer(
         **kwargs,
     )
     return QuantExperts(moe, arch.name)
+
+
+def _same_shape(name: str, shards: list[str], shape: tuple[int, int], module: nn.Module) -> None:
+    """The quantized layer computes what the module it replaces would: same [N, K]."""
+    want = (getattr(module, "out_features", None), getattr(module, "in_features", None))
+    if shape != want:
+        raise CheckpointError(
+            format_error(
+                f"the checkpoint's {' + '.join(shards)} is [N, K] = {list(shape)} but the "
+                f"model's {name!r} is {list(want)}",
+                "config.json describes the checkpoint's shapes (hidden size, heads, "
+                "num_key_value_heads, intermediate size)",
+                "use the config.json that came with these weights",
+            )
+        )
 
 
 def _linear_shards(name: str, ckpt: Checkpoint) -> list[str]:

@@ -21,8 +21,15 @@ from quantdispatch.kernels.common.decode import (
     e4m3_to_f32_scaled_finite,
     e8m0_to_f32_scaled,
 )
+from quantdispatch.kernels.common.launch import Launcher
 
-__all__ = ["dequant_experts", "dequant_fp4_rows", "dequant_fp8_rows"]
+__all__ = [
+    "Fp4DequantRows",
+    "Fp8DequantRows",
+    "dequant_experts",
+    "dequant_fp4_rows",
+    "dequant_fp8_rows",
+]
 
 
 @triton.jit
@@ -114,6 +121,51 @@ def _dequant_fp8_kernel(
     )
 
 
+class Fp4DequantRows:
+    """:func:`dequant_fp4_rows` over one weight with the launch bound once (the slabs of a bound
+    large-M linear): ``rows(a, b, out)`` writes weight rows a..b into ``out`` (bf16 or fp16)."""
+
+    def __init__(
+        self,
+        packed: torch.Tensor,
+        block_scale_u8: torch.Tensor,
+        global_scale: torch.Tensor | None,
+        *,
+        scale_format: str,
+        tile: tuple[int, int, int] = (16, 128, 4),
+    ) -> None:
+        half_k = packed.shape[1]
+        self._block_r, block_b, self._warps = tile
+        per_group = (32 if scale_format == "e8m0" else 16) // 2  # packed bytes per scale
+        self._n_groups = half_k // per_group
+        self._block_g = max(1, block_b // per_group)
+        self._packed, self._scales = packed, block_scale_u8
+        self._fixed = dict(
+            gs_ptr=global_scale if global_scale is not None else packed,
+            n_groups=self._n_groups, stride_p=packed.stride(0),
+            stride_s=block_scale_u8.stride(0), BYTES_PER_GROUP=per_group,
+            SCALE_E8M0=scale_format == "e8m0", HAS_GS=global_scale is not None,
+            BLOCK_R=self._block_r, BLOCK_G=self._block_g,
+        )  # fmt: skip
+        self._launchers: dict[torch.dtype, Launcher] = {}
+
+    def _launcher(self, dtype: torch.dtype) -> Launcher:
+        launcher = self._launchers[dtype] = Launcher(
+            _dequant_fp4_grouped_kernel,
+            ("packed_ptr", "scale_ptr", "out32_ptr", "n_rows", "stride_o32"),
+            dict(self._fixed, OUT_BF16=dtype == torch.bfloat16),
+            dict(num_warps=self._warps),
+        )
+        return launcher
+
+    def __call__(self, a: int, b: int, out: torch.Tensor) -> torch.Tensor:
+        launch = self._launchers.get(out.dtype) or self._launcher(out.dtype)
+        out32 = out.view(torch.int32)  # [rows, K / 2]: one word per packed byte
+        grid = (triton.cdiv(b - a, self._block_r), triton.cdiv(self._n_groups, self._block_g))
+        launch(grid, self._packed[a:b], self._scales[a:b], out32, b - a, out32.stride(0))
+        return out
+
+
 def dequant_fp4_rows(
     packed: torch.Tensor,
     block_scale_u8: torch.Tensor,
@@ -126,32 +178,41 @@ def dequant_fp4_rows(
     """Write the dequantized rows of an NVFP4 / MXFP4 weight into ``out`` [rows, K] (16-bit,
     rows contiguous). ``tile`` = (rows, packed bytes, warps) per program; the default is from
     benchmarks/dequant_sweep.py on the H200 (docs/design/checkpoint-layout.md)."""
-    n, half_k = packed.shape
-    out32 = out.view(torch.int32)  # [rows, K / 2]: one word per packed byte
-    block_r, block_b, warps = tile
-    per_group = (32 if scale_format == "e8m0" else 16) // 2  # packed bytes per scale
-    n_groups = half_k // per_group
-    block_g = max(1, block_b // per_group)
-    grid = (triton.cdiv(n, block_r), triton.cdiv(n_groups, block_g))
-    _dequant_fp4_grouped_kernel[grid](
-        packed,
-        block_scale_u8,
-        global_scale if global_scale is not None else packed,
-        out32,
-        n,
-        n_groups,
-        packed.stride(0),
-        block_scale_u8.stride(0),
-        out32.stride(0),
-        BYTES_PER_GROUP=per_group,
-        SCALE_E8M0=scale_format == "e8m0",
-        HAS_GS=global_scale is not None,
-        OUT_BF16=out.dtype == torch.bfloat16,
-        BLOCK_R=block_r,
-        BLOCK_G=block_g,
-        num_warps=warps,
+    rows = Fp4DequantRows(
+        packed, block_scale_u8, global_scale, scale_format=scale_format, tile=tile
     )
-    return out
+    return rows(0, packed.shape[0], out)
+
+
+class Fp8DequantRows:
+    """:func:`dequant_fp8_rows` over one weight with the launch bound once: ``rows(a, b, out)``
+    writes weight rows a..b into ``out``."""
+
+    def __init__(
+        self, weight_u8: torch.Tensor, scale: torch.Tensor, *, block_size: tuple[int, int] | None
+    ) -> None:
+        self._k = weight_u8.shape[1]
+        kind = 2 if block_size is not None else (0 if scale.dim() == 0 else 1)
+        bn, bk = block_size or (1, 1)
+        self._weight = weight_u8
+        self._launch = Launcher(
+            _dequant_fp8_kernel,
+            ("w_ptr", "out_ptr", "n_rows", "row0", "stride_o"),
+            dict(
+                scale_ptr=scale, k=self._k, stride_w=weight_u8.stride(0),
+                stride_s=scale.stride(0) if scale.dim() == 2 else 0, SCALE_KIND=kind,
+                BLOCK_SN=bn, BLOCK_SK=bk, BLOCK_R=_FP8_BLOCK_R, BLOCK_K=_FP8_BLOCK_K,
+            ),
+            dict(num_warps=4),
+        )  # fmt: skip
+
+    def __call__(self, a: int, b: int, out: torch.Tensor) -> torch.Tensor:
+        grid = (triton.cdiv(b - a, _FP8_BLOCK_R), triton.cdiv(self._k, _FP8_BLOCK_K))
+        self._launch(grid, self._weight[a:b], out, b - a, a, out.stride(0))
+        return out
+
+
+_FP8_BLOCK_R, _FP8_BLOCK_K = 32, 128
 
 
 def dequant_fp8_rows(
@@ -163,28 +224,12 @@ def dequant_fp8_rows(
     block_size: tuple[int, int] | None,
 ) -> torch.Tensor:
     """Dequantize FP8 rows ``row0 .. row0 + len(weight_u8)`` (scales indexed from row0)."""
-    n, k = weight_u8.shape
-    kind = 2 if block_size is not None else (0 if scale.dim() == 0 else 1)
-    bn, bk = block_size or (1, 1)
-    block_r, block_k = 32, 128
-    grid = (triton.cdiv(n, block_r), triton.cdiv(k, block_k))
-    _dequant_fp8_kernel[grid](
-        weight_u8,
-        scale,
-        out,
-        n,
-        k,
-        row0,
-        weight_u8.stride(0),
-        scale.stride(0) if scale.dim() == 2 else 0,
-        out.stride(0),
-        SCALE_KIND=kind,
-        BLOCK_SN=bn,
-        BLOCK_SK=bk,
-        BLOCK_R=block_r,
-        BLOCK_K=block_k,
-        num_warps=4,
-    )
+    rows = Fp8DequantRows(weight_u8, scale, block_size=block_size)
+    n = weight_u8.shape[0]
+    rows._launch(
+        (triton.cdiv(n, _FP8_BLOCK_R), triton.cdiv(weight_u8.shape[1], _FP8_BLOCK_K)),
+        weight_u8, out, n, row0, out.stride(0),
+    )  # fmt: skip
     return out
 
 

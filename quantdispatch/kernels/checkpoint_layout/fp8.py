@@ -36,8 +36,9 @@ from quantdispatch.kernels.common.checks import (
 from quantdispatch.kernels.common.configs import GemmConfig, get_config
 from quantdispatch.kernels.common.decode import e4m3_to_16bit, e4m3_to_f32_scaled
 from quantdispatch.kernels.common.device_facts import DeviceFacts, device_facts
+from quantdispatch.kernels.common.launch import Launcher
 
-__all__ = ["fp8_weight_only_linear"]
+__all__ = ["Fp8Linear", "fp8_weight_only_linear"]
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -265,6 +266,96 @@ def _scale_block_fit(block_k: int, kind: int, bk: int) -> int:
     return block_k
 
 
+class Fp8Linear:
+    """:func:`fp8_weight_only_linear` with the weight bound (the bound call path): the weight
+    checks run once, each M's config and launcher are made once; a call checks x, allocates the
+    output and launches."""
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        scale: torch.Tensor,
+        *,
+        block_size: tuple[int, int] | None,
+        bias: torch.Tensor | None = None,
+        config: GemmConfig | None = None,
+        facts: DeviceFacts | None = None,
+    ) -> None:
+        self.k = weight.shape[1] if weight.dim() == 2 else -1
+        w_u8, self.kind, (bn, self.bk) = check_fp8_weights(weight, scale, block_size, self.k)
+        check_same_device(weight, "fp8_weight_only_linear", scale=scale, bias=bias)
+        self.n = weight.shape[0]
+        check_bias(bias, self.n, "fp8_weight_only_linear")
+        self.facts = facts or device_facts(weight.device)
+        self._config = config
+        block = self.kind == 2
+        self._fixed = dict(
+            w_ptr=w_u8, s_ptr=scale, N=self.n, K=self.k, stride_wn=w_u8.stride(0),
+            stride_sn=scale.stride(0) if block else 0, stride_sk=scale.stride(1) if block else 0,
+            SCALE_KIND=self.kind, BLOCK_SN=bn, BLOCK_SK=self.bk, HAS_BIAS=bias is not None,
+            DOT_F32=interpreting(),
+        )  # fmt: skip
+        self._bias = bias  # absent: x is passed (never read)
+        self._plans: dict[tuple[int, torch.dtype], tuple[Launcher, tuple[int, ...]]] = {}
+
+    def _plan(self, m: int, dtype: torch.dtype) -> tuple[Launcher, tuple[int, ...]]:
+        n, k = self.n, self.k
+        config = self._config or get_config("fp8", self.facts, n, k, m)[0]
+        bf16 = dtype == torch.bfloat16
+        fixed = dict(
+            self._fixed, BF16=bf16, DEQ16=not (interpreting() and bf16),
+            SWAP_AB=bool(config.swap_ab), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        )  # fmt: skip
+        options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
+        if config.split:  # the small-M kernel: K split in-program
+            block_k = _scale_block_fit(config.block_k, self.kind, self.bk)
+            grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m))
+            kernel = _fp8_small_m_kernel
+            extra = dict(
+                BLOCK_K=block_k, EVEN_K=k % (config.split * block_k) == 0, SPLIT=config.split
+            )
+        else:
+            # one byte per weight: K tiles twice as wide in bytes as FP4's; keep stages inside
+            # 227 KB
+            top = min(config.block_k, 256 if config.block_m <= 32 else 128)
+            block_k = _scale_block_fit(top, self.kind, self.bk)
+            grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
+            kernel = _fp8_gemm_kernel
+            # swap-AB: the decoded weight is the MMA's A operand (wgmma on SM 9.x)
+            settled = bool(config.swap_ab) and self.facts.rs_wgmma_hazard
+            extra = dict(
+                BLOCK_K=block_k, EVEN_K=k % block_k == 0, GROUP_M=config.group_m, SETTLE=settled
+            )
+        launcher = Launcher(kernel, _VARYING, dict(fixed, **extra), options)
+        if len(self._plans) > _MAX_PLANS:
+            self._plans.clear()
+        self._plans[(m, dtype)] = plan = (launcher, grid)
+        return plan
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2 or x.shape[1] != self.k or x.dtype not in _16_BIT:
+            x = check_activation(x, self.k, "fp8_weight_only_linear")
+        elif x.stride(1) != 1:
+            x = x.contiguous()
+        m = x.shape[0]
+        out = checks.empty_output(m, self.n, x.dtype, x.device)
+        if m == 0 or self.n == 0:
+            return out
+        plan = self._plans.get((m, x.dtype))
+        if plan is None:
+            plan = self._plan(m, x.dtype)
+        launcher, grid = plan
+        bias = self._bias if self._bias is not None else x
+        launcher(grid, x, bias, out, m, x.stride(0), out.stride(0))
+        return out
+
+
+_VARYING = ("x_ptr", "bias_ptr", "out_ptr", "M", "stride_xm", "stride_om")
+_16_BIT = (torch.float16, torch.bfloat16)
+#: Plans kept per bound weight (one per distinct M seen; cleared past this).
+_MAX_PLANS = 4096
+
+
 def fp8_weight_only_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -279,88 +370,13 @@ def fp8_weight_only_linear(
 
     ``scale``: 0-dim (tensor), [N] (channel) or [ceil(N/bn), ceil(K/bk)] with
     ``block_size=(bn, bk)`` (block). ``config`` overrides the table (tuning and tests only);
-    ``facts``: x's device (None: asked here).
+    ``facts``: x's device (None: asked here). A layer binds :class:`Fp8Linear` once instead.
     """
     k = weight.shape[1] if weight.dim() == 2 else -1
     x = check_activation(x, k, "fp8_weight_only_linear")
-    w_u8, kind, (bn, bk) = check_fp8_weights(weight, scale, block_size, k)
-    check_same_device(x, "fp8_weight_only_linear", weight=weight, scale=scale, bias=bias)
-    n = weight.shape[0]
-    check_bias(bias, n, "fp8_weight_only_linear")
-    m = x.shape[0]
-    out = checks.empty_output(m, n, x.dtype, x.device)
-    if m == 0 or n == 0:
-        return out
-    facts = facts or device_facts(x.device)
-    if config is None:
-        config, _ = get_config("fp8", facts, n, k, m)
-    if config.split:  # the small-M kernel: K split in-program
-        block_k = _scale_block_fit(config.block_k, kind, bk)
-        _fp8_small_m_kernel[(triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m))](
-            x,
-            w_u8,
-            scale,
-            bias if bias is not None else x,
-            out,
-            m,
-            n,
-            k,
-            x.stride(0),
-            w_u8.stride(0),
-            scale.stride(0) if kind == 2 else 0,
-            scale.stride(1) if kind == 2 else 0,
-            out.stride(0),
-            SCALE_KIND=kind,
-            BLOCK_SN=bn,
-            BLOCK_SK=bk,
-            HAS_BIAS=bias is not None,
-            EVEN_K=k % (config.split * block_k) == 0,
-            DOT_F32=interpreting(),
-            BF16=x.dtype == torch.bfloat16,
-            DEQ16=not (interpreting() and x.dtype == torch.bfloat16),
-            SPLIT=config.split,
-            SWAP_AB=bool(config.swap_ab),
-            BLOCK_M=config.block_m,
-            BLOCK_N=config.block_n,
-            BLOCK_K=block_k,
-            num_warps=config.num_warps,
-            num_stages=config.num_stages,
-        )
-        return out
-    # one byte per weight: K tiles twice as wide in bytes as FP4's; keep stages inside 227 KB
-    block_k = _scale_block_fit(min(config.block_k, 256 if config.block_m <= 32 else 128), kind, bk)
-    s = scale
-    grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
-    _fp8_gemm_kernel[grid](
-        x,
-        w_u8,
-        s,
-        bias if bias is not None else x,
-        out,
-        m,
-        n,
-        k,
-        x.stride(0),
-        w_u8.stride(0),
-        s.stride(0) if kind == 2 else 0,
-        s.stride(1) if kind == 2 else 0,
-        out.stride(0),
-        SCALE_KIND=kind,
-        BLOCK_SN=bn,
-        BLOCK_SK=bk,
-        HAS_BIAS=bias is not None,
-        EVEN_K=k % block_k == 0,
-        DOT_F32=interpreting(),
-        BF16=x.dtype == torch.bfloat16,
-        DEQ16=not (interpreting() and x.dtype == torch.bfloat16),
-        SWAP_AB=bool(config.swap_ab),
-        BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n,
-        BLOCK_K=block_k,
-        GROUP_M=config.group_m,
-        # swap-AB: the decoded weight is the MMA's A operand (wgmma on SM 9.x)
-        SETTLE=bool(config.swap_ab) and facts.rs_wgmma_hazard,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )
-    return out
+    check_same_device(x, "fp8_weight_only_linear", weight=weight)
+    bound = Fp8Linear(
+        weight, scale, block_size=block_size, bias=bias, config=config,
+        facts=facts or device_facts(x.device),
+    )  # fmt: skip
+    return bound(x)

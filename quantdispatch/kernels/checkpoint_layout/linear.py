@@ -56,9 +56,10 @@ from quantdispatch.kernels.common.decode import (
     e8m0_to_f32_scaled,
 )
 from quantdispatch.kernels.common.device_facts import DeviceFacts, device_facts
+from quantdispatch.kernels.common.launch import Launcher
 from quantdispatch.kernels.common.wgmma_guard import settle
 
-__all__ = ["fp4_linear", "mma_tile"]
+__all__ = ["Fp4Linear", "fp4_linear", "mma_tile"]
 
 
 _KIND = {"e4m3": "nvfp4", "e8m0": "mxfp4"}
@@ -337,6 +338,98 @@ def _fp4_gemm_kernel(
     tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+class Fp4Linear:
+    """:func:`fp4_linear` with the weight bound (the bound call path): the weight checks run
+    once, each M's config and launcher are made once; a call checks x, allocates the output and
+    launches."""
+
+    def __init__(
+        self,
+        packed: torch.Tensor,
+        block_scale: torch.Tensor,
+        global_scale: torch.Tensor | None,
+        *,
+        scale_format: Literal["e4m3", "e8m0"],
+        bias: torch.Tensor | None = None,
+        config: GemmConfig | None = None,
+        deq16: bool | None = None,
+        facts: DeviceFacts | None = None,
+    ) -> None:
+        self.k = packed.shape[1] * 2 if packed.dim() == 2 else -1
+        scale_u8 = check_fp4_weights(packed, block_scale, global_scale, scale_format, self.k)
+        check_same_device(
+            packed, "fp4_linear", block_scale=block_scale, global_scale=global_scale, bias=bias
+        )
+        self.n = packed.shape[0]
+        check_bias(bias, self.n, "fp4_linear")
+        self.scale_format = scale_format
+        self.facts = facts or device_facts(packed.device)
+        self._config, self._deq16 = config, deq16
+        self._fixed = dict(
+            w_ptr=packed, s_ptr=scale_u8, N=self.n, K=self.k, stride_wn=packed.stride(0),
+            stride_sn=scale_u8.stride(0), GROUP=SCALE_GROUP[scale_format],
+            SCALE_E8M0=scale_format == "e8m0", HAS_GS=global_scale is not None,
+            HAS_BIAS=bias is not None, DOT_F32=interpreting(),
+        )  # fmt: skip
+        # absent tensors point at x (never read): bound per call
+        self._gs, self._bias = global_scale, bias
+        self._plans: dict[tuple[int, torch.dtype], tuple[Launcher, tuple[int, ...]]] = {}
+
+    def _plan(self, m: int, dtype: torch.dtype) -> tuple[Launcher, tuple[int, ...]]:
+        n, k = self.n, self.k
+        config = self._config or get_config(_KIND[self.scale_format], self.facts, n, k, m)[0]
+        block_k = max(config.block_k, SCALE_GROUP[self.scale_format])
+        bf16 = dtype == torch.bfloat16
+        deq16 = self._deq16
+        if deq16 is None:  # the interpreter's bf16 arithmetic is wrong: fp32 decode there
+            deq16 = self.scale_format == "e4m3" and not (interpreting() and bf16)
+        fixed = dict(
+            self._fixed, DEQ16=deq16 and self.scale_format == "e4m3", BF16=bf16,
+            SWAP_AB=bool(config.swap_ab), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+            BLOCK_K=block_k,
+        )  # fmt: skip
+        options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
+        if config.split:  # small-M family: K split inside each program
+            grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m))
+            even_k = k % (block_k * config.split) == 0
+            kernel, extra = _fp4_small_m_kernel, dict(EVEN_K=even_k, SPLIT=config.split)
+        else:  # tiled family
+            grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
+            # swap-AB: the decoded weight is the MMA's A operand (wgmma on SM 9.x)
+            settled = bool(config.swap_ab) and self.facts.rs_wgmma_hazard
+            kernel = _fp4_gemm_kernel
+            extra = dict(EVEN_K=k % block_k == 0, GROUP_M=config.group_m, SETTLE=settled)
+        launcher = Launcher(kernel, _VARYING, dict(fixed, **extra), options)
+        if len(self._plans) > _MAX_PLANS:
+            self._plans.clear()
+        self._plans[(m, dtype)] = plan = (launcher, grid)
+        return plan
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2 or x.shape[1] != self.k or x.dtype not in _16_BIT:
+            x = check_activation(x, self.k, "fp4_linear")
+        elif x.stride(1) != 1:
+            x = x.contiguous()
+        m = x.shape[0]
+        out = checks.empty_output(m, self.n, x.dtype, x.device)
+        if m == 0 or self.n == 0:
+            return out
+        plan = self._plans.get((m, x.dtype))
+        if plan is None:
+            plan = self._plan(m, x.dtype)
+        gs = self._gs if self._gs is not None else x
+        bias = self._bias if self._bias is not None else x
+        launcher, grid = plan
+        launcher(grid, x, gs, bias, out, m, x.stride(0), out.stride(0))
+        return out
+
+
+_VARYING = ("x_ptr", "gs_ptr", "bias_ptr", "out_ptr", "M", "stride_xm", "stride_om")
+_16_BIT = (torch.float16, torch.bfloat16)
+#: Plans kept per bound weight (one per distinct M seen; cleared past this).
+_MAX_PLANS = 4096
+
+
 def fp4_linear(
     x: torch.Tensor,
     packed: torch.Tensor,
@@ -355,73 +448,13 @@ def fp4_linear(
     device, never read on the host); ``'e8m0'`` is MXFP4 (group 32, no global scale, or the factor
     :func:`quantdispatch.formats.mxfp4.rebase_mx_scales_for_fp16` returns for its rebased codes).
     ``config`` overrides the table and ``deq16`` the decode variant (tuning and tests only);
-    ``facts``: x's device (None: asked here).
+    ``facts``: x's device (None: asked here). A layer binds :class:`Fp4Linear` once instead.
     """
     k = packed.shape[1] * 2 if packed.dim() == 2 else -1
     x = check_activation(x, k, "fp4_linear")
-    scale_u8 = check_fp4_weights(packed, block_scale, global_scale, scale_format, k)
-    check_same_device(
-        x,
-        "fp4_linear",
-        packed=packed,
-        block_scale=block_scale,
-        global_scale=global_scale,
-        bias=bias,
-    )
-    n = packed.shape[0]
-    check_bias(bias, n, "fp4_linear")
-    m = x.shape[0]
-    out = checks.empty_output(m, n, x.dtype, x.device)
-    if m == 0 or n == 0:
-        return out
-    group = SCALE_GROUP[scale_format]
-    facts = facts or device_facts(x.device)
-    if config is None:
-        config, _ = get_config(_KIND[scale_format], facts, n, k, m)
-    block_k = max(config.block_k, group)
-    interp = interpreting()
-    bf16 = x.dtype == torch.bfloat16
-    if deq16 is None:  # the interpreter's bf16 arithmetic is wrong: fp32 decode there
-        deq16 = scale_format == "e4m3" and not (interp and bf16)
-    args = (
-        x,
-        packed,
-        scale_u8,
-        global_scale if global_scale is not None else x,
-        bias if bias is not None else x,
-        out,
-        m,
-        n,
-        k,
-        x.stride(0),
-        packed.stride(0),
-        scale_u8.stride(0),
-        out.stride(0),
-    )
-    common = dict(
-        GROUP=group,
-        SCALE_E8M0=scale_format == "e8m0",
-        HAS_GS=global_scale is not None,
-        HAS_BIAS=bias is not None,
-        DOT_F32=interp,
-        DEQ16=deq16 and scale_format == "e4m3",
-        BF16=bf16,
-        SWAP_AB=bool(config.swap_ab),
-        BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n,
-        BLOCK_K=block_k,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )
-    if config.split:  # small-M family: K split inside each program
-        grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m))
-        even_k = k % (block_k * config.split) == 0
-        _fp4_small_m_kernel[grid](*args, EVEN_K=even_k, SPLIT=config.split, **common)
-    else:  # tiled family
-        grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
-        # swap-AB: the decoded weight is the MMA's A operand (wgmma on SM 9.x)
-        settled = bool(config.swap_ab) and facts.rs_wgmma_hazard
-        _fp4_gemm_kernel[grid](
-            *args, EVEN_K=k % block_k == 0, GROUP_M=config.group_m, SETTLE=settled, **common
-        )
-    return out
+    check_same_device(x, "fp4_linear", packed=packed)
+    bound = Fp4Linear(
+        packed, block_scale, global_scale, scale_format=scale_format, bias=bias, config=config,
+        deq16=deq16, facts=facts or device_facts(x.device),
+    )  # fmt: skip
+    return bound(x)

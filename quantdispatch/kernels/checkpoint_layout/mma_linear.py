@@ -22,6 +22,7 @@ from quantdispatch.kernels.common.decode_tables import (
     reg_source,
     scale_consts,
 )
+from quantdispatch.kernels.common.launch import launch
 from quantdispatch.kernels.common.ptx import X_PERM
 
 __all__ = [
@@ -126,7 +127,7 @@ def mma_ckpt_linear(
     if tiles % wt:
         raise ValueError(f"WT={wt} does not divide the {tiles} tiles")
     grid = (triton.cdiv(m, 8 * nt), tiles // wt)
-    checkpoint_mma_kernel[grid](
+    launch(checkpoint_mma_kernel, grid,
         x, x, x, x, x, global_scale,
         packed, block_scale_u8, global_scale, bias if bias is not None else global_scale, out,
         m, 1, 1, 0,

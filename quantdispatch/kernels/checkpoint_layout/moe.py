@@ -69,6 +69,7 @@ from quantdispatch.kernels.checkpoint_layout.moe_plan import (
 from quantdispatch.kernels.common import checks
 from quantdispatch.kernels.common.checks import check_moe_call, interpreting, rows_aligned
 from quantdispatch.kernels.common.device_facts import DeviceFacts, device_facts
+from quantdispatch.kernels.common.launch import launch
 from quantdispatch.kernels.common.slabs import run_dequant_moe
 from quantdispatch.moe.activations import get_activation
 
@@ -284,7 +285,7 @@ def fused_moe(
     se13, sn13, sk13, kind13 = _strides(fmt, s13)
     bk1 = block_k(cfg.gemm1, hidden, kind13)
     grid1 = (n_blocks, triton.cdiv(inter, cfg.gemm1.block_n))
-    moe_gemm1_kernel[grid1](
+    launch(moe_gemm1_kernel, grid1,
         x, ids, sorted_ids, block_expert, num_blocks,
         c13, s13, g13 if g13 is not None else s13, w13_bias if w13_bias is not None else x, a,
         pairs, inter, hidden, e, top_k,
@@ -304,7 +305,7 @@ def fused_moe(
     b2_stride = w2_bias.stride(0) if w2_bias is not None else 0
     y = checks.empty((pairs, hidden), x.dtype, x.device)
     grid2 = (n_blocks, triton.cdiv(hidden, cfg.gemm2.block_n))
-    moe_gemm2_kernel[grid2](
+    launch(moe_gemm2_kernel, grid2,
         a, ids, sorted_ids, block_expert, num_blocks, tw,
         c2, s2, g2 if g2 is not None else s2, b2_arg, y,
         pairs, hidden, inter, e,

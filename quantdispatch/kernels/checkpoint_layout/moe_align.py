@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from quantdispatch.kernels.common import checks
+from quantdispatch.kernels.common.launch import launch
 
 __all__ = ["max_blocks_for", "moe_align"]
 
@@ -140,18 +141,20 @@ def moe_align(
     chb = max(16, min(triton.next_power_of_2(max_blocks), max(16, 16384 // e_pad)))
     n_chunks = triton.cdiv(pairs, ch)
     if n_chunks <= 1:
-        _align_single_kernel[(1,)](
+        launch(_align_single_kernel, (1,),
             ids, sorted_ids, block_expert, num_blocks, pairs, num_experts, max_blocks,
             BM=block_m, CH=ch, E_PAD=e_pad, CHB=chb, num_warps=4,
         )  # fmt: skip
     else:
         part = checks.empty((2, n_chunks, e_pad), torch.int32, dev)  # counts, then bases
-        _align_count_kernel[(n_chunks,)](ids, part[0], pairs, num_experts, CH=ch, E_PAD=e_pad)
-        _align_offsets_kernel[(1,)](
+        launch(
+            _align_count_kernel, (n_chunks,), ids, part[0], pairs, num_experts, CH=ch, E_PAD=e_pad
+        )
+        launch(_align_offsets_kernel, (1,),
             part[0], part[1], sorted_ids, block_expert, num_blocks, pairs, n_chunks, max_blocks,
             BM=block_m, E_PAD=e_pad, CHB=chb, num_warps=4,
         )  # fmt: skip
-        _align_scatter_kernel[(n_chunks,)](
+        launch(_align_scatter_kernel, (n_chunks,),
             ids, part[1], sorted_ids, pairs, num_experts, CH=ch, E_PAD=e_pad
         )
     return sorted_ids, block_expert, num_blocks

@@ -28,6 +28,7 @@ from quantdispatch.kernels.common.decode import (
     e4m3_to_f32_scaled_finite,
     e8m0_to_f32_scaled,
 )
+from quantdispatch.kernels.common.launch import launch
 
 __all__ = ["moe_gemm1_kernel", "moe_gemm2_kernel", "moe_reduce"]
 
@@ -299,7 +300,7 @@ def moe_reduce(y: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, experts: i
     m, hidden = out.shape
     top_k = ids.shape[1]
     bnr = min(1024, triton.next_power_of_2(hidden))
-    _moe_reduce_kernel[(m, triton.cdiv(hidden, bnr))](
+    launch(_moe_reduce_kernel, (m, triton.cdiv(hidden, bnr)),
         y, ids, out, hidden, experts, top_k, y.stride(0), out.stride(0),
         TOPK_P=triton.next_power_of_2(max(top_k, 2)), BN=bnr, num_warps=4,
     )  # fmt: skip

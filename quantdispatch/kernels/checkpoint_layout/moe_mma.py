@@ -50,6 +50,7 @@ from quantdispatch.kernels.checkpoint_layout.moe_gemm import moe_reduce
 from quantdispatch.kernels.checkpoint_layout.moe_plan import MmaGemmConfig, MmaMoeConfig
 from quantdispatch.kernels.common import checks
 from quantdispatch.kernels.common.activation import apply_activation
+from quantdispatch.kernels.common.launch import launch
 from quantdispatch.kernels.common.ptx import chunk_mma, k_reduce, load_chunk, load_x, x_perm
 
 __all__ = ["checkpoint_mma_kernel", "mma_moe_gemms", "run_mma_moe"]
@@ -255,7 +256,7 @@ def _launch(cfg: MmaGemmConfig, blocks: int, tiles: int, **kw: object) -> None:
     if tiles % cfg.wt:
         raise ValueError(f"WT={cfg.wt} does not divide the {tiles} tiles")
     grid = (blocks, tiles // cfg.wt)
-    checkpoint_mma_kernel[grid](
+    launch(checkpoint_mma_kernel, grid,
         **kw, WT=cfg.wt, WK=cfg.wk, UNROLL=cfg.unroll, num_warps=cfg.wt * cfg.wk, num_stages=1
     )
 

@@ -31,11 +31,56 @@ import triton.language as tl
 
 from quantdispatch.kernels.common import checks
 from quantdispatch.kernels.common.activation import apply_activation
+from quantdispatch.kernels.common.launch import launch
 
-__all__ = ["WORKSPACE_ELEMENTS", "dequant_gemm", "run_dequant_moe"]
+__all__ = ["WORKSPACE_ELEMENTS", "DequantGemm", "dequant_gemm", "run_dequant_moe"]
 
 
 WORKSPACE_ELEMENTS = 32 * 2**20
+
+
+class DequantGemm:
+    """:func:`dequant_gemm` bound to one weight (the bound call path): the slabs are planned
+    once and the bias is cast once per activation dtype; a call allocates the output and the
+    slab, dequantizes and multiplies."""
+
+    def __init__(
+        self,
+        n: int,
+        k: int,
+        dequant_rows: Callable[[int, int, torch.Tensor], object],
+        bias: torch.Tensor | None = None,
+    ) -> None:
+        self.n, self.k = n, k
+        # Slabs of a multiple of 128 rows: every slab's output columns start 256-byte aligned,
+        # which cuBLAS needs for its fast kernels (an unaligned column offset tripled the GEMM
+        # time).
+        rows = max(1, min(n, WORKSPACE_ELEMENTS // k))
+        if 128 <= rows < n:
+            rows = rows // 128 * 128
+        self.rows = rows
+        self._slabs = tuple((a, min(n, a + rows)) for a in range(0, n, rows))
+        self._dequant_rows = dequant_rows
+        self._bias = bias
+        self._bias16: dict[torch.dtype, torch.Tensor] = {}
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        m, n, k = x.shape[0], self.n, self.k
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        ws = torch.empty(self.rows * k, dtype=x.dtype, device=x.device)  # per call: module doc
+        bias16 = None
+        if self._bias is not None:
+            bias16 = self._bias16.get(x.dtype)
+            if bias16 is None:
+                bias16 = self._bias16[x.dtype] = self._bias.to(x.dtype)
+        for a, b in self._slabs:
+            slab = ws[: (b - a) * k].view(b - a, k)
+            self._dequant_rows(a, b, slab)
+            if bias16 is not None:
+                torch.addmm(bias16[a:b], x, slab.t(), out=out[:, a:b])
+            else:
+                torch.mm(x, slab.t(), out=out[:, a:b])
+        return out
 
 
 def dequant_gemm(
@@ -46,24 +91,7 @@ def dequant_gemm(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y [M, N] = x @ W.T (+ bias), W produced slab by slab by ``dequant_rows(a, b, out)``."""
-    m = x.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    # Slabs of a multiple of 128 rows: every slab's output columns start 256-byte aligned, which
-    # cuBLAS needs for its fast kernels (an unaligned column offset tripled the GEMM time).
-    rows = max(1, min(n, WORKSPACE_ELEMENTS // k))
-    if 128 <= rows < n:
-        rows = rows // 128 * 128
-    ws = torch.empty(rows * k, dtype=x.dtype, device=x.device)  # per call: see the module doc
-    bias16 = bias.to(x.dtype) if bias is not None else None
-    for a in range(0, n, rows):
-        b = min(n, a + rows)
-        slab = ws[: (b - a) * k].view(b - a, k)
-        dequant_rows(a, b, slab)
-        if bias16 is not None:
-            torch.addmm(bias16[a:b], x, slab.t(), out=out[:, a:b])
-        else:
-            torch.mm(x, slab.t(), out=out[:, a:b])
-    return out
+    return DequantGemm(n, k, dequant_rows, bias)(x)
 
 
 @triton.jit
@@ -127,7 +155,7 @@ def run_dequant_moe(
     inter = h.shape[1] // 2 if gated else h.shape[1]
     a = checks.empty((h.shape[0], inter), x.dtype, x.device)
     bn = min(1024, triton.next_power_of_2(inter))
-    _act_rows_kernel[(h.shape[0], triton.cdiv(inter, bn))](
+    launch(_act_rows_kernel, (h.shape[0], triton.cdiv(inter, bn)),
         h, a, sorted_expert, b13 if b13 is not None else h, inter, h.stride(0), a.stride(0),
         b13.stride(0) if b13 is not None else 0, float(alpha), float(limit),
         ACT=act_code, GATED=gated, HAS_BIAS=b13 is not None, BN=bn, num_warps=4,

@@ -10,10 +10,11 @@ import torch
 import triton
 import triton.language as tl
 
+from quantdispatch.kernels.common.launch import Launcher
 from quantdispatch.kernels.common.pdl import gdc_launch_dependents
 from quantdispatch.kernels.mma_layout.layout import CHUNK_K
 
-__all__ = ["kappa_order", "kappa_order_torch", "kappa_order_triton"]
+__all__ = ["KappaOrder", "kappa_order", "kappa_order_torch", "kappa_order_triton"]
 
 
 def kappa_order_torch(x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
@@ -61,29 +62,56 @@ def kappa_order(
     return kappa_order_triton(x, release_next=release_next, rows=rows)
 
 
+class KappaOrder:
+    """:func:`kappa_order_triton` for activations of width ``k`` with the launch bound once
+    (the bound call path). ``release_next``: as there."""
+
+    def __init__(self, k: int, *, release_next: bool = False) -> None:
+        if k % CHUNK_K:
+            raise ValueError(
+                f"kappa_order_triton: K = {k}; it permutes 16-bit activations whose K is a "
+                f"multiple of {CHUNK_K} (pad K, or use kappa_order_torch)"
+            )
+        self.k = k
+        self._w = k // 2
+        self._launch = Launcher(
+            _kappa_kernel,
+            ("x_ptr", "out_ptr", "M", "M_OUT", "stride_xm"),
+            dict(W=self._w, BLOCK_M=_BLOCK_M, BLOCK_W=_BLOCK_W, PDL=release_next),
+            dict(num_warps=4),
+        )
+
+    def __call__(self, x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+        m, k = x.shape
+        rows = m if rows is None else rows
+        if rows < m:
+            raise ValueError(f"kappa_order_triton: rows={rows} is fewer than x's {m} rows")
+        if x.element_size() != 2 or k != self.k:
+            raise ValueError(
+                f"kappa_order_triton: x is {x.dtype} [{m}, {k}]; it permutes 16-bit "
+                f"activations [M, {self.k}]"
+            )
+        if x.stride(1) != 1 or x.stride(0) % 2 or x.storage_offset() % 2:
+            x = x.contiguous()
+        pairs = x.view(torch.int32)  # [M, K/2], row stride x.stride(0) / 2
+        out = torch.empty((rows, k), dtype=x.dtype, device=x.device)
+        grid = ((rows + _BLOCK_M - 1) // _BLOCK_M, (self._w + _BLOCK_W - 1) // _BLOCK_W)
+        self._launch(grid, pairs, out.view(torch.int32), m, rows, pairs.stride(0))
+        return out
+
+
+_BLOCK_M, _BLOCK_W = 16, 128
+
+
 def kappa_order_triton(
     x: torch.Tensor, *, release_next: bool = False, rows: int | None = None
 ) -> torch.Tensor:
     """:func:`kappa_order` by :func:`_kappa_kernel` (any device Triton runs on; the CPU tests
     run it in the interpreter). x [M, K] 16-bit, K a multiple of 64. ``release_next``: the
     next launch is a programmatic dependent one that waits for this kernel (SM 9.0+)."""
-    m, k = x.shape
-    rows = m if rows is None else rows
-    if rows < m:
-        raise ValueError(f"kappa_order_triton: rows={rows} is fewer than x's {m} rows")
-    if x.element_size() != 2 or k % CHUNK_K:
+    if x.element_size() != 2 or x.dim() != 2 or x.shape[1] % CHUNK_K:
         raise ValueError(
-            f"kappa_order_triton: x is {x.dtype} [{m}, {k}]; it permutes 16-bit activations "
-            f"whose K is a multiple of {CHUNK_K} (pad K, or use kappa_order_torch)"
+            f"kappa_order_triton: x is {x.dtype} {list(x.shape)}; it permutes 16-bit "
+            f"activations whose K is a multiple of {CHUNK_K} (pad K, or use kappa_order_torch)"
         )
-    if x.stride(1) != 1 or x.stride(0) % 2 or x.storage_offset() % 2:
-        x = x.contiguous()
-    w = k // 2
-    pairs = x.view(torch.int32)  # [M, K/2], row stride x.stride(0) / 2
-    out = torch.empty((rows, k), dtype=x.dtype, device=x.device)
-    block_m, block_w = 16, 128
-    grid = (triton.cdiv(rows, block_m), triton.cdiv(w, block_w))
-    _kappa_kernel[grid](pairs, out.view(torch.int32), m, rows, pairs.stride(0), W=w,
-                        BLOCK_M=block_m, BLOCK_W=block_w, PDL=release_next,
-                        num_warps=4)  # fmt: skip
-    return out
+    return KappaOrder(x.shape[1], release_next=release_next)(x, rows)

@@ -10,10 +10,11 @@ import torch
 import triton
 import triton.language as tl
 
+from quantdispatch.kernels.common.launch import Launcher
 from quantdispatch.kernels.common.ptx import decode_chunk, load_w
 from quantdispatch.kernels.mma_layout.layout import TILE_N, scale_pairs
 
-__all__ = ["mma_dequant_rows"]
+__all__ = ["MmaDequantRows", "mma_dequant_rows"]
 
 
 def _rescale_asm(bf16: bool) -> str:
@@ -145,6 +146,42 @@ def _mma_dequant_kernel(
     )
 
 
+class MmaDequantRows:
+    """:func:`mma_dequant_rows` over one weight with the launch bound once (the slabs of a
+    bound large-M linear): ``rows(a, b, out)``, ``out`` in the dtype the layout was packed
+    for."""
+
+    def __init__(
+        self, words: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor
+    ) -> None:
+        self._chunks = words.shape[1]
+        self._fixed = dict(
+            w_ptr=words, s_ptr=scales.view(torch.int16), gs_ptr=global_scale,
+            CHUNKS=self._chunks, WARPS=_WARPS, SPC=scale_pairs(scales),
+        )  # fmt: skip
+        self._launchers: dict[torch.dtype, Launcher] = {}
+
+    def _launcher(self, dtype: torch.dtype) -> Launcher:
+        launcher = self._launchers[dtype] = Launcher(
+            _mma_dequant_kernel,
+            ("out_ptr", "tile0", "stride_o"),
+            dict(self._fixed, BF16=dtype == torch.bfloat16),
+            dict(num_warps=_WARPS),
+        )
+        return launcher
+
+    def __call__(self, row_a: int, row_b: int, out: torch.Tensor) -> torch.Tensor:
+        if row_a % TILE_N or row_b % TILE_N:
+            raise ValueError(f"rows {row_a}..{row_b} are not whole {TILE_N}-row tiles")
+        launch = self._launchers.get(out.dtype) or self._launcher(out.dtype)
+        grid = (triton.cdiv(self._chunks, _WARPS), (row_b - row_a) // TILE_N)
+        launch(grid, out, row_a // TILE_N, out.stride(0))
+        return out
+
+
+_WARPS = 4
+
+
 def mma_dequant_rows(
     words: torch.Tensor,
     scales: torch.Tensor,
@@ -155,22 +192,4 @@ def mma_dequant_rows(
 ) -> torch.Tensor:
     """Rows ``row_a .. row_b`` (multiples of 16) of the weight, dequantized into ``out``
     [row_b - row_a, K] (bf16 or fp16, the dtype the layout was packed for)."""
-    if row_a % TILE_N or row_b % TILE_N:
-        raise ValueError(f"rows {row_a}..{row_b} are not whole {TILE_N}-row tiles")
-    chunks = words.shape[1]
-    warps = 4
-    grid = (triton.cdiv(chunks, warps), (row_b - row_a) // TILE_N)
-    _mma_dequant_kernel[grid](
-        words,
-        scales.view(torch.int16),
-        global_scale,
-        out,
-        row_a // TILE_N,
-        out.stride(0),
-        CHUNKS=chunks,
-        WARPS=warps,
-        BF16=out.dtype == torch.bfloat16,
-        SPC=scale_pairs(scales),
-        num_warps=warps,
-    )
-    return out
+    return MmaDequantRows(words, scales, global_scale)(row_a, row_b, out)

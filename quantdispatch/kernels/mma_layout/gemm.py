@@ -18,14 +18,17 @@ interpreter, which runs no PTX) decodes the same bits with Triton integer ops in
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from quantdispatch.kernels.common.device_facts import DeviceFacts, device_facts
+from quantdispatch.kernels.common.launch import Launcher
 from quantdispatch.kernels.common.pdl import gdc_launch_dependents, gdc_wait
 from quantdispatch.kernels.common.wgmma_guard import settle
-from quantdispatch.kernels.mma_layout.activation_order import kappa_order
+from quantdispatch.kernels.mma_layout.activation_order import KappaOrder, kappa_order
 from quantdispatch.kernels.mma_layout.gemm_tiles import (
     GemmTile,
     has_host_descriptors,
@@ -34,7 +37,7 @@ from quantdispatch.kernels.mma_layout.gemm_tiles import (
 from quantdispatch.kernels.mma_layout.layout import CHUNK_K, TILE_N, scale_pairs
 from quantdispatch.kernels.mma_layout.tile_decode import weight_tile
 
-__all__ = ["PAD_TMA_ROWS", "mma_gemm"]
+__all__ = ["PAD_TMA_ROWS", "MmaGemm", "mma_gemm"]
 
 
 #: Whether TMA tiles read activations padded to whole BLOCK_M rows (benchmarks switch it off
@@ -191,6 +194,125 @@ def _x_descriptor(xk: torch.Tensor, tile: GemmTile, facts: DeviceFacts) -> objec
     return TensorDescriptor.from_tensor(xk, [tile.block_m, CHUNK_K * tile.chunks])
 
 
+class MmaGemm:
+    """:func:`mma_gemm` with the weight bound (the bound call path): the tile, split and
+    launchers of each M are made once; a call permutes the activations, launches the GEMM (and
+    the split sum) and returns the output."""
+
+    def __init__(
+        self,
+        words: torch.Tensor,
+        scales: torch.Tensor,
+        global_scale: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        tile: GemmTile | None = None,
+        pdl: bool = True,
+        facts: DeviceFacts | None = None,
+    ) -> None:
+        self.chunks = words.shape[1]
+        self.n, self.k = words.shape[0] * TILE_N, self.chunks * CHUNK_K
+        self.facts = facts or device_facts(words.device)
+        self._tile = tile
+        # on SM 9.0+ the permutation, the GEMM and the split sum form a programmatic-dependent
+        # chain: each launch starts while the one before finishes and waits for it before it
+        # reads
+        self.pdl = pdl and self.facts.dependent_launches
+        self._kappa = KappaOrder(self.k, release_next=self.pdl) if self.facts.compiled else None
+        bias_arg = bias if bias is not None else global_scale
+        self._gemm_fixed = dict(
+            w_ptr=words, s_ptr=scales.view(torch.int16), gs_ptr=global_scale, bias_ptr=bias_arg,
+            stride_om=self.n, CHUNKS=self.chunks, HAS_BIAS=bias is not None, PDL=self.pdl,
+            SETTLE=self.facts.rs_wgmma_hazard,  # the decoded weight is wgmma's A
+            SPC=scale_pairs(scales),
+        )  # fmt: skip
+        self._sum_fixed = dict(
+            gs_ptr=global_scale, bias_ptr=bias_arg, N=self.n, HAS_BIAS=bias is not None,
+            BLOCK=_SUM_BLOCK, PDL=self.pdl,
+        )  # fmt: skip
+        self._pdl_option = {"launch_pdl": True} if self.pdl else {}
+        self._plans: dict[tuple[int, torch.dtype, str], _GemmPlan] = {}
+
+    def _plan(self, m: int, dtype: torch.dtype, device: str) -> _GemmPlan:
+        tile = self._tile or mma_gemm_config(self.n, self.k, m, tma=self.facts.tma)
+        if self.n % tile.block_n or tile.block_n % 16:
+            raise ValueError(f"BLOCK_N={tile.block_n} does not divide N={self.n} in 16-row tiles")
+        # TMA boxes that run past the activations' last row were slow on the H200
+        # (docs/design/wgmma-gemm.md); the copy into the K order is made whole tiles high
+        rows = triton.cdiv(m, tile.block_m) * tile.block_m if tile.tma and PAD_TMA_ROWS else m
+        ck = tile.chunks
+        per_split = triton.cdiv(triton.cdiv(self.chunks, max(1, tile.split)), ck) * ck
+        split = triton.cdiv(self.chunks, per_split)
+        gemm = Launcher(
+            _mma_gemm_kernel,
+            ("x_ptr", "out_ptr", "M"),
+            dict(
+                self._gemm_fixed, PER_SPLIT=per_split, BLOCK_N=tile.block_n,
+                BLOCK_M=tile.block_m, CK=ck, SPLIT=split, BF16=dtype == torch.bfloat16,
+                DOT_F32=device != "cuda", X_TMA=tile.tma,
+            ),
+            dict(num_warps=tile.warps, num_stages=tile.stages, maxnreg=tile.maxnreg,
+                 **self._pdl_option),
+        )  # fmt: skip
+        summed = None
+        if split > 1:
+            summed = Launcher(
+                _split_sum_kernel,
+                ("ws_ptr", "out_ptr", "MN"),
+                dict(self._sum_fixed, SPLIT=split),
+                dict(num_warps=4, **self._pdl_option),
+            )
+        grid = (triton.cdiv(m, tile.block_m) * (self.n // tile.block_n), split)
+        plan = _GemmPlan(tile, rows, split, grid, gemm, summed)
+        if len(self._plans) > _MAX_PLANS:
+            self._plans.clear()
+        self._plans[(m, dtype, device)] = plan
+        return plan
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        m = x.shape[0]
+        out = torch.empty((m, self.n), dtype=x.dtype, device=x.device)
+        if m == 0:
+            return out
+        if x.dtype not in (torch.bfloat16, torch.float16) or x.dim() != 2 or x.shape[1] != self.k:
+            raise ValueError(f"x must be [M, {self.k}] bf16/fp16, got {x.dtype} {tuple(x.shape)}")
+        device = x.device.type
+        plan = self._plans.get((m, x.dtype, device))
+        if plan is None:
+            plan = self._plan(m, x.dtype, device)
+        if self._kappa is not None and device == "cuda":
+            xk = self._kappa(x, plan.rows)
+        else:
+            xk = kappa_order(x, release_next=self.pdl, rows=plan.rows)
+        x_arg: object = _x_descriptor(xk, plan.tile, self.facts) if plan.tile.tma else xk
+        if plan.split == 1:
+            plan.gemm(plan.grid, x_arg, out, m)
+            return out
+        partial = torch.empty((plan.split, m, self.n), dtype=torch.float32, device=x.device)
+        plan.gemm(plan.grid, x_arg, partial, m)
+        assert plan.summed is not None
+        plan.summed((triton.cdiv(m * self.n, _SUM_BLOCK),), partial, out, m * self.n)
+        return out
+
+
+@dataclass(frozen=True)
+class _GemmPlan:
+    """What a call of M rows launches: its tile, the padded rows of the permuted activations,
+    the K split, the GEMM's grid and the bound launchers."""
+
+    tile: GemmTile
+    rows: int
+    split: int
+    grid: tuple[int, int]
+    gemm: Launcher
+    summed: Launcher | None
+
+
+_SUM_BLOCK = 1024
+#: Plans kept per bound GEMM (one per distinct M seen; cleared past this).
+_MAX_PLANS = 4096
+
+
 def mma_gemm(
     x: torch.Tensor,
     words: torch.Tensor,
@@ -205,75 +327,6 @@ def mma_gemm(
     """``x @ W.T (+ bias)`` for a weight in the mma16x64 layout (x [M, K] in the 16-bit dtype the
     layout was packed for); out [M, N]. ``pdl`` (default True): the permutation, the GEMM and
     the split sum as programmatic dependent launches where the device has them (False: never).
-    ``facts``: x's device (None: asked here)."""
-    tiles, chunks = words.shape[0], words.shape[1]
-    n, k = tiles * TILE_N, chunks * CHUNK_K
-    m = x.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0:
-        return out
-    if x.dtype not in (torch.bfloat16, torch.float16) or x.dim() != 2 or x.shape[1] != k:
-        raise ValueError(f"x must be [M, {k}] bf16/fp16, got {x.dtype} {tuple(x.shape)}")
+    ``facts``: x's device (None: asked here). A layer binds :class:`MmaGemm` once instead."""
     facts = facts or device_facts(x.device)
-    tile = tile or mma_gemm_config(n, k, m, tma=facts.tma)
-    if n % tile.block_n or tile.block_n % 16:
-        raise ValueError(f"BLOCK_N={tile.block_n} does not divide N={n} in 16-row tiles")
-    # on SM 9.0+ the permutation, the GEMM and the split sum form a programmatic-dependent
-    # chain: each launch starts while the one before finishes and waits for it before it reads
-    pdl = pdl and facts.dependent_launches
-    # TMA boxes that run past the activations' last row were slow on the H200
-    # (docs/design/wgmma-gemm.md); the copy into the K order is made whole tiles high
-    rows = triton.cdiv(m, tile.block_m) * tile.block_m if tile.tma and PAD_TMA_ROWS else m
-    xk = kappa_order(x, release_next=pdl, rows=rows)
-    ck = tile.chunks
-    x_arg: object = xk
-    if tile.tma:
-        x_arg = _x_descriptor(xk, tile, facts)
-    per_split = triton.cdiv(triton.cdiv(chunks, max(1, tile.split)), ck) * ck
-    split = triton.cdiv(chunks, per_split)
-    target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(m, tile.block_m) * (n // tile.block_n), split)
-    _mma_gemm_kernel[grid](
-        x_arg,
-        words,
-        scales.view(torch.int16),
-        global_scale,
-        bias if bias is not None else global_scale,
-        target,
-        m,
-        n,
-        CHUNKS=chunks,
-        PER_SPLIT=per_split,
-        BLOCK_N=tile.block_n,
-        BLOCK_M=tile.block_m,
-        CK=ck,
-        SPLIT=split,
-        BF16=x.dtype == torch.bfloat16,
-        HAS_BIAS=bias is not None,
-        DOT_F32=x.device.type != "cuda",
-        X_TMA=tile.tma,
-        SETTLE=facts.rs_wgmma_hazard,  # the decoded weight is wgmma's A
-        PDL=pdl,
-        SPC=scale_pairs(scales),
-        num_warps=tile.warps,
-        num_stages=tile.stages,
-        maxnreg=tile.maxnreg,
-        **({"launch_pdl": True} if pdl else {}),
-    )
-    if split > 1:
-        block = 1024
-        _split_sum_kernel[(triton.cdiv(m * n, block),)](
-            target,
-            global_scale,
-            bias if bias is not None else global_scale,
-            out,
-            m * n,
-            n,
-            SPLIT=split,
-            HAS_BIAS=bias is not None,
-            BLOCK=block,
-            PDL=pdl,
-            num_warps=4,
-            **({"launch_pdl": True} if pdl else {}),
-        )
-    return out
+    return MmaGemm(words, scales, global_scale, bias, tile=tile, pdl=pdl, facts=facts)(x)

@@ -19,10 +19,11 @@ import triton
 import triton.language as tl
 
 from quantdispatch.kernels.common.configs import fit_mma_config, mma_base_config
+from quantdispatch.kernels.common.launch import Launcher
 from quantdispatch.kernels.common.ptx import decode_chunk, load_w, load_x, mma_step_tiles
 from quantdispatch.kernels.mma_layout.layout import TILE_N, scale_pairs
 
-__all__ = ["gemv_config", "mma_linear"]
+__all__ = ["MmaGemv", "gemv_config", "mma_linear"]
 
 
 @triton.jit
@@ -168,6 +169,76 @@ def gemv_config(tiles: int, chunks: int, m: int) -> tuple[int, int, int, int, in
     return nt, wt, wk, unroll, r, 1
 
 
+class MmaGemv:
+    """:func:`mma_linear` with the weight bound (the bound call path): per call only the
+    output, the launch config for M (made once per M) and the launch."""
+
+    def __init__(
+        self,
+        words: torch.Tensor,
+        scales: torch.Tensor,
+        global_scale: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        config: tuple[int, ...] | None = None,
+    ) -> None:
+        self.tiles, self.chunks = words.shape[0], words.shape[1]
+        self.n = self.tiles * TILE_N
+        self._config = config
+        self._fixed = dict(
+            w_ptr=words,
+            s_ptr=scales.view(torch.int16),
+            gs_ptr=global_scale,
+            bias_ptr=bias if bias is not None else global_scale,
+            N=self.n,
+            CHUNKS=self.chunks,
+            HAS_BIAS=bias is not None,
+            SPC=scale_pairs(scales),
+        )
+        self._launchers: dict[tuple[object, ...], Launcher] = {}
+        self._plans: dict[tuple[int, bool], tuple[Launcher, int, int]] = {}
+
+    def _plan(self, m: int, bf16: bool) -> tuple[Launcher, int, int]:
+        nt, wt, wk, unroll, r, depth = (
+            *(self._config or gemv_config(self.tiles, self.chunks, m)), 1, 1
+        )[:6]
+        if depth not in (1, 2):
+            raise ValueError(
+                f"DEPTH={depth}: the weight prefetch depth is 1 or 2 steps; pass 1 or 2 as the "
+                f"config's sixth entry"
+            )
+        if self.tiles % (wt * r):
+            raise ValueError(f"WT={wt} x R={r} does not divide the {self.tiles} tiles")
+        key = (nt, wt, wk, unroll, r, depth, bf16)
+        launcher = self._launchers.get(key)
+        if launcher is None:
+            launcher = Launcher(
+                _mma_gemv_kernel,
+                ("x_ptr", "out_ptr", "M", "stride_xm", "stride_om"),
+                dict(self._fixed, NT=nt, WT=wt, WK=wk, UNROLL=unroll, R=r, BF16=bf16, DEPTH=depth),
+                dict(num_warps=wt * wk, num_stages=1),
+            )
+            self._launchers[key] = launcher
+        plan = (launcher, 8 * nt, self.tiles // (wt * r))
+        self._plans[(m, bf16)] = plan
+        return plan
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        m = x.shape[0]
+        out = torch.empty((m, self.n), dtype=x.dtype, device=x.device)
+        if m == 0:
+            return out
+        if x.stride(0) % 8 or x.data_ptr() % 16 or x.stride(1) != 1:  # 16-byte loads of x rows
+            x = x.clone(memory_format=torch.contiguous_format)
+        bf16 = x.dtype == torch.bfloat16
+        plan = self._plans.get((m, bf16))
+        if plan is None:
+            plan = self._plan(m, bf16)
+        launcher, rows, programs = plan
+        launcher(((m + rows - 1) // rows, programs), x, out, m, x.stride(0), out.stride(0))
+        return out
+
+
 def mma_linear(
     x: torch.Tensor,
     words: torch.Tensor,
@@ -182,46 +253,5 @@ def mma_linear(
     Any M works (programs of up to 64 tokens side by side; the weight tile stays in L2 for
     the programs that share it), but it is meant for small M: the backend sends large M to
     dequantize + cuBLAS. ``config`` = (NT, WT, WK, UNROLL[, R[, DEPTH]]) overrides the
-    heuristic (tuning); WT * R must divide N/16."""
-    tiles, chunks = words.shape[0], words.shape[1]
-    n = tiles * TILE_N
-    m = x.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0:
-        return out
-    if x.stride(0) % 8 or x.data_ptr() % 16 or x.stride(1) != 1:  # 16-byte loads of x rows
-        x = x.clone(memory_format=torch.contiguous_format)
-    nt, wt, wk, unroll, r, depth = (*(config or gemv_config(tiles, chunks, m)), 1, 1)[:6]
-    if depth not in (1, 2):
-        raise ValueError(
-            f"DEPTH={depth}: the weight prefetch depth is 1 or 2 steps; pass 1 or 2 as the "
-            f"config's sixth entry"
-        )
-    if tiles % (wt * r):
-        raise ValueError(f"WT={wt} x R={r} does not divide the {tiles} tiles")
-    grid = (triton.cdiv(m, 8 * nt), tiles // (wt * r))
-    _mma_gemv_kernel[grid](
-        x,
-        words,
-        scales.view(torch.int16),
-        global_scale,
-        bias if bias is not None else global_scale,
-        out,
-        m,
-        n,
-        x.stride(0),
-        out.stride(0),
-        CHUNKS=chunks,
-        NT=nt,
-        WT=wt,
-        WK=wk,
-        UNROLL=unroll,
-        R=r,
-        BF16=x.dtype == torch.bfloat16,
-        HAS_BIAS=bias is not None,
-        DEPTH=depth,
-        SPC=scale_pairs(scales),
-        num_warps=wt * wk,
-        num_stages=1,
-    )
-    return out
+    heuristic (tuning); WT * R must divide N/16. A layer binds :class:`MmaGemv` once instead."""
+    return MmaGemv(words, scales, global_scale, bias, config=config)(x)

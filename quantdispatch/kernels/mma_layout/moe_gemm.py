@@ -53,6 +53,7 @@ from quantdispatch.kernels.common import checks
 from quantdispatch.kernels.common.activation import apply_activation
 from quantdispatch.kernels.common.checks import check_moe_call, interpreting
 from quantdispatch.kernels.common.device_facts import DeviceFacts, device_facts
+from quantdispatch.kernels.common.launch import launch
 from quantdispatch.kernels.common.slabs import run_dequant_moe
 from quantdispatch.kernels.common.wgmma_guard import settle
 from quantdispatch.kernels.mma_layout.activation_order import kappa_order
@@ -335,7 +336,7 @@ def mma_layout_moe(
     )  # fmt: skip
     bn13 = cfg.block_n if inter % cfg.block_n == 0 else 64
     w, s, g = w13[0], w13[1].view(torch.int16), w13[2]  # scale pairs as one 16-bit load
-    _moe_gemm_kernel[(n_blocks * (inter // bn13),)](
+    launch(_moe_gemm_kernel, (n_blocks * (inter // bn13),),
         x_ptr=kappa_order(x), w_ptr=w, s_ptr=s, gs_ptr=g,
         bias_ptr=w13_bias if w13_bias is not None else g, out_ptr=a, up_tiles=inter // TILE_N,
         stride_xm=hidden, stride_we=w.stride(0), stride_se=s.stride(0),
@@ -345,7 +346,7 @@ def mma_layout_moe(
     )  # fmt: skip
     bn2 = cfg.block_n if hidden % cfg.block_n == 0 else 64
     w, s, g = w2[0], w2[1].view(torch.int16), w2[2]
-    _moe_gemm_kernel[(n_blocks * (hidden // bn2),)](
+    launch(_moe_gemm_kernel, (n_blocks * (hidden // bn2),),
         x_ptr=a, w_ptr=w, s_ptr=s, gs_ptr=g,
         bias_ptr=w2_bias if w2_bias is not None else g, out_ptr=y, up_tiles=0,
         stride_xm=a.stride(0), stride_we=w.stride(0), stride_se=s.stride(0),

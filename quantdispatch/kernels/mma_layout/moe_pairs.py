@@ -38,6 +38,7 @@ import triton.language as tl
 
 from quantdispatch.kernels.common import checks
 from quantdispatch.kernels.common.activation import apply_activation
+from quantdispatch.kernels.common.launch import launch
 from quantdispatch.kernels.common.pdl import gdc_launch_dependents, gdc_wait
 from quantdispatch.kernels.common.ptx import chunk_mma, k_reduce, load_w, load_x
 from quantdispatch.kernels.mma_layout.moe_plan import SmallMoeConfig, small_units
@@ -332,11 +333,11 @@ def small_moe(
         BF16=x.dtype == torch.bfloat16, SPC=s13.shape[3],
     )  # fmt: skip
     pf = min(cfg.prefetch, inter // 64) if cfg.pdl else 0
-    _small_moe_kernel[(units1,)](
+    launch(_small_moe_kernel, (units1,),
         **kw, W=cfg.warps, U=cfg.unroll, GATE_UP=True, PDL=cfg.pdl, PF=0,
         num_warps=cfg.warps, num_stages=1,
     )  # fmt: skip
-    _small_moe_kernel[(units2,)](
+    launch(_small_moe_kernel, (units2,),
         **kw, W=cfg.warps_down, U=cfg.unroll_down, GATE_UP=False, PDL=cfg.pdl, PF=pf,
         num_warps=cfg.warps_down, num_stages=1, **({"launch_pdl": True} if cfg.pdl else {}),
     )  # fmt: skip

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from quantdispatch.kernels.common.decode_tables import DECODE_TABLES, REG_COL, REG_ROW
+from quantdispatch.kernels.common.launch import launch
 from quantdispatch.kernels.native.fp8_prefill_quant import (
     block_exponent,
     e2m1_magnitude,
@@ -202,7 +203,7 @@ def reencode_mma_triton(
              "C0", "D0", "C1", "D1", "C2", "D2", "C3", "D3"]  # fmt: skip
     q32 = q.view(torch.uint8).view(torch.int32)
     grid = (triton.cdiv(n_tiles, tt), (chunks * 64) // block_cols)
-    _mma_to_fp8_kernel[grid](
+    launch(_mma_to_fp8_kernel, grid,
         words, scales, global_scale, q32, scale, row_a // 16, n_tiles, chunks, block_cols // 128,
         q32.stride(0), scale.stride(0), scale.stride(1), MX=scales.shape[2] == 16,
         SHARE_ROWS=share, ONE_CHUNK=block_cols == 128, TT=tt, HW=hw_rounding(q.device),

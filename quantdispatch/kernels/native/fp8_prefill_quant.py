@@ -23,6 +23,7 @@ import triton.language as tl
 
 from quantdispatch.kernels.common.decode import e2m1_pair_to_f32
 from quantdispatch.kernels.common.device_facts import device_facts
+from quantdispatch.kernels.common.launch import launch
 
 __all__ = [
     "block_exponent",
@@ -347,7 +348,7 @@ def reencode_fp4_triton(
     block_r = block_rows if share else rows_per_program
     q32 = _as_words(q)
     grid = (triton.cdiv(rows, block_r), k // block_cols)
-    _fp4_to_fp8_kernel[grid](
+    launch(_fp4_to_fp8_kernel, grid,
         packed, block_scale_u8, global_scale if global_scale is not None else scale, q32, scale,
         rows, block_cols // 128, packed.stride(0), block_scale_u8.stride(0), q32.stride(0),
         scale.stride(0), scale.stride(1), MX=mx, HAS_GS=global_scale is not None,
@@ -381,7 +382,7 @@ def quantize_blocks_triton(
     qb = q.view(torch.uint8)
     grid = (triton.cdiv(rows, block_r), k // block_cols)
     bf16 = x.dtype == torch.bfloat16
-    _dense_to_fp8_kernel[grid](
+    launch(_dense_to_fp8_kernel, grid,
         x.view(torch.int16) if bf16 else x, mult if mult is not None else scale, qb, scale, m,
         rows, block_cols // 128, x.stride(0), qb.stride(0), scale.stride(0), scale.stride(1),
         HAS_MULT=mult is not None, SHARE_ROWS=share, ONE_CHUNK=block_cols == 128,

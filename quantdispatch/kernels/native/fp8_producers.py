@@ -1,9 +1,12 @@
-"""Fused producers of FP8 prefill activations: the kernel that makes an activation also
-quantizes it, so the FP8 linears that read it need no pass of their own.
+"""Fused norms and activations, optionally producing FP8 prefill activations: the kernel that
+makes an activation can also quantize it, so the FP8 linears that read it need no pass of their
+own. One kernel each replaces the eager modules' chains of small ops (the HF integration's
+fused ops, quantdispatch.integrations.transformers.fused_ops).
 
-* :func:`rmsnorm_fp8`: ``weight * bf16(x * rsqrt(mean(x^2) + eps))``, the RMSNorm of the Llama
+* :func:`rmsnorm`: ``weight * bf16(x * rsqrt(mean(x^2) + eps))``, the RMSNorm of the Llama
   family (HF's ``LlamaRMSNorm`` and its copies), rounded as it rounds: fp32 inside, once to the
-  input dtype before the weight, once after.
+  input dtype before the weight, once after; optionally after the residual add ``x + r``
+  (rounded once, as eager's add), whose result it also returns.
 * :func:`silu_mul_fp8`: ``bf16(silu(gate)) * up``, the gated MLP's input to ``down_proj``.
 
 Each writes the 16-bit output (the tensor the model passes on) and, with ``quantize``, its
@@ -26,6 +29,7 @@ import triton
 import triton.language as tl
 
 from quantdispatch.errors import InputError, format_error
+from quantdispatch.kernels.common.launch import launch
 from quantdispatch.kernels.native import fp8_handoff
 from quantdispatch.kernels.native.fp8_prefill_quant import (
     _block_scales,
@@ -39,7 +43,7 @@ from quantdispatch.kernels.native.fp8_prefill_quant import (
     widen16,
 )
 
-__all__ = ["rmsnorm_fp8", "silu_mul_fp8"]
+__all__ = ["rmsnorm", "rmsnorm_fp8", "silu_mul_fp8"]
 
 _16_BIT = (torch.bfloat16, torch.float16)
 
@@ -82,12 +86,14 @@ def _quantize_chunk(q_ptr, qs_ptr, y, pid_r, rows64, inside, kc, stride_q, strid
 
 
 @triton.jit
-def _rmsnorm_kernel(x_ptr, w_ptr, y_ptr, q_ptr, qs_ptr, n_valid, n_rows, k, eps, stride_x,
-                    stride_y, stride_q, stride_qs_r, stride_qs_k, QUANT: tl.constexpr,
-                    BF16: tl.constexpr, BLOCK_R: tl.constexpr, CH: tl.constexpr,
-                    HW: tl.constexpr):  # fmt: skip
+def _rmsnorm_kernel(x_ptr, r_ptr, s_ptr, w_ptr, y_ptr, q_ptr, qs_ptr, n_valid, n_rows, k, eps,
+                    stride_x, stride_r, stride_s, stride_y, stride_q, stride_qs_r, stride_qs_k,
+                    RES: tl.constexpr, QUANT: tl.constexpr, BF16: tl.constexpr,
+                    BLOCK_R: tl.constexpr, CH: tl.constexpr, HW: tl.constexpr):  # fmt: skip
     """Whole rows in registers as [rows, 128-column blocks, 128]: x is read once, and each
-    block's largest value is a reduction over the last axis."""
+    block's largest value is a reduction over the last axis. RES: x + r first, rounded to the
+    16-bit dtype and stored to s (the residual stream), then normalized, as the eager ``x + r``
+    followed by the norm."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     valid = rows < n_valid  # rows n_valid .. n_rows: zero codes, scale 0 (the GEMM's padding)
     inside = rows < n_rows
@@ -98,6 +104,10 @@ def _rmsnorm_kernel(x_ptr, w_ptr, y_ptr, q_ptr, qs_ptr, n_valid, n_rows, k, eps,
     cmask = cols < k
     m3 = valid[:, None, None] & cmask
     x = widen16(tl.load(x_ptr + rows64 * stride_x + cols, mask=m3, other=0), BF16)
+    if RES:
+        x = _round16(x + widen16(tl.load(r_ptr + rows64 * stride_r + cols, mask=m3, other=0),
+                                 BF16), BF16)  # fmt: skip
+        tl.store(s_ptr + rows64 * stride_s + cols, _narrow(x, BF16), mask=m3)
     r = 1.0 / tl.sqrt_rn(tl.sum(tl.sum(x * x, axis=2), axis=1) / k + eps)
     w = widen16(tl.load(w_ptr + cols, mask=cmask, other=0), BF16)
     y = _round16(w * _round16(x * r[:, None, None], BF16), BF16)
@@ -134,7 +144,7 @@ def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, q_ptr, qs_ptr, n_valid, n_rows, stride
                         stride_qs_k, valid, BLOCK_R, HW)  # fmt: skip
 
 
-def _check(where: str, x: torch.Tensor, name: str, k: int | None = None) -> None:
+def _check(where: str, x: torch.Tensor, name: str, k: int | None = None, blocks=True) -> None:
     if x.dim() != 2 or x.dtype not in _16_BIT or x.stride(1) != 1:
         raise InputError(
             format_error(
@@ -143,12 +153,12 @@ def _check(where: str, x: torch.Tensor, name: str, k: int | None = None) -> None
                 f"pass {name}.reshape(-1, {name}.shape[-1]).contiguous()",
             )
         )
-    if x.shape[1] % 128 or (k is not None and x.shape[1] != k):
+    if (blocks and x.shape[1] % 128) or (k is not None and x.shape[1] != k):
         raise InputError(
             format_error(
                 f"{where}: {name} has {x.shape[1]} columns",
-                "the FP8 activation blocks are 128 columns wide"
-                + ("" if k is None else f" and it must match the other input's {k}"),
+                ("the kernel works in blocks of 128 columns" if blocks else "")
+                + ("" if k is None else f"; it must match the other input's {k}"),
                 "run the module's own forward for this width",
             )
         )
@@ -173,37 +183,58 @@ def _finish(y, q, scale, quantize: bool):
     return y, codes
 
 
-def rmsnorm_fp8(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, *, quantize: bool = True
-) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-    """(y, (codes, scale_a) or None): the RMSNorm of x [M, K] with ``weight`` [K] (same
-    dtype), and with ``quantize`` its FP8 form, offered to :mod:`.fp8_handoff`."""
-    _check("rmsnorm_fp8", x, "x")
+def rmsnorm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    residual: torch.Tensor | None = None,
+    quantize: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
+    """(y, s, codes): the RMSNorm y of x [M, K] with ``weight`` [K] (same dtype); with
+    ``residual`` [M, K], of s = x + residual (rounded to the dtype, returned: the residual
+    stream), else s is None; with ``quantize`` (K a multiple of 128) y's FP8 form, offered to
+    :mod:`.fp8_handoff`, else None."""
+    _check("rmsnorm", x, "x", blocks=quantize)
+    if residual is not None:
+        _check("rmsnorm", residual, "residual", x.shape[1], blocks=quantize)
     if weight.shape != (x.shape[1],) or weight.dtype != x.dtype or weight.device != x.device:
         raise InputError(
             format_error(
-                f"rmsnorm_fp8: weight is {weight.dtype} {tuple(weight.shape)} on {weight.device}",
+                f"rmsnorm: weight is {weight.dtype} {tuple(weight.shape)} on {weight.device}",
                 f"the norm's weight is [{x.shape[1]}] in x's dtype {x.dtype} on {x.device}",
                 "run the module's own forward",
             )
         )
     y, q, scale = _outputs(x, quantize)
+    s = torch.empty_like(x) if residual is not None else None
     m, k = x.shape
     rows = q.shape[0] if quantize else m
     if rows:
-        block_k = triton.next_power_of_2(k)
+        block_k = max(128, triton.next_power_of_2(k))
         br = max(1, 2048 // block_k)  # at least 2048 elements per program
         bf16 = x.dtype == torch.bfloat16
         view = (lambda t: t.view(torch.int16)) if bf16 else (lambda t: t)
-        _rmsnorm_kernel[(triton.cdiv(rows, br),)](
-            view(x), view(weight.contiguous()), view(y), q if quantize else y,
-            scale if quantize else x, m, rows, k, float(eps), x.stride(0), y.stride(0),
+        res = residual if residual is not None else x
+        launch(_rmsnorm_kernel, (triton.cdiv(rows, br),),
+            view(x), view(res), view(s if s is not None else y), view(weight.contiguous()),
+            view(y), q if quantize else y, scale if quantize else x, m, rows, k, float(eps),
+            x.stride(0), res.stride(0), s.stride(0) if s is not None else 0, y.stride(0),
             q.stride(0) if quantize else 0, scale.stride(0) if quantize else 0,
-            scale.stride(1) if quantize else 0, QUANT=quantize, BF16=bf16, BLOCK_R=br,
-            CH=block_k // 128, HW=quantize and hw_rounding(x.device),
+            scale.stride(1) if quantize else 0, RES=residual is not None, QUANT=quantize,
+            BF16=bf16, BLOCK_R=br, CH=block_k // 128, HW=quantize and hw_rounding(x.device),
             num_warps=min(16, max(4, br * block_k // 512)),
         )  # fmt: skip
-    return _finish(y, q, scale, quantize)
+    y, codes = _finish(y, q, scale, quantize)
+    return y, s, codes
+
+
+def rmsnorm_fp8(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, quantize: bool = True
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """(y, (codes, scale_a) or None): :func:`rmsnorm` of x without a residual."""
+    y, _, codes = rmsnorm(x, weight, eps, quantize=quantize)
+    return y, codes
 
 
 def silu_mul_fp8(
@@ -236,7 +267,7 @@ def silu_mul_fp8(
         br = rows_per_program
         bf16 = gate.dtype == torch.bfloat16
         view = (lambda t: t.view(torch.int16)) if bf16 else (lambda t: t)
-        _silu_mul_kernel[(triton.cdiv(rows, br), k // 128)](
+        launch(_silu_mul_kernel, (triton.cdiv(rows, br), k // 128),
             view(gate), view(up), view(y), q if quantize else y, scale if quantize else gate,
             m, rows, gate.stride(0), up.stride(0), y.stride(0), q.stride(0) if quantize else 0,
             scale.stride(0) if quantize else 0, scale.stride(1) if quantize else 0,

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from quantdispatch.kernels.common.launch import launch
+
 __all__ = ["quantize_per_token_fp8"]
 
 E4M3_MAX = 448.0
@@ -46,5 +48,8 @@ def quantize_per_token_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     if m == 0:
         return q, s
     block_k = min(4096, triton.next_power_of_2(k))
-    _per_token_fp8_kernel[(m,)](x, q, s, k, x.stride(0), q.stride(0), BLOCK_K=block_k, num_warps=8)
+    launch(
+        _per_token_fp8_kernel, (m,), x, q, s, k, x.stride(0), q.stride(0), BLOCK_K=block_k,
+        num_warps=8,
+    )  # fmt: skip
     return q, s

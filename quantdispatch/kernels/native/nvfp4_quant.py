@@ -22,6 +22,7 @@ from quantdispatch.formats.nvfp4_act import (
     quantize_nvfp4_activations_raw,
     swizzled_scale_shape,
 )
+from quantdispatch.kernels.common.launch import launch
 from quantdispatch.kernels.native.fp8_prefill_quant import e4m3_code, e4m3_value
 
 __all__ = ["quantize_nvfp4_activations_triton"]
@@ -129,7 +130,7 @@ def quantize_nvfp4_activations_triton(
         s = encode_scale.to(device=x.device, dtype=torch.float32).reshape(1)
         bm, bg = blocks
         grid = (triton.cdiv(m, bm), triton.cdiv(groups, bg))
-        _nvfp4_act_quant_kernel[grid](
+        launch(_nvfp4_act_quant_kernel, grid,
             x,
             s,
             packed,

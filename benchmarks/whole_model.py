@@ -1,0 +1,324 @@
+#!/usr/bin/env python3
+"""Whole HF models as a user runs them: quantized (``quantize_model``) against bf16, and
+against bf16 with the same fused norms / activations, on one GPU, in one run.
+
+Models (random weights, real shapes, transformers' own classes, sdpa attention):
+``llama-3-8b`` (32 layers) and ``qwen3-30b-a3b`` (48 layers, 128 experts, top-8); ``--layers``
+cuts depth for quick runs. Three variants of each, in this order on one model object: ``bf16``
+(HF as it is), ``bf16-fused`` (``install_fused_ops``), then the model quantized in place
+(``--format``, fused ops on, as ``quantize_model`` leaves it).
+
+Runs, each per variant:
+
+- ``eager-decode``: the one-token decode step (forward on a StaticCache + greedy arg-max, what
+  ``generate`` runs per token, without its bookkeeping) run eagerly, ms per step;
+- ``graph-decode``: the same step captured in a CUDA graph (``capture_decode``), ms per replay;
+  its greedy tokens are checked against the eager step's;
+- ``compiled-decode``: transformers' ``generate`` with ``torch.compile`` (CompileConfig with
+  dynamo's ``cudagraphs`` backend: the step traced once, replayed as a CUDA graph), ms per token
+  from t(N) - t(1);
+- ``eager-prefill``: one forward over a prompt of ``tokens`` (logits of the last position).
+
+Decode runs start from a 128-token prompt. Every time is a median of ``--reps`` rounds with the
+device synchronized at both ends. Writes ``whole-model-<gpu>-<date>.json``: ``rows`` with keys
+``model``, ``run``, ``batch``, ``tokens``, ``bf16_ms``, ``bf16_fused_ms``, ``quant_ms``,
+``format`` (and ``tokens_match_eager`` for graph decode), plus versions and settings; and a
+markdown table beside it. Results are written after every row; ``--budget-s`` skips what would
+start later (recorded as skipped).
+
+    PYTHONPATH=$PWD python3 benchmarks/whole_model.py [--models llama-3-8b] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import gc
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama-3-8b": ("LlamaConfig", dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, vocab_size=128256, rms_norm_eps=1e-5,
+        rope_theta=500000.0, tie_word_embeddings=False)),
+    "qwen3-30b-a3b": ("Qwen3MoeConfig", dict(
+        hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, vocab_size=151936,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False)),
+    "tiny": ("LlamaConfig", dict(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, vocab_size=512)),
+}  # fmt: skip
+RUNS = ("eager-decode", "graph-decode", "compiled-decode", "eager-prefill")
+PROMPT = 128
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="llama-3-8b,qwen3-30b-a3b")
+    p.add_argument("--layers", type=int, default=None, help="cut every model to this depth")
+    p.add_argument("--format", default="nvfp4", choices=["nvfp4", "mxfp4", "fp8"])
+    p.add_argument("--runs", default=",".join(RUNS))
+    p.add_argument("--batches", default="1,16,64")
+    p.add_argument("--compiled-batches", default="1", help="batches of compiled-decode")
+    p.add_argument("--prefill", default="512,1024,4096")
+    p.add_argument("--steps", type=int, default=32, help="decode steps timed per round")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--budget-s", type=float, default=540.0)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    a = p.parse_args(argv)
+    a.models = [m for m in a.models.split(",") if m]
+    a.runs = [r for r in a.runs.split(",") if r]
+    for name, got, valid in (("--models", a.models, MODELS), ("--runs", a.runs, RUNS)):
+        bad = [g for g in got if g not in valid]
+        if bad:
+            p.error(f"{name}: unknown {bad}; valid: {', '.join(valid)}")
+    a.batches = [int(b) for b in a.batches.split(",") if b]
+    a.compiled_batches = [int(b) for b in a.compiled_batches.split(",") if b]
+    a.prefill = [int(t) for t in a.prefill.split(",") if t]
+    return a
+
+
+class Clock:
+    def __init__(self, device: torch.device, budget_s: float) -> None:
+        self.device, self.start, self.budget_s = device, time.perf_counter(), budget_s
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def time(self, fn: Callable[[], object]) -> float:
+        self.sync()
+        t0 = time.perf_counter()
+        fn()
+        self.sync()
+        return time.perf_counter() - t0
+
+    def median_ms(self, fn: Callable[[], object], reps: int, per: int = 1) -> float:
+        fn()  # warm-up: compiles, plans, allocations
+        return 1e3 * statistics.median(self.time(fn) for _ in range(reps)) / per
+
+    def left(self) -> float:
+        return self.budget_s - (time.perf_counter() - self.start)
+
+
+def build(name: str, layers: int | None, device: torch.device) -> Any:
+    import transformers as tf
+
+    cls, kw = MODELS[name]
+    kw = dict(kw, max_position_embeddings=8192, bos_token_id=None, eos_token_id=None,
+              pad_token_id=0)  # fmt: skip
+    if layers is not None:
+        kw["num_hidden_layers"] = layers
+    cfg = getattr(tf, cls)(**kw)
+    torch.manual_seed(0)
+    with device:
+        model = tf.AutoModelForCausalLM.from_config(
+            cfg, dtype=torch.bfloat16, attn_implementation="sdpa"
+        )
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+def eager_decode(model: Any, batch: int, a: argparse.Namespace, clock: Clock) -> float:
+    from quantdispatch.integrations.transformers import capture_decode
+
+    dec = capture_decode(model, batch, PROMPT + a.steps + 8, capture=False)
+    ids = _prompt(model, batch)
+
+    def steps() -> None:
+        dec.prefill(ids)
+        for _ in range(a.steps):
+            dec.step()
+
+    prefill = clock.median_ms(lambda: dec.prefill(ids), a.reps)
+    return (clock.median_ms(steps, a.reps) - prefill) / a.steps
+
+
+def graph_decode(model: Any, batch: int, a: argparse.Namespace, clock: Clock) -> tuple[float, bool]:
+    from quantdispatch.integrations.transformers import capture_decode
+
+    n = PROMPT + max(a.steps, 16) + 8
+    dec, plain = capture_decode(model, batch, n), capture_decode(model, batch, n, capture=False)
+    ids = _prompt(model, batch)
+    match = torch.equal(dec.generate(ids, 16), plain.generate(ids, 16))
+
+    def steps() -> None:
+        dec.prefill(ids)
+        for _ in range(a.steps):
+            dec.step()
+
+    prefill = clock.median_ms(lambda: dec.prefill(ids), a.reps)
+    return (clock.median_ms(steps, a.reps) - prefill) / a.steps, bool(match)
+
+
+def compiled_decode(model: Any, batch: int, a: argparse.Namespace, clock: Clock) -> float:
+    from transformers import CompileConfig
+
+    ids = _prompt(model, batch)
+    cc = CompileConfig(backend="cudagraphs", mode=None)
+    kw = dict(do_sample=False, cache_implementation="static", compile_config=cc)
+
+    def gen(n: int) -> None:
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=n, **kw)
+
+    gen(a.steps)  # compiles
+    t_n = clock.median_ms(lambda: gen(a.steps), a.reps)
+    t_1 = clock.median_ms(lambda: gen(1), a.reps)
+    return (t_n - t_1) / (a.steps - 1)
+
+
+def eager_prefill(model: Any, tokens: int, a: argparse.Namespace, clock: Clock) -> float:
+    ids = _prompt(model, 1, tokens)
+
+    def forward() -> None:
+        with torch.no_grad():
+            model(ids, use_cache=False, logits_to_keep=1)
+
+    return clock.median_ms(forward, a.reps)
+
+
+def _prompt(model: Any, batch: int, n: int = PROMPT) -> torch.Tensor:
+    g = torch.Generator().manual_seed(batch * 7 + n)
+    return torch.randint(1, model.config.vocab_size, (batch, n), generator=g).to(model.device)
+
+
+def measure_variant(model: Any, a: argparse.Namespace, clock: Clock, emit) -> None:  # type: ignore[no-untyped-def]
+    """Every run of one variant; ``emit(run, batch, tokens, ms, extra)`` per measurement."""
+    plan: list[tuple[str, int, int]] = []
+    for run in a.runs:
+        if run == "eager-prefill":
+            plan += [(run, 1, t) for t in a.prefill]
+        else:
+            batches = a.compiled_batches if run == "compiled-decode" else a.batches
+            plan += [(run, b, a.steps) for b in batches]
+    for run, batch, tokens in plan:
+        if clock.left() <= 0:
+            emit(run, batch, tokens, None, {"skipped": "time budget spent"})
+            continue
+        extra: dict[str, Any] = {}
+        try:
+            if run == "eager-decode":
+                ms = eager_decode(model, batch, a, clock)
+            elif run == "graph-decode":
+                ms, extra["tokens_match_eager"] = graph_decode(model, batch, a, clock)
+            elif run == "compiled-decode":
+                ms = compiled_decode(model, batch, a, clock)
+                torch._dynamo.reset()
+            else:
+                ms = eager_prefill(model, tokens, a, clock)
+        except Exception as exc:  # recorded; the other runs go on
+            ms, extra = None, {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        emit(run, batch, tokens, ms, extra)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    a = parse_args(argv)
+    import transformers
+    import triton
+
+    from quantdispatch.integrations.transformers import install_fused_ops, quantize_model
+
+    device = torch.device(a.device)
+    clock = Clock(device, a.budget_s)
+    now = dt.datetime.now(dt.UTC)
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    gpu = device_name.lower().replace(" ", "-")
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"whole-model-{gpu}-{now:%Y-%m-%d}"
+    report: dict[str, Any] = {
+        "device": device_name, "date": now.isoformat(timespec="seconds"),
+        "versions": {"torch": torch.__version__, "triton": triton.__version__,
+                     "transformers": transformers.__version__},
+        "settings": {k: v for k, v in vars(a).items() if k != "out"}, "rows": [], "models": {},
+    }  # fmt: skip
+    rows: dict[tuple[str, str, int, int], dict[str, Any]] = {}
+
+    def write() -> None:
+        report["rows"] = list(rows.values())
+        report["elapsed_s"] = round(time.perf_counter() - clock.start, 1)
+        stem.with_suffix(".json").write_text(json.dumps(report, indent=1), encoding="utf-8")
+        stem.with_suffix(".md").write_text(render(report), encoding="utf-8")
+
+    for name in a.models:
+        model = build(name, a.layers, device)
+        info = report["models"][name] = {"layers": model.config.num_hidden_layers}
+        for variant, key in (("bf16", "bf16_ms"), ("bf16-fused", "bf16_fused_ms"),
+                             (a.format, "quant_ms")):  # fmt: skip
+            if variant == "bf16-fused":
+                info["fused_modules"] = install_fused_ops(model)
+            elif variant == a.format:
+                t = clock.time(lambda m=model: quantize_model(m, a.format))
+                info["quantize_s"] = round(t, 2)
+                info["quant_bytes"] = sum(b.numel() * b.element_size() for b in model.buffers())
+
+            def emit(run, batch, tokens, ms, extra, name=name, key=key):  # type: ignore[no-untyped-def]
+                row = rows.setdefault((name, run, batch, tokens), dict(
+                    model=name, run=run, batch=batch, tokens=tokens, bf16_ms=None,
+                    bf16_fused_ms=None, quant_ms=None, format=a.format))  # fmt: skip
+                row[key] = None if ms is None else round(ms, 3)
+                for k, v in extra.items():
+                    row[k if key == "quant_ms" else f"{key[:-3]}_{k}"] = v
+                print(json.dumps(row), flush=True)
+                write()
+
+            measure_variant(model, a, clock, emit)
+        del model
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    write()
+    return report
+
+
+def render(report: dict[str, Any]) -> str:
+    v = report["versions"]
+    lines = [
+        f"# Whole models: quantized vs bf16 ({report['device']})", "",
+        f"torch {v['torch']}, triton {v['triton']}, transformers {v['transformers']}; "
+        f"{report['date']}. ms per decode step (eager, CUDA graph, compiled generate) or per "
+        "prefill forward; speed-up = bf16 / quantized (> 1: quantized is faster).", "",
+        "| model | run | batch | tokens | bf16 ms | bf16 fused ms | quant ms | vs bf16 | "
+        "vs bf16 fused | note |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]  # fmt: skip
+    for r in report["rows"]:
+        b, f, q = r.get("bf16_ms"), r.get("bf16_fused_ms"), r.get("quant_ms")
+        note = r.get("skipped") or r.get("error") or (
+            "" if "tokens_match_eager" not in r else
+            ("tokens = eager" if r["tokens_match_eager"] else "tokens DIFFER")
+        )  # fmt: skip
+        lines.append(
+            f"| {r['model']} | {r['run']} | {r['batch']} | {r['tokens']} | {_f(b)} | {_f(f)} | "
+            f"{_f(q)} | {_x(b, q)} | {_x(f, q)} | {note} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _f(v: float | None) -> str:
+    return "" if v is None else f"{v:.2f}"
+
+
+def _x(a: float | None, b: float | None) -> str:
+    return "" if not a or not b else f"{a / b:.2f}x"
+
+
+if __name__ == "__main__":
+    main()
