@@ -16,8 +16,13 @@ from quantdispatch.device import PRESETS
 
 ROOT = Path(__file__).resolve().parents[2]
 PROBE = Path(__file__).with_name("no_triton_probe.py")
-#: What may need triton to import: the kernels and the triton backend's launch path.
-KERNEL_PREFIXES = ("quantdispatch.kernels.", "quantdispatch.backends.triton.run")
+#: What may need triton to import: the kernels and the triton backend's launch paths (the op
+#: path and the bound path), which the backend imports only when it runs.
+KERNEL_PREFIXES = (
+    "quantdispatch.kernels.",
+    "quantdispatch.backends.triton.run",
+    "quantdispatch.backends.triton.bind",
+)
 #: Modules that must import without triton, though they sit beside kernels.
 TRITON_FREE = (
     "quantdispatch.kernels.common.checks",
