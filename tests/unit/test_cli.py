@@ -552,13 +552,13 @@ def test_cli_asks_decisions_never_kernels():
     ],
 )
 def test_shorten_keeps_the_first_clause(text, short):
-    from quantdispatch.cli.text import shorten
+    from quantdispatch.cli.phrases import shorten
 
     assert shorten(text) == short
 
 
 def test_shorten_keeps_whole_phrases_and_prefixed_wraps_at_words():
-    from quantdispatch.cli.text import WIDTH, prefixed, shorten
+    from quantdispatch.cli.phrases import WIDTH, prefixed, shorten
 
     phrases = "cutlass does not compute nvfp4 moe: no fused kernel is bound: the providers ship"
     assert shorten(phrases, 60) == "cutlass does not compute nvfp4 moe: no fused kernel is bound"
