@@ -56,8 +56,9 @@ def direct_launch_available() -> bool:
     return low <= _version() < high and torch.cuda.is_available()
 
 
+@functools.cache
 def _hooks():  # type: ignore[no-untyped-def]
-    """Triton's launch hooks object (None where this Triton has no knobs)."""
+    """Triton's runtime knobs, where its launch hooks live (None where this Triton has none)."""
     try:
         from triton import knobs
     except ImportError:
