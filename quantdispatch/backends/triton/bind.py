@@ -204,13 +204,15 @@ def bind_moe(template: MoeCall) -> BoundMoe:
     if template.layout is Layout.MMA16X64:
         meta = template.meta
         assert isinstance(meta, Mma16x64Meta), meta
-        from quantdispatch.kernels.mma_layout.moe_gemm import mma_layout_moe
+        from quantdispatch.kernels.mma_layout.moe_bound import MmaLayoutMoe
+
+        layer = MmaLayoutMoe(
+            w13, w2, b13, b2, activation=act, params=params, packed_for=meta.packed_for,
+            pdl=pdl, facts=facts,
+        )  # fmt: skip
 
         def mma(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-            return mma_layout_moe(
-                x, ids, weights, w13, w2, b13, b2, activation=act, params=params,
-                packed_for=meta.packed_for, config=plan(x, ids, weights), pdl=pdl, facts=facts,  # type: ignore[arg-type]
-            )  # fmt: skip
+            return layer(x, ids, weights, plan(x, ids, weights))
 
         return BoundMoe(mma)
     meta = template.meta
