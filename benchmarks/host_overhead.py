@@ -112,9 +112,9 @@ def moe_rows(calls: int) -> list[dict[str, object]]:
         return [quantize_nvfp4(torch.randn(n, k, device=dev, generator=g) * 0.02)
                 for _ in range(e)]  # fmt: skip
 
-    moe = QuantMoE(
+    moe = QuantMoE(  # as the HF integration builds it: no host check of the ids (a sync)
         experts(inter, hidden), experts(inter, hidden), experts(hidden, inter), top_k=top_k,
-        settings=load_settings({}), device=dev,
+        settings=load_settings({}), device=dev, validate_ids=False,
     )  # fmt: skip
     rows = []
     for m in MS:
@@ -133,12 +133,67 @@ def moe_rows(calls: int) -> list[dict[str, object]]:
     return rows
 
 
+def profile_calls(calls: int = 300) -> None:
+    """Where a call's host time goes: cProfile over ``calls`` eager calls of the 8B qkv layer at
+    M = 256 (the wgmma GEMM) and 4096 (dequantize + cuBLAS) and of the 30B-A3B MoE at M = 1."""
+    from quantdispatch import QuantLinear, load_settings
+    from quantdispatch.formats import quantize_nvfp4
+    from quantdispatch.layers import QuantMoE
+
+    dev = torch.device("cuda")
+    dense = torch.nn.Linear(4096, 6144, bias=False, dtype=torch.bfloat16, device=dev)
+    layer = QuantLinear.from_float(dense, "nvfp4", settings=load_settings({}))
+    e, top_k, hidden, inter = MOE
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def experts(n: int, k: int) -> list[object]:
+        return [quantize_nvfp4(torch.randn(n, k, device=dev, generator=g) * 0.02)
+                for _ in range(e)]  # fmt: skip
+
+    moe = QuantMoE(experts(inter, hidden), experts(inter, hidden), experts(hidden, inter),
+                   top_k=top_k, settings=load_settings({}), device=dev,
+                   validate_ids=False)  # fmt: skip
+    x1 = torch.randn(1, hidden, dtype=torch.bfloat16, device=dev)
+    weights, ids = torch.topk(torch.softmax(torch.randn(1, e, device=dev), -1), top_k)
+    ids = ids.to(torch.int32)
+    cases = {
+        "QuantLinear M=256": (layer, torch.randn(256, 4096, dtype=torch.bfloat16, device=dev)),
+        "QuantLinear M=4096": (layer, torch.randn(4096, 4096, dtype=torch.bfloat16, device=dev)),
+    }
+    for label, (mod, x) in cases.items():
+        _profile(label, lambda mod=mod, x=x: mod(x), calls)
+    _profile("QuantMoE M=1", lambda: moe(x1, topk_ids=ids, topk_weights=weights), calls)
+
+
+def _profile(label: str, fn: Callable[[], object], calls: int) -> None:
+    import cProfile
+    import pstats
+
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    print(f"== {label}: {calls} calls")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+
+
 def main(argv: list[str] | None = None) -> dict[str, object]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--calls", type=int, default=40, help="calls per timed round")
     p.add_argument("--out", default=None, help="folder for host-overhead-<gpu>.json")
     p.add_argument("--skip-moe", action="store_true")
+    p.add_argument("--profile", action="store_true",
+                   help="print cProfile's top functions for QuantLinear at M=256 and QuantMoE "
+                        "at M=1 instead of the table")  # fmt: skip
     args = p.parse_args(argv)
+    if args.profile:
+        profile_calls()
+        return {}
     import triton
 
     report: dict[str, object] = {

@@ -19,8 +19,10 @@ Runs, each per variant:
   from t(N) - t(1);
 - ``eager-prefill``: one forward over a prompt of ``tokens`` (logits of the last position).
 
-Decode runs start from a 128-token prompt. Every time is a median of ``--reps`` rounds with the
-device synchronized at both ends. Writes ``whole-model-<gpu>-<date>.json``: ``rows`` with keys
+Decode runs start from a 128-token prompt; each round prefills, synchronizes, then times
+``--steps`` steps (so a host-bound prefill never hides the steps' GPU time). Every time is a
+median of ``--reps`` rounds with the device synchronized at both ends. Writes
+``whole-model-<gpu>-<date>.json``: ``rows`` with keys
 ``model``, ``run``, ``batch``, ``tokens``, ``bf16_ms``, ``bf16_fused_ms``, ``quant_ms``,
 ``format`` (and ``tokens_match_eager`` for graph decode), plus versions and settings; and a
 markdown table beside it. Results are written after every row; ``--budget-s`` skips what would
@@ -61,6 +63,9 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         num_key_value_heads=2, head_dim=64, vocab_size=512)),
 }  # fmt: skip
 RUNS = ("eager-decode", "graph-decode", "compiled-decode", "eager-prefill")
+#: Variant -> its row key. ``quant-plain`` is a diagnostic: the quantized model without fused ops.
+VARIANTS = {"bf16": "bf16_ms", "bf16-fused": "bf16_fused_ms", "quant": "quant_ms",
+            "quant-plain": "quant_plain_ms"}  # fmt: skip
 PROMPT = 128
 
 
@@ -76,10 +81,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=32, help="decode steps timed per round")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--budget-s", type=float, default=540.0)
+    p.add_argument(
+        "--variants", default="bf16,bf16-fused,quant",
+        help="which of bf16, bf16-fused, quant, quant-plain (quantized, fused ops removed) to "
+             "run, in this order",
+    )  # fmt: skip
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     a = p.parse_args(argv)
     a.models = [m for m in a.models.split(",") if m]
+    a.variants = [v for v in a.variants.split(",") if v]
+    bad = [v for v in a.variants if v not in VARIANTS]
+    if bad:
+        p.error(f"--variants: unknown {bad}; valid: {', '.join(VARIANTS)}")
     a.runs = [r for r in a.runs.split(",") if r]
     for name, got, valid in (("--models", a.models, MODELS), ("--runs", a.runs, RUNS)):
         bad = [g for g in got if g not in valid]
@@ -136,15 +150,7 @@ def eager_decode(model: Any, batch: int, a: argparse.Namespace, clock: Clock) ->
     from quantdispatch.integrations.transformers import capture_decode
 
     dec = capture_decode(model, batch, PROMPT + a.steps + 8, capture=False)
-    ids = _prompt(model, batch)
-
-    def steps() -> None:
-        dec.prefill(ids)
-        for _ in range(a.steps):
-            dec.step()
-
-    prefill = clock.median_ms(lambda: dec.prefill(ids), a.reps)
-    return (clock.median_ms(steps, a.reps) - prefill) / a.steps
+    return _time_steps(dec, _prompt(model, batch), a, clock)
 
 
 def graph_decode(model: Any, batch: int, a: argparse.Namespace, clock: Clock) -> tuple[float, bool]:
@@ -154,14 +160,23 @@ def graph_decode(model: Any, batch: int, a: argparse.Namespace, clock: Clock) ->
     dec, plain = capture_decode(model, batch, n), capture_decode(model, batch, n, capture=False)
     ids = _prompt(model, batch)
     match = torch.equal(dec.generate(ids, 16), plain.generate(ids, 16))
+    return _time_steps(dec, ids, a, clock), bool(match)
+
+
+def _time_steps(dec: Any, ids: torch.Tensor, a: argparse.Namespace, clock: Clock) -> float:
+    """ms per decode step: each round prefills (untimed, the device synchronized after it),
+    then times ``a.steps`` steps; median over rounds after a warm-up round."""
 
     def steps() -> None:
-        dec.prefill(ids)
         for _ in range(a.steps):
             dec.step()
 
-    prefill = clock.median_ms(lambda: dec.prefill(ids), a.reps)
-    return (clock.median_ms(steps, a.reps) - prefill) / a.steps, bool(match)
+    times = []
+    for _ in range(a.reps + 1):
+        dec.prefill(ids)
+        clock.sync()
+        times.append(clock.time(steps))
+    return 1e3 * statistics.median(times[1:]) / a.steps
 
 
 def compiled_decode(model: Any, batch: int, a: argparse.Namespace, clock: Clock) -> float:
@@ -233,7 +248,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import transformers
     import triton
 
-    from quantdispatch.integrations.transformers import install_fused_ops, quantize_model
+    from quantdispatch.integrations.transformers import (
+        install_fused_ops,
+        quantize_model,
+        remove_fused_ops,
+    )
 
     device = torch.device(a.device)
     clock = Clock(device, a.budget_s)
@@ -260,19 +279,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name in a.models:
         model = build(name, a.layers, device)
         info = report["models"][name] = {"layers": model.config.num_hidden_layers}
-        for variant, key in (("bf16", "bf16_ms"), ("bf16-fused", "bf16_fused_ms"),
-                             (a.format, "quant_ms")):  # fmt: skip
-            if variant == "bf16-fused":
-                info["fused_modules"] = install_fused_ops(model)
-            elif variant == a.format:
-                t = clock.time(lambda m=model: quantize_model(m, a.format))
+        quantized = False
+        for variant in a.variants:
+            key = VARIANTS[variant]
+            if variant.startswith("quant") and not quantized:
+                t = clock.time(lambda m=model: quantize_model(m, a.format, fused_ops=False))
                 info["quantize_s"] = round(t, 2)
                 info["quant_bytes"] = sum(b.numel() * b.element_size() for b in model.buffers())
+                quantized = True
+            if variant in ("bf16-fused", "quant"):
+                info[f"fused_modules_{variant}"] = install_fused_ops(model)
+            else:
+                remove_fused_ops(model)
 
             def emit(run, batch, tokens, ms, extra, name=name, key=key):  # type: ignore[no-untyped-def]
                 row = rows.setdefault((name, run, batch, tokens), dict(
                     model=name, run=run, batch=batch, tokens=tokens, bf16_ms=None,
                     bf16_fused_ms=None, quant_ms=None, format=a.format))  # fmt: skip
+                if key not in ("bf16_ms", "bf16_fused_ms", "quant_ms"):
+                    row.setdefault(key, None)
                 row[key] = None if ms is None else round(ms, 3)
                 for k, v in extra.items():
                     row[k if key == "quant_ms" else f"{key[:-3]}_{k}"] = v
@@ -305,6 +330,8 @@ def render(report: dict[str, Any]) -> str:
             "" if "tokens_match_eager" not in r else
             ("tokens = eager" if r["tokens_match_eager"] else "tokens DIFFER")
         )  # fmt: skip
+        if r.get("quant_plain_ms") is not None:
+            note += f"; without fused ops {_f(r['quant_plain_ms'])} ms"
         lines.append(
             f"| {r['model']} | {r['run']} | {r['batch']} | {r['tokens']} | {_f(b)} | {_f(f)} | "
             f"{_f(q)} | {_x(b, q)} | {_x(f, q)} | {note} |"

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from quantdispatch.backends.bound import BoundLinear, BoundMoe
+from quantdispatch.backends.bound import BoundLinear, BoundMoe, LinearBinding
 from quantdispatch.backends.prepared import (
     CheckpointMeta,
     CutlassFp4Meta,
@@ -45,6 +45,7 @@ __all__ = [
     "KernelRange",
     "Layout",
     "LayoutMeta",
+    "LinearBinding",
     "MarlinMeta",
     "Mma16x64Meta",
     "MoeCall",
@@ -312,26 +313,15 @@ class Backend(ABC):
             format_error(f"backend {self.name} has no linear kernel", "not implemented yet", "")
         )
 
-    def bind_linear(
-        self,
-        tensors: Sequence[torch.Tensor],
-        bias: torch.Tensor | None,
-        fmt: str,
-        layout: Layout,
-        meta: LayoutMeta,
-        *,
-        pdl: bool = True,
-        device: torch.device,
-    ) -> BoundLinear:
-        """The bound call path of one prepared weight on ``device`` (:mod:`.bound`): made once,
-        then called with x [M, K] for what :meth:`linear` computes, the same bits. Default:
-        :meth:`linear` with every other argument bound; backends override it to make the
-        per-call work (meta, regime lookup, launch arguments) once."""
+    def bind_linear(self, w: LinearBinding) -> BoundLinear:
+        """The bound call path of one prepared weight (:mod:`.bound`): made once, then called
+        with x [M, K] for what :meth:`linear` computes, the same bits. Default: :meth:`linear`
+        with every other argument bound; backends override it to make the per-call work (meta,
+        regime lookup, launch arguments) once."""
         linear = self.linear
-        tensors = tuple(tensors)
 
         def run(x: torch.Tensor) -> torch.Tensor:
-            return linear(x, tensors, bias, fmt, layout, meta, pdl=pdl)
+            return linear(x, w.tensors, w.bias, w.fmt, w.layout, w.meta, pdl=w.pdl)
 
         return BoundLinear(((None, run),), (self.name,))
 

@@ -16,10 +16,30 @@ its buffers move or are replaced (:class:`quantdispatch.layers.base.QuantLayer`)
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-__all__ = ["BoundLinear", "BoundMoe", "Step"]
+if TYPE_CHECKING:
+    from quantdispatch.backends.prepared import Layout, LayoutMeta
+
+__all__ = ["BoundLinear", "BoundMoe", "LinearBinding", "Step"]
+
+
+@dataclass(frozen=True)
+class LinearBinding:
+    """What a layer binds a linear call path to: its prepared tensors (the op's form: float8 as
+    uint8 views), bias, format, layout and meta, whether kernels may use programmatic dependent
+    launches (the decision's ``pdl``), and the device the tensors live on."""
+
+    tensors: tuple[torch.Tensor, ...]
+    bias: torch.Tensor | None
+    fmt: str
+    layout: Layout
+    meta: LayoutMeta
+    pdl: bool
+    device: torch.device
 
 #: One step of a bound call: calls of up to ``max_m`` rows (None: any) run ``fn``.
 Step = tuple[int | None, Callable[..., torch.Tensor]]

@@ -29,6 +29,7 @@ from quantdispatch.backends.base import (
     CutlassFp4Meta,
     Layout,
     LayoutMeta,
+    LinearBinding,
     PreparedWeight,
 )
 from quantdispatch.capability import (
@@ -224,18 +225,8 @@ class CutlassBackend(Backend):
     ) -> torch.Tensor:
         return _CutlassLinear(tensors, bias, meta)(x)
 
-    def bind_linear(
-        self,
-        tensors: Sequence[torch.Tensor],
-        bias: torch.Tensor | None,
-        fmt: str,
-        layout: Layout,
-        meta: LayoutMeta,
-        *,
-        pdl: bool = True,
-        device: torch.device,
-    ) -> BoundLinear:
-        return BoundLinear(((None, _CutlassLinear(tensors, bias, meta)),), (self.name,))
+    def bind_linear(self, w: LinearBinding) -> BoundLinear:
+        return BoundLinear(((None, _CutlassLinear(w.tensors, w.bias, w.meta)),), (self.name,))
 
 
 class _CutlassLinear:

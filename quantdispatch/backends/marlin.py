@@ -24,6 +24,7 @@ from quantdispatch.backends.base import (
     CheckpointMeta,
     Layout,
     LayoutMeta,
+    LinearBinding,
     MarlinMeta,
     MoeCall,
     PreparedMoe,
@@ -216,18 +217,8 @@ class MarlinBackend(Backend):
     ) -> torch.Tensor:
         return _MarlinLinear(tensors, bias, fmt, meta)(x)
 
-    def bind_linear(
-        self,
-        tensors: Sequence[torch.Tensor],
-        bias: torch.Tensor | None,
-        fmt: str,
-        layout: Layout,
-        meta: LayoutMeta,
-        *,
-        pdl: bool = True,
-        device: torch.device,
-    ) -> BoundLinear:
-        return BoundLinear(((None, _MarlinLinear(tensors, bias, fmt, meta)),), (self.name,))
+    def bind_linear(self, w: LinearBinding) -> BoundLinear:
+        return BoundLinear(((None, _MarlinLinear(w.tensors, w.bias, w.fmt, w.meta)),), (self.name,))
 
     def prepare_moe(
         self,

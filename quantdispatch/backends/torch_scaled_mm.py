@@ -24,6 +24,7 @@ from quantdispatch.backends.base import (
     BoundLinear,
     Layout,
     LayoutMeta,
+    LinearBinding,
     PreparedWeight,
     ScaledMmMeta,
 )
@@ -210,18 +211,8 @@ class TorchScaledMMBackend(Backend):
     ) -> torch.Tensor:
         return _scaled_mm_linear(tensors, bias, fmt)(x)
 
-    def bind_linear(
-        self,
-        tensors: Sequence[torch.Tensor],
-        bias: torch.Tensor | None,
-        fmt: str,
-        layout: Layout,
-        meta: LayoutMeta,
-        *,
-        pdl: bool = True,
-        device: torch.device,
-    ) -> BoundLinear:
-        return BoundLinear(((None, _scaled_mm_linear(tensors, bias, fmt)),), (self.name,))
+    def bind_linear(self, w: LinearBinding) -> BoundLinear:
+        return BoundLinear(((None, _scaled_mm_linear(w.tensors, w.bias, w.fmt)),), (self.name,))
 
 
 def _scaled_mm_linear(tensors: Sequence[torch.Tensor], bias: torch.Tensor | None, fmt: str):  # type: ignore[no-untyped-def]

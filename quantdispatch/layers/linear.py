@@ -22,7 +22,7 @@ from torch import nn
 
 from quantdispatch import ops  # noqa: F401 (registers torch.ops.quantdispatch.*)
 from quantdispatch.backends import get_backend
-from quantdispatch.backends.base import BoundLinear, as_op_tensors
+from quantdispatch.backends.base import BoundLinear, LinearBinding, as_op_tensors
 from quantdispatch.checkpoints import (
     LoadedLinear,
     QuantWeight,
@@ -252,8 +252,10 @@ class QuantLinear(QuantLayer):
         if bound is None:
             ref = getattr(self, self._names[0])
             bound = get_backend(self.backend).bind_linear(
-                self._tensors(), self.bias, self.format, self._layout, self._meta,
-                pdl=self.decision.pdl, device=ref.device,
+                LinearBinding(
+                    tuple(self._tensors()), self.bias, self.format, self._layout, self._meta,
+                    self.decision.pdl, ref.device,
+                )
             )  # fmt: skip
             self.__dict__["_bound"] = bound
             # CUDA layers compare the input's device index per call; others check in full

@@ -26,13 +26,16 @@ QUANT = {"nvfp4": quantize_nvfp4, "mxfp4": quantize_mxfp4, "fp8": quantize_fp8}
 DEQUANT = {"nvfp4": dequantize_nvfp4, "mxfp4": dequantize_mxfp4, "fp8": dequantize_fp8}
 
 
-def _layer(fmt: str, n: int, k: int, *, bias: bool, dtype=torch.bfloat16) -> QuantLinear:
+def _layer(
+    fmt: str, n: int, k: int, *, bias: bool, dtype=torch.bfloat16, backend: str | None = None
+) -> QuantLinear:
     g = torch.Generator(device=DEV).manual_seed(n * 7 + k)
     w = torch.randn(n, k, generator=g, device=DEV) * 0.02
     w[: max(1, n // 64)] *= 1e-3  # subnormal block scales on some rows
     q = QUANT[fmt](w)
     b = torch.randn(n, generator=g, device=DEV) if bias else None
-    layer = QuantLinear(q, bias=b, act_dtype=dtype, settings=load_settings({}), device=DEV)
+    settings = load_settings({}, **({"backend": {fmt: backend}} if backend else {}))
+    layer = QuantLinear(q, bias=b, act_dtype=dtype, settings=settings, device=DEV)
     layer.w64 = DEQUANT[fmt](q, dtype=torch.float64)
     layer.b64 = None if b is None else b.double()
     return layer
@@ -51,13 +54,17 @@ CASES = [
     ("nvfp4", 6144, 4096), ("nvfp4", 4096, 14336), ("mxfp4", 2048, 1024),
     ("nvfp4", 1000, 512), ("mxfp4", 1000, 512), ("fp8", 1536, 1024),
 ]  # fmt: skip
+#: FP8 runs W8A8 on torch._scaled_mm by default here (activations quantized: a looser bound);
+#: forced to triton it is weight-only.
+BOUND = {"torch": 6e-2, "triton": 1e-2, "reference": 1e-2}
 MS = [1, 5, 16, 33, 64, 200, 256, 513, 1100]
 
 
-@pytest.mark.parametrize(("fmt", "n", "k"), CASES)
+@pytest.mark.parametrize(("fmt", "n", "k", "backend"), [
+    *((f, n, k, None) for f, n, k in CASES), ("fp8", 1536, 1024, "triton")])  # fmt: skip
 @pytest.mark.parametrize("bias", [False, True])
-def test_bound_path_equals_the_op_and_float64(fmt, n, k, bias):
-    layer = _layer(fmt, n, k, bias=bias)
+def test_bound_path_equals_the_op_and_float64(fmt, n, k, backend, bias):
+    layer = _layer(fmt, n, k, bias=bias, backend=backend)
     bound = layer.bound()
     for m in MS:
         x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
@@ -66,7 +73,7 @@ def test_bound_path_equals_the_op_and_float64(fmt, n, k, bias):
         assert torch.equal(first, op) and torch.equal(second, op), (fmt, n, k, m)
         want = x.double() @ layer.w64.T + (0 if layer.b64 is None else layer.b64)
         err = float((second.double() - want).norm() / want.norm())
-        assert err < 1e-2, (fmt, n, k, m, bound.family_for(m), err)
+        assert err < BOUND[layer.backend], (fmt, n, k, m, bound.family_for(m), err)
     assert len(set(bound.families)) >= 2 or n % 64, bound.families
 
 
@@ -134,7 +141,7 @@ def test_direct_launch_gives_the_bits_of_tritons_own_launch():
         assert torch.equal(gemv(x), MmaGemv(words, scales, gs)(x)), (m, off)
 
 
-@pytest.mark.parametrize(("fmt", "inter", "hidden"), [("nvfp4", 768, 2048), ("nvfp4", 1000, 512),
+@pytest.mark.parametrize(("fmt", "inter", "hidden"), [("nvfp4", 768, 2048), ("nvfp4", 1008, 512),
                                                      ("mxfp4", 512, 1024), ("fp8", 256, 512)])
 def test_bound_moe_equals_the_op(fmt, inter, hidden):
     """QuantMoE's eager (bound) call against its custom op: the mma16x64 layout's regimes

@@ -98,15 +98,34 @@ def test_the_decoder_layer_adds_the_residual_and_norms_once(kernels_on_cpu, monk
     calls = []
     from quantdispatch.kernels.native import fp8_producers
 
-    real = fp8_producers.rmsnorm
-    monkeypatch.setattr(
-        fp8_producers, "rmsnorm",
-        lambda *a, **kw: calls.append(kw.get("residual") is not None) or real(*a, **kw),
-    )  # fmt: skip
+    real = fp8_producers.RmsNorm.__call__
+
+    def counted(self, x, residual=None):
+        calls.append(residual is not None)
+        return real(self, x, residual)
+
+    monkeypatch.setattr(fp8_producers.RmsNorm, "__call__", counted)
     with torch.no_grad():
         model(PROMPT)
     # per layer: input norm, add + post-attention norm; then the final norm
     assert calls == [False, True, False, True, False]
+
+
+def test_bound_kernels_give_the_functions_bits():
+    """The eager fast path's bound RmsNorm / SiluMul are the functions' kernels: same bits."""
+    from quantdispatch.kernels.native.fp8_producers import RmsNorm, SiluMul, rmsnorm, silu_mul_fp8
+
+    g = torch.Generator().manual_seed(4)
+    for dtype in (torch.bfloat16, torch.float16):
+        x, r = (torch.randn(6, 384, generator=g).to(dtype) for _ in range(2))
+        w = (torch.rand(384, generator=g) + 0.5).to(dtype)
+        norm = RmsNorm(w, 1e-5)
+        assert torch.equal(norm(x), rmsnorm(x, w, 1e-5)[0])
+        y, s = norm(x, r)
+        want_y, want_s, _ = rmsnorm(x, w, 1e-5, residual=r)
+        assert torch.equal(y, want_y) and torch.equal(s, want_s)
+        silu = SiluMul(384, dtype, x.device)
+        assert torch.equal(silu(x, r), silu_mul_fp8(x, r, quantize=False)[0])
 
 
 def test_autograd_and_cpu_calls_run_the_modules_own_forward():

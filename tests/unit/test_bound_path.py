@@ -25,7 +25,7 @@ pytest.importorskip("triton", reason="triton is not installed (optional extra)")
 import quantdispatch.ops
 from quantdispatch.api import load_settings, select
 from quantdispatch.backends import get_backend
-from quantdispatch.backends.base import Layout, as_op_tensors
+from quantdispatch.backends.base import Layout, LinearBinding, as_op_tensors
 from quantdispatch.backends.triton import bind, dispatch, prepare
 from quantdispatch.device import preset_profile
 from quantdispatch.errors import BackendUnavailableError
@@ -50,6 +50,7 @@ CLASSES = {
     Family.FP8_TL_DOT: Fp8Linear,
 }
 MS = (1, 16, 17, 32, 33, 64, 65, 127, 128, 256, 257, 511, 512, 513, 4096)
+CPU = torch.device("cpu")
 
 
 def _tensors(fmt, layout, n, k):
@@ -85,7 +86,7 @@ def test_the_bound_steps_are_kernel_for_at_every_m(monkeypatch, preset, fmt):
         layout = dispatch.linear_layout(fmt, n, k, act, profile.capability)
         meta = dispatch.prepared_meta(layout, act)
         bound = get_backend("triton").bind_linear(
-            _tensors(fmt, layout, n, k), None, fmt, layout, meta, device=torch.device("cpu")
+            LinearBinding(tuple(_tensors(fmt, layout, n, k)), None, fmt, layout, meta, True, CPU)
         )
         for m in MS:
             family = d.kernel_for(m).family
@@ -126,7 +127,7 @@ def _both(monkeypatch, fmt, n, k, ms, capability=None, facts=None):
     tensors = as_op_tensors(list(prepared.tensors))
     bias = torch.randn(n)
     bound = backend.bind_linear(
-        tensors, bias, fmt, prepared.layout, prepared.meta, device=torch.device("cpu")
+        LinearBinding(tuple(tensors), bias, fmt, prepared.layout, prepared.meta, True, CPU)
     )
     out = []
     for m in ms:
@@ -202,10 +203,10 @@ def test_a_bound_call_does_no_dispatch_work(monkeypatch, fmt):
     request = Request.make(fmt, "linear", torch.bfloat16, "weight_only", n=n, k=k)
     backend = get_backend("triton")
     prepared = backend.prepare(_weight(fmt, n, k), request)
+    tensors = tuple(as_op_tensors(list(prepared.tensors)))
     bound = backend.bind_linear(
-        as_op_tensors(list(prepared.tensors)), None, fmt, prepared.layout, prepared.meta,
-        device=torch.device("cpu"),
-    )  # fmt: skip
+        LinearBinding(tensors, None, fmt, prepared.layout, prepared.meta, True, CPU)
+    )
     x = torch.randn(4, k, dtype=torch.bfloat16)
     bound(x)  # the first call of an M makes its plan
     launches.clear()

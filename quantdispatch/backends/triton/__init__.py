@@ -27,6 +27,7 @@ from quantdispatch.backends.base import (
     CheckpointMeta,
     Layout,
     LayoutMeta,
+    LinearBinding,
     MoeCall,
     PreparedMoe,
     PreparedWeight,
@@ -81,20 +82,10 @@ class TritonBackend(TritonFacts):
 
         return run.linear(x, tensors, bias, fmt, layout, meta, pdl)
 
-    def bind_linear(
-        self,
-        tensors: Sequence[torch.Tensor],
-        bias: torch.Tensor | None,
-        fmt: str,
-        layout: Layout,
-        meta: LayoutMeta,
-        *,
-        pdl: bool = True,
-        device: torch.device,
-    ) -> BoundLinear:
+    def bind_linear(self, w: LinearBinding) -> BoundLinear:
         from quantdispatch.backends.triton.bind import bind_linear
 
-        return bind_linear(tensors, bias, fmt, layout, meta, pdl, device)
+        return bind_linear(w)
 
     def bind_moe(self, template: MoeCall) -> BoundMoe:
         from quantdispatch.backends.triton.bind import bind_moe

@@ -10,7 +10,7 @@ the op path's function (large M only, where a call is long next to its host time
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 
@@ -22,7 +22,7 @@ from quantdispatch.backends.base import (
     MoeCall,
     op_view,
 )
-from quantdispatch.backends.bound import BoundLinear, BoundMoe
+from quantdispatch.backends.bound import BoundLinear, BoundMoe, LinearBinding
 from quantdispatch.backends.triton import dispatch
 from quantdispatch.errors import InputError, format_error
 from quantdispatch.kernels.checkpoint_layout.dequant import Fp4DequantRows, Fp8DequantRows
@@ -41,19 +41,11 @@ __all__ = ["bind_linear", "bind_moe"]
 Run = Callable[[torch.Tensor], torch.Tensor]
 
 
-def bind_linear(
-    tensors: Sequence[torch.Tensor],
-    bias: torch.Tensor | None,
-    fmt: str,
-    layout: Layout,
-    meta: LayoutMeta,
-    pdl: bool,
-    device: torch.device,
-) -> BoundLinear:
-    """The weight's steps on ``device`` (the regime table's row, as :mod:`.run` reads it per
+def bind_linear(w: LinearBinding) -> BoundLinear:
+    """The weight's steps on its device (the regime table's row, as :mod:`.run` reads it per
     call), each bound to its launcher object."""
-    facts = device_facts(device)
-    tensors = tuple(tensors)
+    facts = device_facts(w.device)
+    tensors, bias, fmt, layout, meta, pdl = w.tensors, w.bias, w.fmt, w.layout, w.meta, w.pdl
     if layout is Layout.MMA16X64:
         assert isinstance(meta, Mma16x64Meta), meta
         n, k = tensors[0].shape[0] * TILE_N, tensors[0].shape[1] * CHUNK_K
@@ -204,13 +196,15 @@ def bind_moe(template: MoeCall) -> BoundMoe:
     if template.layout is Layout.MMA16X64:
         meta = template.meta
         assert isinstance(meta, Mma16x64Meta), meta
-        from quantdispatch.kernels.mma_layout.moe_gemm import mma_layout_moe
+        from quantdispatch.kernels.mma_layout.moe_bound import MmaLayoutMoe
+
+        layer = MmaLayoutMoe(
+            w13, w2, b13, b2, activation=act, params=params, packed_for=meta.packed_for,
+            pdl=pdl, facts=facts,
+        )  # fmt: skip
 
         def mma(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-            return mma_layout_moe(
-                x, ids, weights, w13, w2, b13, b2, activation=act, params=params,
-                packed_for=meta.packed_for, config=plan(x, ids, weights), pdl=pdl, facts=facts,  # type: ignore[arg-type]
-            )  # fmt: skip
+            return layer(x, ids, weights, plan(x, ids, weights))
 
         return BoundMoe(mma)
     meta = template.meta

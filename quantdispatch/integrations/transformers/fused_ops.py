@@ -77,6 +77,7 @@ FP8_START = "_quantdispatch_fp8_producer"
 #: Set by FP8 compute on a decoder layer: from which M it runs inside a sharing scope.
 SCOPE_START = "_quantdispatch_fp8_sharing"
 _PATCH = "_quantdispatch_forward"  # which patch a module's forward is
+_BOUND = "_quantdispatch_bound"  # a patched module's bound kernel (eager)
 
 
 def _rows(x: torch.Tensor) -> int:
@@ -102,6 +103,48 @@ def _eligible(x: torch.Tensor, dtype: torch.dtype, blocks: bool) -> bool:
     )
 
 
+def _fast(module: nn.Module, x: torch.Tensor, dtype: torch.dtype) -> bool:
+    """The eager fast path: the plain fusion on, no FP8 producer set, a contiguous input the
+    kernels take, eager inference (the bound kernels, nothing checked twice)."""
+    d = module.__dict__
+    return (
+        d.get(FUSED, False)
+        and FP8_START not in d
+        and x.dtype is dtype
+        and x.is_contiguous()
+        and x.dim() > 0
+        and _kernels_run(x)
+        and direct_call_ok(x)
+    )
+
+
+def _bound_norm(norm: nn.Module):  # type: ignore[no-untyped-def]
+    """The norm's bound kernel (kept on the module, made again when its weight moves), or None
+    for a weight the kernel does not take."""
+    from quantdispatch.kernels.native.fp8_producers import RmsNorm
+
+    w = norm.weight
+    bound = norm.__dict__.get(_BOUND)
+    if bound is None or bound.weight_ptr != w.data_ptr() or bound.dtype is not w.dtype:
+        if w.dtype not in (torch.bfloat16, torch.float16) or w.dim() != 1:
+            return None
+        bound = RmsNorm(w.detach(), float(norm.variance_epsilon))
+        bound.weight_ptr = w.data_ptr()
+        norm.__dict__[_BOUND] = bound
+    return bound
+
+
+def _bound_silu(mlp: nn.Module, gate: torch.Tensor):  # type: ignore[no-untyped-def]
+    from quantdispatch.kernels.native.fp8_producers import SiluMul
+
+    bound = mlp.__dict__.get(_BOUND)
+    if bound is None or bound.dtype is not gate.dtype or bound.device != gate.device:
+        bound = SiluMul(gate.shape[-1], gate.dtype, gate.device)
+        bound.device = gate.device
+        mlp.__dict__[_BOUND] = bound
+    return bound
+
+
 def _quantize(module: nn.Module, x: torch.Tensor) -> bool:
     """FP8 compute's producer from this M on, in eager mode only (the handoff is eager)."""
     start = getattr(module, FP8_START, None)
@@ -123,9 +166,14 @@ def _norm2d(norm: nn.Module, x2: torch.Tensor, quantize: bool, residual=None):  
 
 
 def _norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    w = self.weight
+    if _fast(self, hidden_states, w.dtype):
+        bound = _bound_norm(self)
+        if bound is not None and hidden_states.shape[-1] == bound.k:
+            return bound(hidden_states.view(-1, bound.k)).view(hidden_states.shape)
     quantize = _quantize(self, hidden_states)
     if not (getattr(self, FUSED, False) or quantize) or not _eligible(
-        hidden_states, self.weight.dtype, quantize
+        hidden_states, w.dtype, quantize
     ):
         return type(self).forward(self, hidden_states)
     x2 = hidden_states.reshape(-1, hidden_states.shape[-1]).contiguous()
@@ -135,6 +183,16 @@ def _norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
 
 def _mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     gate, up = self.gate_proj(x), self.up_proj(x)
+    i = gate.shape[-1]
+    if (
+        _fast(self, gate, gate.dtype)
+        and i % 128 == 0
+        and up.shape == gate.shape
+        and up.dtype is gate.dtype
+        and up.is_contiguous()
+    ):
+        h = _bound_silu(self, gate)(gate.view(-1, i), up.view(-1, i))
+        return self.down_proj(h.view(gate.shape))
     quantize = _quantize(self, gate)
     if not (
         (getattr(self, FUSED, False) or quantize)
@@ -143,7 +201,6 @@ def _mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
         and up.dtype == gate.dtype
     ):
         return self.down_proj(self.act_fn(gate) * up)
-    i = gate.shape[-1]
     g2, u2 = gate.reshape(-1, i).contiguous(), up.reshape(-1, i).contiguous()
     if quantize or direct_call_ok(g2):
         from quantdispatch.kernels.native.fp8_producers import silu_mul_fp8
@@ -155,6 +212,16 @@ def _mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _decoder_forward(self: nn.Module, hidden_states: torch.Tensor, *args, **kwargs):  # type: ignore[no-untyped-def]
+    post = self.post_attention_layernorm
+    fast = not args and SCOPE_START not in self.__dict__ and FP8_START not in post.__dict__
+    if fast and _fast(self, hidden_states, post.weight.dtype):
+        bound = _bound_norm(post)
+        if bound is not None and hidden_states.shape[-1] == bound.k:
+            shape, k = hidden_states.shape, bound.k
+            h, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
+            h2 = h.reshape(-1, k)
+            y, s = bound(h2 if h2.is_contiguous() else h2.contiguous(), hidden_states.view(-1, k))
+            return s.view(shape) + self.mlp(y.view(shape))
     start = getattr(self, SCOPE_START, None)
     scoped = (
         start is not None
@@ -163,7 +230,6 @@ def _decoder_forward(self: nn.Module, hidden_states: torch.Tensor, *args, **kwar
         and _rows(hidden_states) >= start
     )
     with _sharing() if scoped else contextlib.nullcontext():
-        post = self.post_attention_layernorm
         if (
             args
             or not getattr(self, FUSED, False)

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from quantdispatch.errors import InputError, format_error
 from quantdispatch.kernels.checkpoint_layout.linear import mma_tile
-from quantdispatch.kernels.common import checks
+from quantdispatch.kernels.common.bound_linear import VARYING, BoundTiledLinear
 from quantdispatch.kernels.common.checks import (
     check_activation,
     check_bias,
@@ -266,10 +266,12 @@ def _scale_block_fit(block_k: int, kind: int, bk: int) -> int:
     return block_k
 
 
-class Fp8Linear:
+class Fp8Linear(BoundTiledLinear):
     """:func:`fp8_weight_only_linear` with the weight bound (the bound call path): the weight
     checks run once, each M's config and launcher are made once; a call checks x, allocates the
     output and launches."""
+
+    where = "fp8_weight_only_linear"
 
     def __init__(
         self,
@@ -293,10 +295,9 @@ class Fp8Linear:
             w_ptr=w_u8, s_ptr=scale, N=self.n, K=self.k, stride_wn=w_u8.stride(0),
             stride_sn=scale.stride(0) if block else 0, stride_sk=scale.stride(1) if block else 0,
             SCALE_KIND=self.kind, BLOCK_SN=bn, BLOCK_SK=self.bk, HAS_BIAS=bias is not None,
-            DOT_F32=interpreting(),
+            DOT_F32=interpreting(), bias_ptr=bias if bias is not None else w_u8,  # unread
         )  # fmt: skip
-        self._bias = bias  # absent: x is passed (never read)
-        self._plans: dict[tuple[int, torch.dtype], tuple[Launcher, tuple[int, ...]]] = {}
+        self._plans = {}
 
     def _plan(self, m: int, dtype: torch.dtype) -> tuple[Launcher, tuple[int, ...]]:
         n, k = self.n, self.k
@@ -326,34 +327,8 @@ class Fp8Linear:
             extra = dict(
                 BLOCK_K=block_k, EVEN_K=k % block_k == 0, GROUP_M=config.group_m, SETTLE=settled
             )
-        launcher = Launcher(kernel, _VARYING, dict(fixed, **extra), options)
-        if len(self._plans) > _MAX_PLANS:
-            self._plans.clear()
-        self._plans[(m, dtype)] = plan = (launcher, grid)
-        return plan
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 2 or x.shape[1] != self.k or x.dtype not in _16_BIT:
-            x = check_activation(x, self.k, "fp8_weight_only_linear")
-        elif x.stride(1) != 1:
-            x = x.contiguous()
-        m = x.shape[0]
-        out = checks.empty_output(m, self.n, x.dtype, x.device)
-        if m == 0 or self.n == 0:
-            return out
-        plan = self._plans.get((m, x.dtype))
-        if plan is None:
-            plan = self._plan(m, x.dtype)
-        launcher, grid = plan
-        bias = self._bias if self._bias is not None else x
-        launcher(grid, x, bias, out, m, x.stride(0), out.stride(0))
-        return out
-
-
-_VARYING = ("x_ptr", "bias_ptr", "out_ptr", "M", "stride_xm", "stride_om")
-_16_BIT = (torch.float16, torch.bfloat16)
-#: Plans kept per bound weight (one per distinct M seen; cleared past this).
-_MAX_PLANS = 4096
+        launcher = Launcher(kernel, VARYING, dict(fixed, **extra), options)
+        return self._keep(m, dtype, (launcher, grid))
 
 
 def fp8_weight_only_linear(

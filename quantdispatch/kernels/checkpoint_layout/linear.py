@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from quantdispatch.kernels.common import checks
+from quantdispatch.kernels.common.bound_linear import VARYING, BoundTiledLinear
 from quantdispatch.kernels.common.checks import (
     SCALE_GROUP,
     check_activation,
@@ -338,10 +338,12 @@ def _fp4_gemm_kernel(
     tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-class Fp4Linear:
+class Fp4Linear(BoundTiledLinear):
     """:func:`fp4_linear` with the weight bound (the bound call path): the weight checks run
     once, each M's config and launcher are made once; a call checks x, allocates the output and
     launches."""
+
+    where = "fp4_linear"
 
     def __init__(
         self,
@@ -370,10 +372,10 @@ class Fp4Linear:
             stride_sn=scale_u8.stride(0), GROUP=SCALE_GROUP[scale_format],
             SCALE_E8M0=scale_format == "e8m0", HAS_GS=global_scale is not None,
             HAS_BIAS=bias is not None, DOT_F32=interpreting(),
+            gs_ptr=global_scale if global_scale is not None else packed,  # placeholder: unread
+            bias_ptr=bias if bias is not None else packed,
         )  # fmt: skip
-        # absent tensors point at x (never read): bound per call
-        self._gs, self._bias = global_scale, bias
-        self._plans: dict[tuple[int, torch.dtype], tuple[Launcher, tuple[int, ...]]] = {}
+        self._plans = {}
 
     def _plan(self, m: int, dtype: torch.dtype) -> tuple[Launcher, tuple[int, ...]]:
         n, k = self.n, self.k
@@ -399,35 +401,8 @@ class Fp4Linear:
             settled = bool(config.swap_ab) and self.facts.rs_wgmma_hazard
             kernel = _fp4_gemm_kernel
             extra = dict(EVEN_K=k % block_k == 0, GROUP_M=config.group_m, SETTLE=settled)
-        launcher = Launcher(kernel, _VARYING, dict(fixed, **extra), options)
-        if len(self._plans) > _MAX_PLANS:
-            self._plans.clear()
-        self._plans[(m, dtype)] = plan = (launcher, grid)
-        return plan
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 2 or x.shape[1] != self.k or x.dtype not in _16_BIT:
-            x = check_activation(x, self.k, "fp4_linear")
-        elif x.stride(1) != 1:
-            x = x.contiguous()
-        m = x.shape[0]
-        out = checks.empty_output(m, self.n, x.dtype, x.device)
-        if m == 0 or self.n == 0:
-            return out
-        plan = self._plans.get((m, x.dtype))
-        if plan is None:
-            plan = self._plan(m, x.dtype)
-        gs = self._gs if self._gs is not None else x
-        bias = self._bias if self._bias is not None else x
-        launcher, grid = plan
-        launcher(grid, x, gs, bias, out, m, x.stride(0), out.stride(0))
-        return out
-
-
-_VARYING = ("x_ptr", "gs_ptr", "bias_ptr", "out_ptr", "M", "stride_xm", "stride_om")
-_16_BIT = (torch.float16, torch.bfloat16)
-#: Plans kept per bound weight (one per distinct M seen; cleared past this).
-_MAX_PLANS = 4096
+        launcher = Launcher(kernel, VARYING, dict(fixed, **extra), options)
+        return self._keep(m, dtype, (launcher, grid))
 
 
 def fp4_linear(

@@ -56,8 +56,8 @@ def direct_launch_available() -> bool:
     return low <= _version() < high and torch.cuda.is_available()
 
 
-def _hooks():  # type: ignore[no-untyped-def]
-    """Triton's launch hooks object (None where this Triton has no knobs)."""
+def _runtime_knobs():  # type: ignore[no-untyped-def]
+    """Triton's runtime knobs, where its launch hooks live (None where this Triton has none)."""
     try:
         from triton import knobs
     except ImportError:
@@ -65,7 +65,11 @@ def _hooks():  # type: ignore[no-untyped-def]
     return knobs.runtime
 
 
+_RUNTIME = _runtime_knobs()
+
+
 def _idle(hook: object) -> bool:
+    """No launch hook installed (a profiler's hook makes every launch go through Triton)."""
     return hook is None or not getattr(hook, "calls", True)
 
 
@@ -177,21 +181,23 @@ class Launcher:
         if cache is None:
             self._slow(grid, values, None)
             return
-        key = tuple(_spec(v) for v in values)
+        key = tuple(map(_spec, values))
         entry = cache.get(key)
-        if entry is not None:
-            hooks = _hooks()
-            if hooks is None or (_idle(hooks.launch_enter_hook) and _idle(hooks.launch_exit_hook)):
-                device = torch._C._cuda_getDevice()
-                if device == self._device:
-                    args = self._template.copy()
-                    for pos, v in zip(self._positions, values, strict=True):
-                        args[pos] = v
-                    run, function, packed = entry
-                    g = (*grid, 1, 1)
-                    run(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(device), function,
-                        packed, None, None, None, *args)  # fmt: skip
-                    return
+        rt = _RUNTIME
+        if entry is not None and (
+            rt is None or (_idle(rt.launch_enter_hook) and _idle(rt.launch_exit_hook))
+        ):
+            device = torch._C._cuda_getDevice()
+            if device == self._device:
+                args = self._template.copy()
+                for pos, v in zip(self._positions, values):  # noqa: B905 (same length)
+                    args[pos] = v
+                run, function, packed = entry
+                n = len(grid)
+                run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1,
+                    torch._C._cuda_getCurrentRawStream(device), function, packed, None, None,
+                    None, *args)  # fmt: skip
+                return
         self._slow(grid, values, key)
 
     def _slow(self, grid: tuple[int, ...], values: tuple[object, ...], key: object) -> None:

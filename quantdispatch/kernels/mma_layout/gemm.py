@@ -276,7 +276,7 @@ class MmaGemm:
             return out
         if x.dtype not in (torch.bfloat16, torch.float16) or x.dim() != 2 or x.shape[1] != self.k:
             raise ValueError(f"x must be [M, {self.k}] bf16/fp16, got {x.dtype} {tuple(x.shape)}")
-        device = x.device.type
+        device = "cuda" if x.is_cuda else x.device.type
         plan = self._plans.get((m, x.dtype, device))
         if plan is None:
             plan = self._plan(m, x.dtype, device)

@@ -356,3 +356,4 @@ def mma_layout_moe(
     )  # fmt: skip
     moe_reduce(y, ids, out, e)
     return out
+

@@ -38,12 +38,12 @@ import triton.language as tl
 
 from quantdispatch.kernels.common import checks
 from quantdispatch.kernels.common.activation import apply_activation
-from quantdispatch.kernels.common.launch import launch
+from quantdispatch.kernels.common.launch import Launcher
 from quantdispatch.kernels.common.pdl import gdc_launch_dependents, gdc_wait
 from quantdispatch.kernels.common.ptx import chunk_mma, k_reduce, load_w, load_x
 from quantdispatch.kernels.mma_layout.moe_plan import SmallMoeConfig, small_units
 
-__all__ = ["small_moe"]
+__all__ = ["SmallMoe", "small_moe"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -292,6 +292,76 @@ def _small_moe_kernel(
 # host side
 
 
+class SmallMoe:
+    """:func:`small_moe` over one layer's repacked stacks with its launches bound once per
+    config and dtype (the bound MoE path): a call allocates the intermediate and launches the
+    gate/up and down kernels with the per-call tensors only."""
+
+    def __init__(
+        self,
+        w13: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        w2: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        b13: torch.Tensor | None,
+        b2: torch.Tensor | None,
+        act_code: int,
+        alpha: float,
+        limit: float,
+        inter: int,
+        top_k: int,
+    ) -> None:
+        c13, s13, g13 = w13
+        c2, s2, g2 = w2
+        s13, s2 = s13.view(torch.int16), s2.view(torch.int16)  # scale pairs
+        self.inter, self.hidden, self.top_k = inter, c2.shape[1] * 16, top_k
+        self._fixed = dict(
+            w13_ptr=c13, s13_ptr=s13, gs13_ptr=g13, b13_ptr=b13 if b13 is not None else g13,
+            w2_ptr=c2, s2_ptr=s2, gs2_ptr=g2, b2_ptr=b2 if b2 is not None else g2,
+            E=c13.shape[0], stride_w13=c13.stride(0), stride_s13=s13.stride(0),
+            stride_b13=b13.stride(0) if b13 is not None else 0, stride_w2=c2.stride(0),
+            stride_s2=s2.stride(0), stride_b2=b2.stride(0) if b2 is not None else 0,
+            alpha=float(alpha), limit=float(limit), TOP_K=top_k, CH1=self.hidden // 64,
+            TILES1=inter // 16, CH2=inter // 64, TILES2=self.hidden // 16, ACT=act_code,
+            HAS_B13=b13 is not None, HAS_B2=b2 is not None, SPC=s13.shape[3],
+        )  # fmt: skip
+        self._launchers: dict[tuple[SmallMoeConfig, bool], tuple[Launcher, Launcher]] = {}
+
+    def _pair(self, cfg: SmallMoeConfig, bf16: bool) -> tuple[Launcher, Launcher]:
+        pf = min(cfg.prefetch, self.inter // 64) if cfg.pdl else 0
+        fixed = dict(self._fixed, BF16=bf16, PDL=cfg.pdl)
+        up = Launcher(
+            _small_moe_kernel, _SMALL_VARYING,
+            dict(fixed, W=cfg.warps, U=cfg.unroll, GATE_UP=True, PF=0),
+            dict(num_warps=cfg.warps, num_stages=1),
+        )  # fmt: skip
+        down = Launcher(
+            _small_moe_kernel, _SMALL_VARYING,
+            dict(fixed, W=cfg.warps_down, U=cfg.unroll_down, GATE_UP=False, PF=pf),
+            dict(num_warps=cfg.warps_down, num_stages=1,
+                 **({"launch_pdl": True} if cfg.pdl else {})),
+        )  # fmt: skip
+        pair = self._launchers[(cfg, bf16)] = (up, down)
+        return pair
+
+    def __call__(
+        self, x: torch.Tensor, ids: torch.Tensor, tw: torch.Tensor, cfg: SmallMoeConfig,
+        out: torch.Tensor,
+    ) -> None:  # fmt: skip
+        m = x.shape[0]
+        if x.stride(0) % 8 or x.data_ptr() % 16:  # 16-byte activation loads
+            x = x.clone(memory_format=torch.contiguous_format)
+        a = checks.empty((m * self.top_k, self.inter), x.dtype, x.device)  # the intermediate
+        bf16 = x.dtype == torch.bfloat16
+        up, down = self._launchers.get((cfg, bf16)) or self._pair(cfg, bf16)
+        units1, units2 = small_units(m, self.top_k, self.inter, self.hidden)
+        args = (x, ids, tw, a, out, x.stride(0), a.stride(0), out.stride(0))
+        up((units1,), *args)
+        down((units2,), *args)
+
+
+_SMALL_VARYING = ("x_ptr", "ids_ptr", "tw_ptr", "a_ptr", "out_ptr", "stride_xm", "stride_am",
+                  "stride_om")  # fmt: skip
+
+
 def small_moe(
     x: torch.Tensor,
     ids: torch.Tensor,
@@ -309,35 +379,6 @@ def small_moe(
 ) -> None:
     """out [M, H] = the routed experts of x (checked by the caller: repacked stacks, x [M, H]
     16-bit and contiguous, ids [M, top_k] and tw float32 [M, top_k] contiguous), the same
-    contract as :func:`..checkpoint_layout.moe_mma.run_mma_moe`."""
-    c13, s13, g13 = w13
-    c2, s2, g2 = w2
-    s13, s2 = s13.view(torch.int16), s2.view(torch.int16)  # scale pairs
-    m, hidden = x.shape
-    top_k = ids.shape[1]
-    if x.stride(0) % 8 or x.data_ptr() % 16:  # 16-byte activation loads
-        x = x.clone(memory_format=torch.contiguous_format)
-    a = checks.empty((m * top_k, inter), x.dtype, x.device)  # the intermediate
-    units1, units2 = small_units(m, top_k, inter, hidden)
-    kw = dict(
-        x_ptr=x, ids_ptr=ids, tw_ptr=tw, w13_ptr=c13, s13_ptr=s13, gs13_ptr=g13,
-        b13_ptr=b13 if b13 is not None else g13, w2_ptr=c2, s2_ptr=s2, gs2_ptr=g2,
-        b2_ptr=b2 if b2 is not None else g2, a_ptr=a, out_ptr=out,
-        E=c13.shape[0],
-        stride_xm=x.stride(0), stride_w13=c13.stride(0), stride_s13=s13.stride(0),
-        stride_b13=b13.stride(0) if b13 is not None else 0, stride_w2=c2.stride(0),
-        stride_s2=s2.stride(0), stride_b2=b2.stride(0) if b2 is not None else 0,
-        stride_am=a.stride(0), stride_om=out.stride(0), alpha=float(alpha), limit=float(limit),
-        TOP_K=top_k, CH1=hidden // 64, TILES1=inter // 16, CH2=inter // 64,
-        TILES2=hidden // 16, ACT=act_code, HAS_B13=b13 is not None, HAS_B2=b2 is not None,
-        BF16=x.dtype == torch.bfloat16, SPC=s13.shape[3],
-    )  # fmt: skip
-    pf = min(cfg.prefetch, inter // 64) if cfg.pdl else 0
-    launch(_small_moe_kernel, (units1,),
-        **kw, W=cfg.warps, U=cfg.unroll, GATE_UP=True, PDL=cfg.pdl, PF=0,
-        num_warps=cfg.warps, num_stages=1,
-    )  # fmt: skip
-    launch(_small_moe_kernel, (units2,),
-        **kw, W=cfg.warps_down, U=cfg.unroll_down, GATE_UP=False, PDL=cfg.pdl, PF=pf,
-        num_warps=cfg.warps_down, num_stages=1, **({"launch_pdl": True} if cfg.pdl else {}),
-    )  # fmt: skip
+    contract as :func:`..checkpoint_layout.moe_mma.run_mma_moe`. A layer binds
+    :class:`SmallMoe` once instead."""
+    SmallMoe(w13, w2, b13, b2, act_code, alpha, limit, inter, ids.shape[1])(x, ids, tw, cfg, out)

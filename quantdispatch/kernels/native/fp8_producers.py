@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from quantdispatch.errors import InputError, format_error
-from quantdispatch.kernels.common.launch import launch
+from quantdispatch.kernels.common.launch import Launcher, launch
 from quantdispatch.kernels.native import fp8_handoff
 from quantdispatch.kernels.native.fp8_prefill_quant import (
     _block_scales,
@@ -43,7 +43,7 @@ from quantdispatch.kernels.native.fp8_prefill_quant import (
     widen16,
 )
 
-__all__ = ["rmsnorm", "rmsnorm_fp8", "silu_mul_fp8"]
+__all__ = ["RmsNorm", "SiluMul", "rmsnorm", "rmsnorm_fp8", "silu_mul_fp8"]
 
 _16_BIT = (torch.bfloat16, torch.float16)
 
@@ -275,3 +275,94 @@ def silu_mul_fp8(
             num_warps=num_warps,
         )  # fmt: skip
     return _finish(y, q, scale, quantize)
+
+
+class RmsNorm:
+    """:func:`rmsnorm` without FP8 codes for one norm weight, its launches bound once (the HF
+    integration's eager fused ops): ``norm(x)`` -> y, ``norm(x, residual)`` -> (y, s), for
+    contiguous x [M, K] (and residual) in the weight's dtype. Same kernel, same bits."""
+
+    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+        if weight.dim() != 1 or weight.dtype not in _16_BIT:
+            raise InputError(
+                format_error(
+                    f"RmsNorm: weight is {weight.dtype} {tuple(weight.shape)}",
+                    "a norm weight is a [K] bf16 / fp16 vector",
+                    "run the module's own forward",
+                )
+            )
+        self.weight, self.k, self.dtype = weight, weight.shape[0], weight.dtype
+        bf16 = weight.dtype == torch.bfloat16
+        self._view = (lambda t: t.view(torch.int16)) if bf16 else (lambda t: t)
+        block_k = max(128, triton.next_power_of_2(self.k))
+        self._br = max(1, 2048 // block_k)
+        w = self._view(weight.contiguous())
+        fixed = dict(
+            w_ptr=w, q_ptr=w, qs_ptr=w, k=self.k, eps=float(eps), stride_q=0, stride_qs_r=0,
+            stride_qs_k=0, QUANT=False, BF16=bf16, BLOCK_R=self._br, CH=block_k // 128,
+            HW=False,
+        )  # fmt: skip
+        options = dict(num_warps=min(16, max(4, self._br * block_k // 512)))
+        rows = ("y_ptr", "n_valid", "n_rows", "stride_x", "stride_y")
+        self._plain = Launcher(
+            _rmsnorm_kernel, ("x_ptr", *rows),
+            dict(fixed, r_ptr=w, s_ptr=w, stride_r=0, stride_s=0, RES=False), options,
+        )  # fmt: skip
+        self._res = Launcher(
+            _rmsnorm_kernel, ("x_ptr", "r_ptr", "s_ptr", *rows, "stride_r", "stride_s"),
+            dict(fixed, RES=True), options,
+        )  # fmt: skip
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None):  # type: ignore[no-untyped-def]
+        m = x.shape[0]
+        y = torch.empty_like(x)
+        grid = ((m + self._br - 1) // self._br,)
+        v = self._view
+        if residual is None:
+            if m:
+                self._plain(grid, v(x), v(y), m, m, x.stride(0), y.stride(0))
+            return y
+        s = torch.empty_like(x)
+        if m:
+            self._res(grid, v(x), v(residual), v(s), v(y), m, m, x.stride(0), y.stride(0),
+                      residual.stride(0), s.stride(0))  # fmt: skip
+        return y, s
+
+
+class SiluMul:
+    """:func:`silu_mul_fp8` without FP8 codes with its launch bound once, for [M, I] inputs of
+    one width and dtype on one device (the eager fused MLP): ``silu_mul(gate, up)`` -> y."""
+
+    def __init__(self, width: int, dtype: torch.dtype, device: torch.device) -> None:
+        if width % 128 or dtype not in _16_BIT:
+            raise InputError(
+                format_error(
+                    f"SiluMul: width {width}, {dtype}",
+                    "the kernel takes bf16 / fp16 rows in blocks of 128 columns",
+                    "run the module's own forward for this width",
+                )
+            )
+        self.width, self.dtype = width, dtype
+        bf16 = dtype == torch.bfloat16
+        self._view = (lambda t: t.view(torch.int16)) if bf16 else (lambda t: t)
+        dummy = torch.empty(1, dtype=torch.uint8, device=device)  # the codes: never written
+        self._launch = Launcher(
+            _silu_mul_kernel,
+            ("g_ptr", "u_ptr", "y_ptr", "n_valid", "n_rows", "stride_g", "stride_u", "stride_y"),
+            dict(q_ptr=dummy, qs_ptr=dummy, stride_q=0, stride_qs_r=0, stride_qs_k=0,
+                 QUANT=False, BF16=bf16, BLOCK_R=_SILU_ROWS, HW=False),
+            dict(num_warps=4),
+        )  # fmt: skip
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        m = gate.shape[0]
+        y = torch.empty_like(gate)
+        if m:
+            v = self._view
+            grid = ((m + _SILU_ROWS - 1) // _SILU_ROWS, self.width // 128)
+            self._launch(grid, v(gate), v(up), v(y), m, m, gate.stride(0), up.stride(0),
+                         y.stride(0))  # fmt: skip
+        return y
+
+
+_SILU_ROWS = 32  # rows per program: silu_mul_fp8's default
