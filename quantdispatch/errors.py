@@ -14,6 +14,7 @@ __all__ = [
     "InputError",
     "QuantDispatchError",
     "WeightFormatError",
+    "clauses",
     "format_error",
 ]
 
@@ -27,7 +28,23 @@ class ConfigurationError(QuantDispatchError, ValueError):
 
 
 class BackendUnavailableError(QuantDispatchError, RuntimeError):
-    """A backend was forced (or is the only one left) but cannot run here; says why."""
+    """A backend was forced (or is the only one left) but cannot run here; says why.
+
+    The resolver also gives the parts ``doctor`` lays out on lines of their own: ``headline``
+    (a short what), ``rejected`` ((backend, reason) per candidate) and ``fix``."""
+
+    def __init__(
+        self,
+        message: str = "",
+        *,
+        headline: str | None = None,
+        rejected: tuple[tuple[str, str], ...] = (),
+        fix: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.headline = headline
+        self.rejected = tuple(rejected)
+        self.fix = fix
 
 
 class WeightFormatError(QuantDispatchError, ValueError):
@@ -46,3 +63,17 @@ def format_error(what: str, rule: str, fix: str) -> str:
     """Join the three parts every message must have: ``what. rule. fix.``"""
     parts = [p.strip().rstrip(".") for p in (what, rule, fix) if p and p.strip()]
     return ". ".join(parts) + "."
+
+
+def clauses(text: str) -> list[str]:
+    """A reason's clauses: ``text`` split at "; " outside brackets (the first one is its gist)."""
+    out, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch in "([":
+            depth += 1
+        elif ch in ")]":
+            depth -= 1
+        if depth == 0 and text.startswith("; ", i):
+            out.append(text[start:i])
+            start = i + 2
+    return [*out, text[start:]]

@@ -22,7 +22,8 @@ from quantdispatch.device import DeviceProfile
 from quantdispatch.errors import BackendUnavailableError, ConfigurationError, format_error
 from quantdispatch.policy import Policy
 from quantdispatch.request import Request
-from quantdispatch.settings import ENV_PREFIX, Force, Settings, force_variable
+from quantdispatch.resolver_errors import forced_error, none_can_run_error
+from quantdispatch.settings import ENV_PREFIX, Force, Settings
 
 __all__ = ["Candidate", "Decision", "fp8_compute_of", "resolve"]
 
@@ -97,6 +98,12 @@ class Decision:
             if r.covers(m):
                 return r
         raise AssertionError(f"kernel ranges of {self.backend} do not cover M={m}")
+
+    def unverified(self) -> str | None:
+        """Why the chosen backend runs here only once its first-use self-check passes (None: it
+        runs without that condition)."""
+        hook = getattr(get_backend(self.backend), "unverified_reason", None)
+        return hook(self.request, self.device) if callable(hook) else None
 
     def kernel_summary(self) -> str:
         """One short line: the kernel families the chosen backend runs for this request."""
@@ -207,14 +214,9 @@ def _resolve(
         else:
             trace.append(Candidate(name, True, f"can run, ranked below {chosen}: {note}"))
     if chosen is None:
-        reasons = "; ".join(f"{c.backend}: {c.reason}" for c in trace)
-        raise BackendUnavailableError(
-            format_error(
-                f"no backend can run {request.describe()} on {profile.label()} ({reasons})",
-                f"the policy ({entry.source}) lists {', '.join(entry.candidates)}",
-                "add 'reference' to the policy list, re-enable a disabled backend, or install "
-                "what the reasons name",
-            )
+        rejected = tuple((c.backend, c.reason) for c in trace)
+        raise none_can_run_error(
+            request, profile, settings, entry.candidates, entry.source, rejected
         )
     return Decision(
         request=request,
@@ -242,40 +244,7 @@ def _resolve_forced(
     backend = get_backend(name)
     why_not = backend.explain_unsupported(request, profile)
     if why_not is not None:
-        able = [
-            c
-            for c in candidates
-            if c not in settings.disable
-            and get_backend(c).explain_unsupported(request, profile) is None
-        ]
-        hint = f"backends that can run it here: {', '.join(able)}" if able else "none can"
-        rule = "a forced backend never falls back silently"
-        fix = f"unset it to let the policy choose ({hint})"
-        computes = backend.supports.get(request.format, frozenset())
-        if forced.op is None:
-            # The per-format form reaches every op of the format; say so and name the narrower
-            # per-op variables, since the user may have meant one op only.
-            fmt, op = request.format, request.op.value
-            if request.op not in computes:
-                rule += f"; {by} applies to every op of {fmt}, so it also caught {op}"
-            else:
-                rule += f"; {by} applies to every op of {fmt}, {op} included"
-            narrow = ", ".join(
-                f"{force_variable(fmt, o)}={name}" for o in sorted(computes) if o != request.op
-            )
-            fix = (
-                f"set {force_variable(fmt, op)}=<backend> (a per-op force wins for its op; "
-                f"settings key '{fmt}:{op}'; {hint})"
-            )
-            fix += f", or force {name} only per op: {narrow}" if narrow else ", or unset it"
-        raise BackendUnavailableError(
-            format_error(
-                f"{by} forces backend {name!r}, which cannot run {request.describe()} on "
-                f"{profile.label()}: {why_not}",
-                rule,
-                fix,
-            )
-        )
+        raise forced_error(request, profile, settings, candidates, forced, why_not)
     trace = [Candidate(name, True, f"forced by {by}: {_note(backend, request, profile, fp8)}")]
     for other in candidates:
         if other != name:

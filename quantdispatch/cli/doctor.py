@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import struct
 import sys
+from pathlib import Path
 
 from quantdispatch import __version__
 from quantdispatch.cli.common import ACT_DTYPE_NAMES, EXIT_DECISION, EXIT_OK, OPS
@@ -19,13 +21,19 @@ from quantdispatch.cli.report import Answer, Row, collect, to_json
 from quantdispatch.cli.text import (
     Header,
     concise,
+    error_line,
     fp8_line,
     marlin_lines,
     pdl_applies,
     selfcheck_lines,
     shard_label,
 )
-from quantdispatch.errors import ConfigurationError, QuantDispatchError
+from quantdispatch.errors import (
+    ConfigurationError,
+    QuantDispatchError,
+    WeightFormatError,
+    format_error,
+)
 
 __all__ = ["run_doctor", "run_presets", "verbose"]
 
@@ -42,7 +50,9 @@ def run_doctor(args: argparse.Namespace) -> int:
     ops = args.ops or list(OPS)
     dtypes = args.act_dtypes or list(ACT_DTYPE_NAMES)
     if args.matrix:
-        return _matrix(formats, ops, dtypes, args.scheme, settings, policy, as_json=args.json)
+        from quantdispatch.cli.matrix import run_matrix
+
+        return run_matrix(formats, ops, dtypes, args.scheme, settings, policy, as_json=args.json)
 
     if args.model:
         return _model(args, settings, policy)
@@ -55,7 +65,7 @@ def run_doctor(args: argparse.Namespace) -> int:
         view = Header(profile, settings, policy, device_by)
         lines = verbose(view, rows, args.tp) if args.verbose else concise(view, rows, args.tp)
         print("\n".join(lines))
-    errors = [r.answer.error for r in rows if r.answer.error]
+    errors = [error_line(r) for r in rows if r.answer.error]
     errors += [f"{r.fmt} over {args.tp} ranks: {r.shard_error}" for r in rows if r.shard_error]
     if errors:
         print(f"quantdispatch: error: {errors[0]}", file=sys.stderr)
@@ -63,14 +73,45 @@ def run_doctor(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+#: What reading a damaged checkpoint folder raises where the readers do not say it in our words.
+_UNREADABLE = (
+    OSError, ValueError, OverflowError, MemoryError, KeyError, TypeError, AttributeError,
+    struct.error,
+)  # fmt: skip
+
+
 def _model(args: argparse.Namespace, settings: object, policy: object) -> int:
-    """``doctor --model PATH``: the checkpoint's quantized layer kinds and their decisions."""
+    """``doctor --model PATH``: the checkpoint's quantized layer kinds and their decisions. A
+    folder that is not a readable checkpoint is a usage error (exit 2), one line."""
     from quantdispatch.integrations.transformers import describe_model, render_description
     from quantdispatch.request import parse_act_dtype
 
     device = args.device if args.device else getattr(settings, "device", None)
     act = parse_act_dtype((args.act_dtypes or ["bf16"])[0])
-    d = describe_model(args.model, device, act_dtype=act, policy=policy, settings=settings)
+    folder = Path(args.model)
+    if not folder.is_dir():
+        what = "is a file" if folder.exists() else "does not exist"
+        raise ConfigurationError(
+            format_error(
+                f"--model {args.model!r} {what}",
+                "--model takes a checkpoint folder (config.json and *.safetensors files)",
+                "pass the folder that holds them",
+            )
+        )
+    try:
+        d = describe_model(folder, device, act_dtype=act, policy=policy, settings=settings)
+    except WeightFormatError as exc:  # CheckpointError included: the folder, not a decision
+        raise ConfigurationError(f"--model {args.model!r}: {exc}") from None
+    except _UNREADABLE as exc:
+        if isinstance(exc, QuantDispatchError):
+            raise
+        raise ConfigurationError(
+            format_error(
+                f"--model {args.model!r} cannot be read: {type(exc).__name__}: {exc}",
+                "a checkpoint folder holds a JSON config.json and safetensors files",
+                "check that the folder holds a complete checkpoint",
+            )
+        ) from None
     print(
         json.dumps(d, indent=2, default=str)
         if args.json
@@ -228,37 +269,3 @@ def run_presets() -> int:
         gib = f"{p.memory_gib:g}" if p.memory_gib else "-"
         print(f"{key:<12} {sm:<5} {sms:>4} {gib:>5}  {p.name}")
     return EXIT_OK
-
-
-def _matrix(formats, ops, dtypes, scheme, settings, policy, *, as_json: bool) -> int:
-    from quantdispatch.api import select
-    from quantdispatch.device import PRESETS, preset_profile
-
-    columns = [(f, o, d) for f in formats for o in ops for d in dtypes]
-    table: dict[str, dict[str, str]] = {}
-    failed = False
-    for key in PRESETS:
-        profile = preset_profile(key)
-        row = {}
-        for f, o, d in columns:
-            try:
-                row[f"{f}/{o}/{d}"] = select(
-                    f, o, d, scheme, device=profile, settings=settings, policy=policy
-                ).backend
-            except ConfigurationError:
-                raise
-            except QuantDispatchError:
-                row[f"{f}/{o}/{d}"] = "ERROR"
-                failed = True
-        table[key] = row
-    if as_json:
-        print(json.dumps({"quantdispatch": __version__, "matrix": table}, indent=2))
-    else:
-        names = [f"{f}/{o}/{d}" for f, o, d in columns]
-        width = max(9, *(len(n) for n in names))
-        print("preset      SM    " + " ".join(f"{n:<{width}}" for n in names))
-        for key, row in table.items():
-            p = PRESETS[key]
-            sm = f"{p.capability[0]}.{p.capability[1]}" if p.capability else "-"
-            print(f"{key:<11} {sm:<5} " + " ".join(f"{row[n]:<{width}}" for n in names))
-    return EXIT_DECISION if failed else EXIT_OK

@@ -3,19 +3,27 @@
 This module imports nothing heavy (no torch, no backends): ``--help`` and ``--version`` answer
 at once, and each command imports what it needs only when it runs.
 
-Exit codes: quantdispatch.cli.common. Errors are one line on stderr, never a traceback.
+Exit codes: quantdispatch.cli.common. Errors are one line on stderr, never a traceback; a
+closed stdout (``| head``) ends the command quietly.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-import warnings
 from collections.abc import Sequence
 from typing import NoReturn
 
 from quantdispatch import __version__
-from quantdispatch.cli.common import ACT_DTYPE_NAMES, EXIT_DECISION, EXIT_USAGE, OPS, SCHEMES
+from quantdispatch.cli.common import (
+    ACT_DTYPE_NAMES,
+    EXIT_DECISION,
+    EXIT_OK,
+    EXIT_USAGE,
+    OPS,
+    SCHEMES,
+)
 from quantdispatch.errors import ConfigurationError, QuantDispatchError
 
 __all__ = ["build_parser", "main"]
@@ -155,9 +163,24 @@ def _tp_size(text: str) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    # torch warns when it is imported without numpy (a fresh `pip install quantdispatch` has
-    # none); nothing here uses numpy, so that warning should not be the doctor's first line
-    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        # the reader stopped reading (``quantdispatch doctor | head -1``): it has what it
+        # wanted; no traceback, and nothing more written to the closed stdout
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_OK
+
+
+def _error(exc: Exception) -> None:
+    """One line on stderr, whatever the message holds."""
+    print("quantdispatch: error: " + " ".join(str(exc).split()), file=sys.stderr)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     command = parser.commands.get(args.command, parser)  # its --help is the one to read
@@ -181,8 +204,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return EXIT_USAGE
     except ConfigurationError as exc:
-        print(f"quantdispatch: error: {exc}", file=sys.stderr)
+        _error(exc)
         return EXIT_USAGE
     except QuantDispatchError as exc:
-        print(f"quantdispatch: error: {exc}", file=sys.stderr)
+        _error(exc)
         return EXIT_DECISION

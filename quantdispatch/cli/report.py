@@ -20,6 +20,7 @@ class Answer:
 
     decision: Any  # quantdispatch.resolver.Decision
     error: str | None = None
+    failure: QuantDispatchError | None = None  # what raised ``error`` (its parts, if any)
     ranges: tuple[Any, ...] = ()  # quantdispatch.backends.base.KernelRange
     ranges_error: str | None = None
 
@@ -68,7 +69,7 @@ def collect(args: argparse.Namespace, formats, ops, dtypes, profile, settings, p
         except ConfigurationError:
             raise
         except QuantDispatchError as exc:
-            return Answer(None, str(exc))
+            return Answer(None, str(exc), failure=exc)
         if n is None:
             return Answer(d)
         try:

@@ -4,26 +4,24 @@ quantdispatch.cli.doctor, prints every word)."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
 from quantdispatch import __version__
+from quantdispatch.cli.phrases import WIDTH, gist, prefixed, shorten
 from quantdispatch.cli.report import Answer, Row, Shard
-from quantdispatch.errors import QuantDispatchError
+from quantdispatch.errors import BackendUnavailableError, QuantDispatchError
 
 __all__ = [
     "Header",
     "concise",
+    "error_line",
     "fp8_line",
     "marlin_lines",
     "pdl_applies",
     "shard_label",
-    "shorten",
 ]
 
-WIDTH = 100  # concise lines stay within this many columns where they can
-REASON_WIDTH = 80
 
 
 @dataclass(frozen=True)
@@ -35,54 +33,6 @@ class Header:
     settings: Any
     policy: Any
     device_by: str
-
-
-# ---------------------------------------------------------------------------------------------
-# Shortening
-
-
-def _clauses(text: str) -> list[str]:
-    """``text`` split at "; " outside brackets."""
-    out, depth, start = [], 0, 0
-    for i, ch in enumerate(text):
-        if ch in "([":
-            depth += 1
-        elif ch in ")]":
-            depth -= 1
-        if depth == 0 and text.startswith("; ", i):
-            out.append(text[start:i])
-            start = i + 2
-    return [*out, text[start:]]
-
-
-def _drop_brackets(text: str) -> str:
-    """``text`` without its outermost parenthesised / bracketed asides."""
-    out, depth = [], 0
-    for ch in text:
-        if ch in "([":
-            depth += 1
-        elif ch in ")]" and depth:
-            depth -= 1
-        elif depth == 0:
-            out.append(ch)
-    return re.sub(r"\s+([,;:.])", r"\1", re.sub(r"\s{2,}", " ", "".join(out))).strip()
-
-
-def _cut(text: str, width: int) -> str:
-    if len(text) <= width:
-        return text
-    head = text[: width - 3].rsplit(" ", 1)[0]
-    return head.rstrip(",;:(") + "..."
-
-
-def shorten(text: str, width: int = REASON_WIDTH) -> str:
-    """The first clause of a reason, without its asides if that is what it takes to fit in
-    ``width``, cut at a word if even that does not fit."""
-    first = _clauses(text)[0].strip()
-    if len(first) <= width:
-        return first
-    bare = _drop_brackets(first)
-    return _cut(bare or first, width)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -104,9 +54,8 @@ def chosen_backends(rows: list[Row]) -> list[str]:
 def concise(h: Header, rows: list[Row], tp: int | None) -> list[str]:
     lines = _concise_header(h)
     if h.profile.kind == "cuda" and not h.profile.simulated:  # a real GPU: what was checked
-        lines += [
-            _cut(f"checked   {x}", WIDTH) for x in selfcheck_lines(h.profile, chosen_backends(rows))
-        ]
+        for x in selfcheck_lines(h.profile, chosen_backends(rows)):
+            lines += prefixed("checked   ", x)
     lines += ["", "Decisions: -> chosen, no: rejected (first clause; --verbose: every word)"]
     blocks: list[tuple[tuple, list[str], Row]] = []  # (facts, dtypes, row)
     for row in rows:
@@ -142,9 +91,10 @@ def _concise_header(h: Header) -> list[str]:
     lines.append(f"torch     {p.torch_version}, {cuda}{launch}")
     for note in p.notes:  # the title and the device line already say these two
         if not note.startswith(("simulated", "no GPU found")):
-            lines.append(_cut(f"note      {note}", WIDTH))
-    lines.append(_cut("kernels   " + _providers_line(p.providers), WIDTH))
-    lines += [_cut(f"marlin    {s}", WIDTH) for s in marlin_lines()]
+            lines += prefixed("note      ", note, whole=True)
+    lines += prefixed("kernels   ", _providers_line(p.providers), whole=True)
+    for status in marlin_lines():
+        lines += prefixed("marlin    ", status)
     s = h.settings.describe()
     if s["forced"]:
         forced = ", ".join(f"{f}={v['backend']} ({v['by']})" for f, v in s["forced"].items())
@@ -156,7 +106,7 @@ def _concise_header(h: Header) -> list[str]:
     if pdl_applies(p) and not s["pdl"]:
         lines.append("PDL       dependent launches off (QUANTDISPATCH_PDL)")
     if fp8_mode(h.settings, h.policy)[0] != "off":
-        lines.append(_cut(f"fp8       {fp8_line(h.settings, h.policy)}", WIDTH))
+        lines += prefixed("fp8       ", fp8_line(h.settings, h.policy))
     return lines
 
 
@@ -214,6 +164,9 @@ def _facts(row: Row) -> tuple:
     a = row.answer
     d = a.decision
     if d is None:
+        f = a.failure
+        if isinstance(f, BackendUnavailableError) and f.headline:  # its parts name no dtype
+            return (row.fmt, row.op, None, f.headline, f.rejected, f.fix)
         return (row.fmt, row.op, None, a.error)
     shards = tuple((s.parallel, s.ranks, s.n, s.k, _answer_facts(s.answer)) for s in row.shards)
     trace = tuple((c.backend, c.accepted, shorten(c.reason)) for c in d.trace if not c.accepted)
@@ -312,25 +265,52 @@ def _ranks(ranks: tuple[int, ...]) -> str:
     return "ranks " + ",".join(map(str, ranks))
 
 
+#: The chosen line where its backend's summary has no first clause short enough to show.
+BY_SHAPE = "kernels by M and layer shape (--shape NxK names them)"
+
+
+def _rejected(backend: str, reason: str) -> list[str]:
+    return prefixed(f"  no {backend:<10} ", reason)
+
+
+def _error_block(label: str, a: Answer) -> list[str]:
+    """A decision that could not be made: what, each candidate's reason, the fix (whole)."""
+    f = a.failure
+    if not (isinstance(f, BackendUnavailableError) and f.headline):
+        return prefixed(f"{label} -> ERROR: ", a.error or "", whole=True)
+    lines = prefixed(f"{label} -> ERROR: ", f.headline, whole=True)
+    for backend, reason in f.rejected:
+        lines += _rejected(backend, reason)
+    return lines + prefixed(f"  {'fix':<13} ", f.fix or "", whole=True)
+
+
+def _chosen(head: str, d) -> list[str]:
+    """The chosen line: its backend's summary, the first clause, where it fits (on the line, or
+    on the next), else :data:`BY_SHAPE`."""
+    summary = _summary(d)
+    same = gist(summary, WIDTH - len(head) - 2, phrases=False)
+    if same is not None:
+        return [f"{head}: {same}"]
+    below = gist(summary, WIDTH - 2, phrases=False)
+    return [head, f"  {below}"] if below is not None else [f"{head}: {BY_SHAPE}"]
+
+
 def _block(label: str, row: Row, tp: int | None) -> list[str]:
     a = row.answer
     d = a.decision
     if d is None:
-        return [f"{label} -> ERROR: {a.error}"]
+        return _error_block(label, a)
     head = f"{label} -> {d.backend}{_as_weight_only(d)}"
     if d.forced_by:  # the header's "forced" line says by what
         head += " (forced)"
-    if row.shape is not None:
-        lines = _fit(head, _range_parts(a))
-    elif WIDTH - len(head) - 2 >= 40:
-        lines = [f"{head}: {shorten(_summary(d), WIDTH - len(head) - 2)}"]
-    else:
-        lines = [head, "  " + shorten(_summary(d), WIDTH - 2)]
+    lines = _fit(head, _range_parts(a)) if row.shape is not None else _chosen(head, d)
     for s in row.shards:
         lines += _shard_lines(s, tp, d)
     if row.shard_error:
-        lines.append(f"  TP {tp}: cannot split: {row.shard_error}")
-    lines += [f"  no {c.backend:<10} {shorten(c.reason)}" for c in d.trace if not c.accepted]
+        lines += prefixed(f"  TP {tp}: cannot split: ", row.shard_error)
+    for c in d.trace:
+        if not c.accepted:
+            lines += _rejected(c.backend, c.reason)
     ok = [c.backend for c in d.trace if c.accepted and c.backend != d.backend]
     if ok:
         lines.append(f"  ok {', '.join(ok)} (could also run)")
@@ -353,3 +333,13 @@ def _shard_lines(s: Shard, tp: int | None, whole) -> list[str]:
     if (d.backend, _as_weight_only(d)) != (whole.backend, _as_weight_only(whole)):
         head += f" -> {d.backend}{_as_weight_only(d)}"
     return _fit(head, _range_parts(s.answer), "    ")
+
+
+def error_line(row: Row) -> str:
+    """The one line doctor ends with on stderr for a decision it could not make: the short
+    what and the fix where the error has them, else its whole text."""
+    f = row.answer.failure
+    if isinstance(f, BackendUnavailableError) and f.headline:
+        why = f" ({shorten(f.rejected[0][1])})" if len(f.rejected) == 1 else ""
+        return f"{row.fmt} {row.op} {row.dt}: {f.headline}{why}; fix: {f.fix}"
+    return row.answer.error or ""

@@ -68,7 +68,7 @@ def preset_profile(name: str) -> DeviceProfile:
             format_error(
                 f"unknown device preset {name!r}",
                 f"valid presets: {', '.join(PRESETS)}",
-                "pick one of those (quantdispatch doctor --list-presets shows them)",
+                "pick one of those (quantdispatch presets lists them)",
             )
         )
     preset = PRESETS[key]

@@ -11,7 +11,8 @@ The rule, for one block of a matrix (128 x 128, 1 x 128 or one whole row; K a mu
 2. ``amax`` = max |u| (exact), and the block exponent ``e`` is the smallest integer with
    amax <= 448 * 2^e (e = 0 for an all-zero block), clamped to [-126, 126];
 3. ``code = e4m3(u * 2^-e)``: the scaling is exact (a power of two), then one rounding to the
-   nearest e4m3 value, ties to the even code, subnormals kept, sign kept (-0 -> 0x80); never
+   nearest e4m3 value, ties to the even code, subnormals kept, sign kept (the canonical zero
+   keeps its sign: -0 -> 0x80, +0 -> 0x00, in every kernel and on every Triton version); never
    saturates, since |u * 2^-e| <= 448; +-inf gives the NaN code 0x7F | sign, NaN gives 0x7F;
 4. the block's fp32 scale is ``fl32(2^e * mult)``, with ``mult`` the NVFP4 global scale (exact
    for global scales in [2^-100, 2^100]) or 1; an all-zero block's scale is 0 (so every

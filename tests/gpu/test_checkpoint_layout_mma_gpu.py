@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+pytest.importorskip("triton")
 from quantdispatch.errors import InputError
 from quantdispatch.kernels.checkpoint_layout import moe as fm
 from quantdispatch.kernels.checkpoint_layout import moe_plan

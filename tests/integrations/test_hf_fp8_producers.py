@@ -50,6 +50,7 @@ def test_nothing_patched_without_fp8_compute():
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_norms_and_mlp_patched_output_unchanged(arch, fp8_from_m):
+    pytest.importorskip("triton")
     base = _quantized(arch)
     model = copy.deepcopy(base)
     fp8_from_m()
@@ -72,6 +73,7 @@ def test_norms_and_mlp_patched_output_unchanged(arch, fp8_from_m):
 
 
 def test_readers_not_quantized_leave_the_module(fp8_from_m):
+    pytest.importorskip("triton")
     fp8_from_m()  # quantize_model installs the producers itself
     model = quantize_model(
         float_model(make_config("llama"), dtype=torch.bfloat16),
@@ -82,6 +84,7 @@ def test_readers_not_quantized_leave_the_module(fp8_from_m):
 
 
 def test_other_architectures_untouched(fp8_from_m):
+    pytest.importorskip("triton")
     fp8_from_m()
     # Phi-3 fuses qkv_proj / gate_up_proj and its MLP is not LlamaMLP's: nothing to patch;
     # a Mixtral layer's post-attention norm feeds a router, not gate / up linears
@@ -92,6 +95,7 @@ def test_other_architectures_untouched(fp8_from_m):
 
 def test_decoder_layer_runs_inside_a_sharing_scope(fp8_from_m):
     """The linears of a scoped layer see an open scope; outside the layer none is open."""
+    pytest.importorskip("triton")
     model = _quantized("llama")
     fp8_from_m()
     fp8_producers.install_fp8_producers(model)

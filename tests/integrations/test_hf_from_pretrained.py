@@ -13,7 +13,12 @@ from hf_models import float_model, greedy, make_config, write_checkpoint
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from quantdispatch import QuantLinear
-from quantdispatch.integrations.transformers import QuantDispatchConfig, QuantExperts, load_model
+from quantdispatch.integrations.transformers import (
+    QuantDispatchConfig,
+    QuantExperts,
+    hf_config,
+    load_model,
+)
 
 
 @pytest.mark.parametrize(("arch", "where"), [("llama", "hf_quant_config"), ("mixtral", "config")])
@@ -44,16 +49,36 @@ def test_float_checkpoint_is_quantized_at_load(tmp_path):
     assert len(greedy(model, 4)) == 4
 
 
-def test_compressed_tensors_config_is_claimed_by_transformers(tmp_path):
+@pytest.mark.parametrize(
+    ("producer", "fmt", "where", "claimed"),
+    [
+        ("ct", "nvfp4", "config", "CompressedTensorsConfig"),
+        ("ct", "fp8", "config", "CompressedTensorsConfig"),
+        ("modelopt", "nvfp4", "hf_quant_config", None),  # nothing in config.json to drop
+    ],
+)
+def test_hf_config_lets_checkpoints_with_their_own_quantization_config_load(
+    tmp_path, producer, fmt, where, claimed
+):
     """transformers merges a checkpoint's own known quantization_config with the one passed and
-    refuses two classes; passing the config without it takes our path."""
-    write_checkpoint(float_model(make_config("llama")), tmp_path, arch="llama", producer="ct")
-    with pytest.raises(ValueError, match="CompressedTensorsConfig"):
-        AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=QuantDispatchConfig())
-    config = AutoConfig.from_pretrained(tmp_path)
-    del config.quantization_config
+    refuses two classes (the README's path); hf_config(path) drops it and takes our path."""
+    ckpt = tmp_path / "ckpt"
+    write_checkpoint(
+        float_model(make_config("llama")), ckpt, arch="llama", producer=producer, fmt=fmt,
+        where=where,
+    )  # fmt: skip
+    if claimed:
+        with pytest.raises(ValueError, match=claimed):
+            AutoModelForCausalLM.from_pretrained(ckpt, quantization_config=QuantDispatchConfig())
+    config = hf_config(ckpt)
+    assert getattr(config, "quantization_config", None) is None
+    full = AutoConfig.from_pretrained(ckpt).to_dict()
+    assert ("quantization_config" in full) == (where == "config")
+    full.pop("quantization_config", None)
+    assert full == config.to_dict()  # nothing else dropped
     model = AutoModelForCausalLM.from_pretrained(
-        tmp_path, config=config, quantization_config=QuantDispatchConfig()
+        ckpt, config=config, quantization_config=QuantDispatchConfig()
     )
     assert isinstance(model.model.layers[0].mlp.down_proj, QuantLinear)
-    assert greedy(model) == greedy(load_model(tmp_path, device="cpu"))
+    assert model.model.layers[0].mlp.down_proj.format == fmt
+    assert greedy(model) == greedy(load_model(ckpt, device="cpu"))

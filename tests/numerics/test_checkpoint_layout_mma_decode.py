@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+pytest.importorskip("triton")
 from quantdispatch.kernels.checkpoint_layout import mma_linear, moe_plan
 from quantdispatch.kernels.common import decode_tables
 from quantdispatch.kernels.common.device_facts import DeviceFacts

@@ -14,6 +14,7 @@ import pytest
 import torch
 from ref64 import e4m3_from_bits
 
+pytest.importorskip("triton")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from fp8_block_gemm_triton import BlockGemmTile, fp8_block_gemm
 

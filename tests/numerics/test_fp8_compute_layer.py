@@ -12,6 +12,8 @@ import logging
 
 import pytest
 import torch
+
+pytest.importorskip("triton")
 from test_fp8_prefill_linear import ScaledMmEmulator
 
 import quantdispatch.ops  # noqa: F401  (registers torch.ops.quantdispatch.*)
@@ -24,8 +26,6 @@ from quantdispatch.formats import quantize_mxfp4, quantize_nvfp4
 from quantdispatch.kernels.common.device_facts import DeviceFacts
 from quantdispatch.kernels.native import fp8_prefill as fp8p
 from quantdispatch.request import Request
-
-pytest.importorskip("triton")
 
 
 @pytest.fixture

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+pytest.importorskip("triton")
 from fp8_prefill_ref import (
     E4M3_VALUES,
     block_exponent64,

@@ -115,6 +115,7 @@ def test_linear_emulated(monkeypatch, hopper, fmt, recipe):
 
 
 def test_triton_impl_matches_torch(monkeypatch, hopper):
+    pytest.importorskip("triton")
     n, k, m = 128, 512, 20
     packed, scale, gs = fp4_weight(n, k, "nvfp4", seed=5)
     x = activations(m, k, torch.float16, seed=1)
@@ -131,6 +132,7 @@ def test_triton_impl_matches_torch(monkeypatch, hopper):
 def test_resident_and_mma_layout_paths(monkeypatch, hopper, fmt):
     """A resident copy, and the same weight in the mma16x64 layout (per call and resident),
     give the checkpoint path's bits."""
+    pytest.importorskip("triton")
     n, k, m = 256, 256, 16
     packed, scale, gs = fp4_weight(n, k, fmt, seed=9)
     if fmt == "nvfp4":

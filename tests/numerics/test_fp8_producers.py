@@ -12,6 +12,8 @@ import gc
 
 import pytest
 import torch
+
+pytest.importorskip("triton")
 from fp8_prefill_ref import encode64
 
 from quantdispatch.errors import InputError

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+pytest.importorskip("triton")
 from quantdispatch.errors import WeightFormatError
 from quantdispatch.kernels.common import configs, decode_tables, ptx
 from quantdispatch.kernels.mma_layout import gemv, layout

@@ -224,6 +224,7 @@ def test_torch_self_check_catches_misread_weight_scales(monkeypatch, clean):
 def test_self_check_off_refuses_every_unverified_native_backend_in_turn(sgl, monkeypatch):
     """GB10 (12.1): cutlass and torch are both unverified; with the check off both are refused
     (each with its reason) and the weight-only kernel runs."""
+    pytest.importorskip("triton")
     off = load_settings({"QUANTDISPATCH_SELF_CHECK": "off"})
     profile = preset_profile("gb10").model_copy(update={"simulated": False, "preset": None})
     d = select("nvfp4", device=profile, settings=off, check_on="cuda")

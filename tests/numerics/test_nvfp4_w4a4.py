@@ -19,7 +19,6 @@ from quantdispatch.errors import InputError, WeightFormatError
 from quantdispatch.formats import Nvfp4Weight
 from quantdispatch.formats.nvfp4_act import activation_scale, quantize_nvfp4_activations_raw
 from quantdispatch.kernels.native import scaled_mm_fp4 as smm
-from quantdispatch.kernels.native.nvfp4_quant import quantize_nvfp4_activations_triton
 
 F64 = torch.float64
 
@@ -44,6 +43,8 @@ def same_bits(a, b) -> bool:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("swizzle", [False, True])
 def test_triton_quantizer_bit_equal_with_torch(dtype, swizzle):
+    pytest.importorskip("triton")
+    from quantdispatch.kernels.native.nvfp4_quant import quantize_nvfp4_activations_triton
     x = special_x(37, 80, dtype, seed=5)
     s = activation_scale(input_scale=torch.tensor(1.0 / 2688.0)).encode  # amax 1 calibrated
     ref = quantize_nvfp4_activations_raw(x, s, swizzle=swizzle)
@@ -56,6 +57,8 @@ def test_triton_quantizer_bit_equal_with_torch(dtype, swizzle):
 
 def test_triton_quantizer_masks_and_strides():
     """Small program tiles (both grid dimensions masked) and a row stride wider than K."""
+    pytest.importorskip("triton")
+    from quantdispatch.kernels.native.nvfp4_quant import quantize_nvfp4_activations_triton
     wide = special_x(9, 96, torch.bfloat16, seed=9)
     x = wide[:, :48]
     assert x.stride(0) == 96
@@ -153,6 +156,8 @@ class FakeScaledMM:
     [("torch", "modelopt", 5), ("torch", "compressed-tensors", 130), ("triton", "modelopt", 4)],
 )
 def test_scaled_mm_wrapper_contract(monkeypatch, quantizer, convention, m):
+    if quantizer == "triton":
+        pytest.importorskip("triton")
     n, k = 144, 96
     w = _weight(n, k, seed=m, gs=0.021)
     if convention == "modelopt":

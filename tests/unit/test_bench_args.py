@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+pytest.importorskip("triton")
 sys.path.insert(0, "benchmarks")
 
 from moe import parse_shape  # benchmarks/moe.py

@@ -100,6 +100,7 @@ def test_linear_times_marlin_by_default_at_every_m(monkeypatch):
 
 
 def test_moe_times_marlin_by_default_at_the_quick_ms(monkeypatch):
+    pytest.importorskip("triton")
     import moe
 
     ns = _parsed(monkeypatch, moe, ["--format", "mxfp4"])
@@ -237,6 +238,7 @@ def _moe_rows(us: dict, m: int = 1) -> list[dict]:
 
 
 def test_moe_table_has_the_marlin_column_and_ratios():
+    pytest.importorskip("triton")
     import moe
 
     ok = {"status": "vllm 0.33.0 [vllm-0.30; ok]", "available": True, "ms": [1]}
@@ -282,6 +284,7 @@ def test_linear_marlin_calls_match_float64(fake_vllm, monkeypatch, kernel):
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_moe_marlin_column_matches_the_reference(fake_vllm, monkeypatch, fmt):
+    pytest.importorskip("triton")
     import moe
 
     layer = moe.Layer(8, 2, 128, 64, torch.device("cpu"), seed=0, fmt=fmt)
@@ -300,6 +303,7 @@ def test_moe_marlin_column_matches_the_reference(fake_vllm, monkeypatch, fmt):
 
 
 def test_moe_layer_marlin_cannot_run_is_recorded(fake_vllm):
+    pytest.importorskip("triton")
     import moe
 
     marlin = peers.setup(_args(), [4], [4], "moe")

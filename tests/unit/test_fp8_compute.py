@@ -105,6 +105,7 @@ def test_the_packaged_policy_says_off():
 
 
 def test_a_policy_file_sets_it_and_the_variable_wins(tmp_path):
+    pytest.importorskip("triton")
     f = tmp_path / "mine.toml"
     f.write_text('fp8_compute = "prefill-resident"\n')
     p = load_policy(f)
@@ -162,6 +163,7 @@ def test_the_rows_thresholds_and_why():
 @pytest.mark.parametrize("mode", ["prefill", "prefill-resident"])
 @pytest.mark.parametrize("preset", ["h200", "h100", "rtx4090", "l40s", "b200", "rtx5090", "a100"])
 def test_the_fp8_range_exists_on_sm90_only(mode, preset):
+    pytest.importorskip("triton")
     profile = preset_profile(preset).model_copy(update={"cuda_version": "13.0"})
     d = _select(mode, profile, n=6144, k=4096)
     fp8 = [r for r in d.kernel_ranges() if r.family == Family.FP8_PREFILL]
@@ -180,6 +182,7 @@ def test_the_fp8_range_exists_on_sm90_only(mode, preset):
 
 
 def test_the_trace_says_from_which_m_when_on():
+    pytest.importorskip("triton")
     d = _select("prefill-resident", n=6144, k=4096)
     assert "lossy: FP8 compute from M >= 256 (resident FP8 copy, 25.2 MB; " in d.reason
     assert f"{VAR}=prefill-resident)" in d.reason
@@ -190,6 +193,7 @@ def test_the_trace_says_from_which_m_when_on():
 
 
 def test_the_trace_names_the_setting_once_when_off_on_an_eligible_device():
+    pytest.importorskip("triton")
     d = _select(n=6144, k=4096)
     assert d.reason.endswith(f"lossy FP8 compute for prefill available ({VAR})")
     assert d.reason.count("FP8 compute") == 1
@@ -198,6 +202,7 @@ def test_the_trace_names_the_setting_once_when_off_on_an_eligible_device():
 
 
 def test_the_trace_says_why_not_when_on_where_it_cannot_run():
+    pytest.importorskip("triton")
     for preset, sm in (("rtx4090", "8.9"), ("rtx5090", "12.0")):
         d = _select("prefill", preset_profile(preset), n=6144, k=4096)
         assert f"FP8 compute (prefill) not used: off on SM {sm} (row-wise FP8" in d.reason
@@ -220,6 +225,7 @@ def test_other_backends_and_formats_say_nothing_about_it():
 
 
 def test_the_resident_bytes_are_the_copys():
+    pytest.importorskip("triton")
     from quantdispatch.kernels.native.fp8_prefill import resident_nbytes
 
     d = _select(n=6144, k=4096)
@@ -251,6 +257,7 @@ def cuda13(monkeypatch):
 def test_concise_doctor_is_unchanged_while_off_and_says_it_in_one_line_when_on(
     capsys, monkeypatch, cuda13
 ):
+    pytest.importorskip("triton")
     off = _doctor(capsys)
     assert "fp8 " not in off and "FP8" not in off
     monkeypatch.setenv(VAR, "prefill-resident")
@@ -264,6 +271,7 @@ def test_concise_doctor_is_unchanged_while_off_and_says_it_in_one_line_when_on(
 
 
 def test_verbose_doctor_shows_the_setting_and_the_resident_bytes(capsys, monkeypatch, cuda13):
+    pytest.importorskip("triton")
     out = _doctor(capsys, "--verbose", "--shape", "6144x4096")
     assert "  FP8 compute (lossy)       off (" in out
     assert (
@@ -284,6 +292,7 @@ def test_verbose_doctor_shows_the_setting_and_the_resident_bytes(capsys, monkeyp
 
 
 def test_doctor_json_has_the_mode_in_effect_and_the_bytes(capsys, monkeypatch, cuda13):
+    pytest.importorskip("triton")
     monkeypatch.setenv(VAR, "prefill")
     data = json.loads(_doctor(capsys, "--json", "--shape", "6144x4096"))
     assert data["settings"]["fp8_compute"] == "prefill"
@@ -301,5 +310,6 @@ def test_a_bad_variable_is_a_usage_error(capsys, monkeypatch):
 
 
 def test_no_fp8_compute_decision_with_torch_dtype_names():
+    pytest.importorskip("triton")
     d = _select("prefill-resident", act=torch.float16, n=6144, k=4096)
     assert d.kernel_for(256).family == Family.FP8_PREFILL

@@ -8,6 +8,7 @@ import json
 import sys
 import time
 
+import pytest
 import torch
 
 sys.path.insert(0, "benchmarks")
@@ -16,6 +17,7 @@ import fp8_prefill as bench  # benchmarks/fp8_prefill.py
 
 
 def test_cpu_smoke_run(tmp_path):
+    pytest.importorskip("triton")
     scaled_mm = torch._scaled_mm
     t0 = time.time()
     base = bench.main(["--device", "cpu", "--quick", "--out", str(tmp_path)])

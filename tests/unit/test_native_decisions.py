@@ -58,6 +58,7 @@ W4A4 = {
 
 @pytest.mark.parametrize("preset", list(W4A4))
 def test_w4a4_linear_takes_the_native_path_on_fp4_gpus(providers, preset):
+    pytest.importorskip("triton")
     plain, with_sgl, behind = W4A4[preset]
     providers()
     d = select("nvfp4", device=preset, n=4096, k=4096, settings=NO_ENV)
@@ -84,6 +85,7 @@ def test_w4a4_linear_takes_the_native_path_on_fp4_gpus(providers, preset):
 
 @pytest.mark.parametrize("preset", list(W4A4))
 def test_w4a16_keeps_the_weight_only_kernels(providers, preset):
+    pytest.importorskip("triton")
     providers(**{"sgl-kernel": "0.3.21"})
     d = select("nvfp4", scheme="weight_only", device=preset, settings=NO_ENV)
     assert d.backend == "triton", d.explain()
@@ -96,6 +98,7 @@ def test_w4a16_keeps_the_weight_only_kernels(providers, preset):
 
 @pytest.mark.parametrize("preset", ["b200", "rtx5090", "h100"])
 def test_nvfp4_moe_stays_on_triton_and_says_why(providers, preset):
+    pytest.importorskip("triton")
     providers(**{"sgl-kernel": "0.3.21"})
     d = select("nvfp4", "moe", device=preset, settings=NO_ENV)
     assert d.backend == "triton"
@@ -112,6 +115,7 @@ def test_thor_and_unbuilt_sms(providers):
 
 
 def test_shapes_off_the_native_rules_fall_back(providers):
+    pytest.importorskip("triton")
     providers(**{"sgl-kernel": "0.3.21"})
     d = select("nvfp4", device="b200", n=4096, k=4112, settings=NO_ENV)  # K % 32 = 16
     lines = _lines(d)

@@ -58,9 +58,18 @@ def test_setup_has_exactly_two_commands_doctor_and_ci():
     assert others == [_ci_command()], "the README's test command and .ci/run's must be identical"
 
 
-def test_ci_runs_the_readme_test_command_as_its_last_line():
-    lines = [line for line in CI_RUN.read_text().splitlines() if line.strip()]
-    assert lines[-1] == _ci_command()
+def test_ci_runs_the_readme_test_command_in_a_fresh_venv_per_python():
+    """The command is the body of ``readme_test_command``, which ``in_fresh_venv`` runs in a
+    new virtual environment; the script ends by calling that for the default Python and 3.12."""
+    text = CI_RUN.read_text()
+    body = re.search(r"^readme_test_command\(\) \{\n(.*?)^\}", text, re.S | re.M)
+    assert body, ".ci/run defines no readme_test_command function"
+    commands = [x for x in body.group(1).splitlines() if x.strip() and not x.startswith("#")]
+    assert commands == [_ci_command()]
+    fresh = re.search(r"^in_fresh_venv\(\) \{\n(.*?)^\}", text, re.S | re.M)
+    assert fresh and "-m venv" in fresh.group(1) and "readme_test_command" in fresh.group(1)
+    calls = [x for x in text.splitlines() if x.strip()][-2:]
+    assert calls == ["in_fresh_venv python3", 'in_fresh_venv "$PY312"'], calls
 
 
 def test_readme_is_short():

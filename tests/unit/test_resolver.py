@@ -81,6 +81,7 @@ def test_v100_nvfp4_goes_to_reference_because_sm70_is_too_old():
 
 
 def test_t4_rejects_bf16_but_not_fp16():
+    pytest.importorskip("triton")
     bf = _trace(select("nvfp4", act_dtype=torch.bfloat16, device="t4", settings=NO_ENV))
     fp = _trace(select("nvfp4", act_dtype=torch.float16, device="t4", settings=NO_ENV))
     for name in ("triton", "marlin"):
@@ -100,6 +101,7 @@ def test_h100_native_fp4_rejected_for_capability_fp8_not():
 
 
 def test_h200_picks_triton_for_fp4_and_torch_for_fp8():
+    pytest.importorskip("triton")
     assert select("nvfp4", device="h200", settings=NO_ENV).backend == "triton"
     assert select("mxfp4", device="h200", settings=NO_ENV).backend == "triton"
     assert select("fp8", device="h200", settings=NO_ENV).backend == "torch"
@@ -113,12 +115,14 @@ def test_w4a4_on_weight_only_kernel_says_so():
 
 
 def test_weight_only_fp8_checkpoint_never_gets_w8a8_kernel():
+    pytest.importorskip("triton")
     d = select("fp8", scheme="weight_only", device="h100", settings=NO_ENV)
     assert d.backend == "triton"
     assert "weight-only" in _trace(d)["torch"].reason
 
 
 def test_block_scaled_fp8_goes_weight_only():
+    pytest.importorskip("triton")
     d = select("fp8", scale_kind="block", device="h100", settings=NO_ENV)
     assert d.backend == "triton"
     assert "block-scaled" in _trace(d)["torch"].reason
@@ -152,6 +156,7 @@ def test_forced_backend_that_can_run_is_used_and_traced():
 
 
 def test_forced_backend_that_cannot_run_raises_with_its_reason():
+    pytest.importorskip("triton")
     s = load_settings({"QUANTDISPATCH_BACKEND_NVFP4": "cutlass"})
     with pytest.raises(BackendUnavailableError) as e:
         select("nvfp4", device="h100", settings=s)
@@ -172,36 +177,36 @@ def test_sglang_marlin_switch_forces_marlin():
 
 
 def test_per_format_force_that_caught_an_op_its_backend_lacks_names_the_per_op_fix():
-    s = load_settings({"QUANTDISPATCH_BACKEND_NVFP4": "cutlass"})
+    """torch runs nvfp4 linear on a B200 but computes no MoE: force it per op instead."""
+    s = load_settings({"QUANTDISPATCH_BACKEND_NVFP4": "torch"})
     with pytest.raises(BackendUnavailableError) as e:
         select("nvfp4", "moe", device="b200", settings=s)
     msg = str(e.value)
-    assert "QUANTDISPATCH_BACKEND_NVFP4=cutlass forces backend 'cutlass'" in msg
-    assert "cutlass does not compute nvfp4 moe" in msg
-    assert "applies to every op of nvfp4, so it also caught moe" in msg
-    assert "set QUANTDISPATCH_BACKEND_NVFP4_MOE=<backend>" in msg
-    assert "backends that can run it here: triton, reference" in msg
-    assert "QUANTDISPATCH_BACKEND_NVFP4_LINEAR=cutlass" in msg
+    assert "QUANTDISPATCH_BACKEND_NVFP4=torch forces backend 'torch'" in msg
+    assert "QUANTDISPATCH_BACKEND_NVFP4=torch forces every op of nvfp4" in msg
+    fix = "unset QUANTDISPATCH_BACKEND_NVFP4 and set QUANTDISPATCH_BACKEND_NVFP4_LINEAR=torch"
+    assert fix in msg and e.value.fix.startswith(fix)
+    followed = load_settings({"QUANTDISPATCH_BACKEND_NVFP4_LINEAR": "torch"})
+    assert select("nvfp4", "linear", device="b200", settings=followed).backend == "torch"
+    select("nvfp4", "moe", device="b200", settings=followed)
 
 
-def test_sglang_switch_that_caught_moe_names_the_per_op_fix():
-    s = load_settings({"SGLANG_FORCE_NVFP4_MARLIN": "1"})
+@pytest.mark.parametrize(
+    ("env", "device", "op"),
+    [
+        ({"QUANTDISPATCH_BACKEND_NVFP4": "cutlass"}, "b200", "moe"),  # no provider for linear
+        ({"QUANTDISPATCH_BACKEND_NVFP4": "cutlass"}, "h100", "linear"),
+        ({"SGLANG_FORCE_NVFP4_MARLIN": "1"}, "h100", "moe"),  # no Marlin provider
+    ],
+)
+def test_a_force_that_runs_no_op_of_its_format_here_says_unset_it(env, device, op):
+    """The per-op form would fail as well: the fix is to unset the force, never to narrow it."""
+    (var,) = env
     with pytest.raises(BackendUnavailableError) as e:
-        select("nvfp4", "moe", device="h100", settings=s)
-    msg = str(e.value)
-    assert "SGLANG_FORCE_NVFP4_MARLIN=1 applies to every op of nvfp4, moe included" in msg
-    assert "QUANTDISPATCH_BACKEND_NVFP4_MOE=<backend>" in msg
-    assert "QUANTDISPATCH_BACKEND_NVFP4_LINEAR=marlin" in msg
-
-
-def test_per_format_force_that_cannot_run_an_op_it_computes_names_the_per_op_form():
-    s = load_settings({"QUANTDISPATCH_BACKEND_NVFP4": "cutlass"})
-    with pytest.raises(BackendUnavailableError) as e:
-        select("nvfp4", device="h100", settings=s)
-    msg = str(e.value)
-    assert "NVFP4=cutlass applies to every op of nvfp4, linear included" in msg
-    assert "unset it to let the policy choose" not in msg
-    assert "QUANTDISPATCH_BACKEND_NVFP4_LINEAR=<backend>" in msg
+        select("nvfp4", op, device=device, settings=load_settings(env))
+    assert e.value.fix.startswith(f"unset {var} (the policy then picks ")
+    assert "QUANTDISPATCH_BACKEND_NVFP4_" not in e.value.fix
+    select("nvfp4", op, device=device, settings=load_settings({}))
 
 
 def test_per_op_force_that_cannot_run_says_so_without_the_per_op_hint():
@@ -214,6 +219,7 @@ def test_per_op_force_that_cannot_run_says_so_without_the_per_op_hint():
 
 
 def test_per_op_forces_pick_per_op_and_win_over_the_per_format_one():
+    pytest.importorskip("triton")
     s = load_settings(
         {"QUANTDISPATCH_BACKEND_NVFP4": "reference", "QUANTDISPATCH_BACKEND_NVFP4_MOE": "triton"}
     )
@@ -396,6 +402,7 @@ def test_triton_states_the_mxfp4_fp16_rebase_and_the_fp8_w8a16_kernels():
 
 
 def test_decision_names_the_kernel_family_for_each_m():
+    pytest.importorskip("triton")
     d = select("nvfp4", device="h200", n=6144, k=4096)
     ranges = d.kernel_ranges()
     assert ranges[0].first_m == 1 and ranges[-1].last_m is None
@@ -411,6 +418,7 @@ def test_decision_names_the_kernel_family_for_each_m():
 
 
 def test_kernel_for_needs_the_shape_it_depends_on():
+    pytest.importorskip("triton")
     with pytest.raises(ConfigurationError, match="pass n= and k="):
         select("nvfp4", device="h200").kernel_for(1)
     moe = select("nvfp4", "moe", device="h200", n=768, k=2048, experts=128)

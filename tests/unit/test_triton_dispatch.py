@@ -45,10 +45,14 @@ def _decision(fmt, op, act, preset, fp8="off", **shape):
         return None
 
 
+def _with_cuda(preset, version):
+    """A preset's profile with a torch build of CUDA ``version``: presets take this torch's
+    CUDA version (12.8 assumed for a CPU build), which must not decide these tests."""
+    return preset_profile(preset).model_copy(update={"cuda_version": version})
+
+
 def _cuda13(preset):
-    """A preset's profile with a CUDA 13.0 torch build (this CPU torch has none; presets then
-    assume 12.8, below what FP8 compute's block-scaled recipes need)."""
-    return preset_profile(preset).model_copy(update={"cuda_version": "13.0"})
+    return _with_cuda(preset, "13.0")
 
 
 FP8_MODES = ("prefill", "prefill-resident")
@@ -123,8 +127,9 @@ def test_kernel_for_with_fp8_compute_is_the_dispatch(preset, fmt, mode):
 
 
 def test_fp8_compute_rows_need_cuda_12_9_for_the_block_recipes():
-    """The presets' assumed CUDA 12.8 build: no FP8 range, and the trace says why."""
-    d = _decision("nvfp4", "linear", torch.bfloat16, "h200", fp8="prefill", n=6144, k=4096)
+    """An H200 with a CUDA 12.8 build of torch: no FP8 range, and the trace says why."""
+    d = _decision("nvfp4", "linear", torch.bfloat16, _with_cuda("h200", "12.8"), fp8="prefill",
+                  n=6144, k=4096)  # fmt: skip
     assert all(r.family != Family.FP8_PREFILL for r in d.kernel_ranges())
     assert "FP8 compute (prefill) not used: recipe 128x128 needs SM 9.0 and CUDA 12.9+" in d.reason
 

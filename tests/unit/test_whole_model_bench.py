@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("transformers")
+pytest.importorskip("triton", reason="triton is not installed (optional extra)")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 

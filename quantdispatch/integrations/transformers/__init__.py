@@ -5,7 +5,8 @@
   are ``QuantMoE``-backed, ready for ``generate()``.
 - :func:`quantize_model`: a float model -> the same, weight-only, in place.
 - :class:`QuantDispatchConfig`: ``AutoModelForCausalLM.from_pretrained(path,
-  quantization_config=QuantDispatchConfig())`` takes the same path (see ``hf_quantizer``).
+  quantization_config=QuantDispatchConfig())`` takes the same path (see ``hf_quantizer``);
+  :func:`hf_config` for checkpoints whose config.json has its own ``quantization_config``.
 - :func:`install_fused_ops` / :func:`remove_fused_ops`: one kernel per RMSNorm (with the
   residual add) and gated activation (on by default in the three above).
 - :func:`capture_decode`: a model's one-token decode step captured in a CUDA graph, for
@@ -28,6 +29,7 @@ _EXPORTS = {
     "QuantExperts": "moe_blocks",
     "SUPPORTED_EXPERTS": "moe_blocks",
     "QuantDispatchConfig": "hf_quantizer",
+    "hf_config": "hf_quantizer",
     "describe_model": "describe",
     "render_description": "describe",
     "ReferenceBackendWarning": "common",
@@ -43,6 +45,7 @@ __all__ = [
     "ReferenceBackendWarning",
     "capture_decode",
     "describe_model",
+    "hf_config",
     "install_fused_ops",
     "load_model",
     "quantize_model",
@@ -61,7 +64,7 @@ if TYPE_CHECKING:
         install_fused_ops,
         remove_fused_ops,
     )
-    from quantdispatch.integrations.transformers.hf_quantizer import QuantDispatchConfig
+    from quantdispatch.integrations.transformers.hf_quantizer import QuantDispatchConfig, hf_config
     from quantdispatch.integrations.transformers.loader import load_model
     from quantdispatch.integrations.transformers.moe_blocks import SUPPORTED_EXPERTS, QuantExperts
     from quantdispatch.integrations.transformers.quantize import quantize_model

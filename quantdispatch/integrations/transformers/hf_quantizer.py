@@ -16,14 +16,14 @@ this module registers ``quant_method="quantdispatch"``. The quantizer's two hook
 
 Limit (transformers' rule, not ours): when config.json carries a ``quantization_config`` whose
 ``quant_method`` transformers knows (compressed-tensors, fp8, mxfp4), ``from_pretrained`` merges
-it with the config passed and refuses two config classes before any hook runs. Such checkpoints
-load with :func:`~quantdispatch.integrations.transformers.load_model`, or through this path with
-the config object stripped of it::
+it with the config passed and refuses two config classes before any hook runs ("quantized with
+CompressedTensorsConfig but you are passing a QuantDispatchConfig"). Such checkpoints load with
+:func:`~quantdispatch.integrations.transformers.load_model`, or through this path with the
+config :func:`hf_config` reads (the same, without that key; the hooks read the checkpoint's own
+quantization config from the folder)::
 
-    config = AutoConfig.from_pretrained(path)
-    del config.quantization_config
     model = AutoModelForCausalLM.from_pretrained(
-        path, config=config, quantization_config=QuantDispatchConfig()
+        path, config=hf_config(path), quantization_config=QuantDispatchConfig()
     )
 
 ModelOpt checkpoints (``hf_quant_config.json``, or ``quant_method: modelopt``, which transformers
@@ -58,7 +58,7 @@ from quantdispatch.integrations.transformers.replace import (
     quantized_targets,
 )
 
-__all__ = ["METHOD", "QuantDispatchConfig", "QuantDispatchHfQuantizer"]
+__all__ = ["METHOD", "QuantDispatchConfig", "QuantDispatchHfQuantizer", "hf_config"]
 
 METHOD = "quantdispatch"
 
@@ -102,6 +102,19 @@ def _flag(name: str, value: object) -> bool:
             )
         )
     return value
+
+
+def hf_config(path: str | Path, **kwargs: Any) -> Any:
+    """``AutoConfig.from_pretrained(path, **kwargs)`` without a ``quantization_config``, for
+    ``from_pretrained(path, config=hf_config(path), quantization_config=QuantDispatchConfig())``
+    on any checkpoint (transformers refuses a second quantization config)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(path), **kwargs)
+    for holder in {id(c): c for c in (config, config.get_text_config(decoder=True))}.values():
+        if getattr(holder, "quantization_config", None) is not None:
+            del holder.quantization_config
+    return config
 
 
 class _Pending(nn.Module):

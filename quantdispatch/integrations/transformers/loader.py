@@ -6,7 +6,7 @@ frequencies) on the target device; put a ``QuantLinear`` in place of each linear
 tensors are quantized and a ``QuantExperts`` in place of each quantized experts module; load every
 other tensor from the safetensors shards, one tensor at a time, straight to the device; tie what
 the config ties. Relies on transformers >= 5 (experts modules called as
-``experts(hidden_states, top_k_index, top_k_weights)``, ``AutoModelForCausalLM.from_config``).
+``experts(hidden_states, top_k_index, top_k_weights)``, ``from_config``).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from quantdispatch.errors import ConfigurationError, format_error
+from quantdispatch.integrations.transformers.architectures import build_model
 from quantdispatch.integrations.transformers.checkpoint import open_checkpoint
 from quantdispatch.integrations.transformers.common import resolve_device, warn_if_reference
 from quantdispatch.integrations.transformers.float_tensors import load_float_tensors, tie_weights
@@ -40,6 +41,7 @@ def load_model(
     act_dtype: torch.dtype = torch.bfloat16,
     policy: Any = None,
     settings: Any = None,
+    model_class: Any = None,
     fused_ops: bool = True,
     **from_config_kwargs: Any,
 ) -> Any:
@@ -47,12 +49,13 @@ def load_model(
 
     ``device``: where the model runs (default: the current GPU, else the CPU). ``act_dtype``:
     the model's float dtype and its quantized layers' activation dtype. ``policy`` / ``settings``
-    go to every layer's ``select()``. ``fused_ops``: one kernel per RMSNorm (with the residual
-    add) and gated activation (:mod:`.fused_ops`; undo with ``remove_fused_ops``). Other
-    keyword arguments go to
-    ``AutoModelForCausalLM.from_config`` (e.g. ``attn_implementation="sdpa"``).
+    go to every layer's ``select()``. The model is the class config.json's ``architectures``
+    names (``AutoModelForCausalLM`` where it names none; ``model_class``: a transformers class
+    to build instead). ``fused_ops``: one kernel per RMSNorm (with the residual add) and gated
+    activation (:mod:`.fused_ops`; undo with ``remove_fused_ops``). Other keyword arguments go
+    to its ``from_config`` (e.g. ``attn_implementation="sdpa"``).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoConfig, GenerationConfig
 
     if act_dtype not in (torch.bfloat16, torch.float16):
         raise ConfigurationError(
@@ -74,7 +77,7 @@ def load_model(
     # this thread's new tensors only
     dtype = from_config_kwargs.pop("dtype", None) or act_dtype
     with on_meta(dtype):
-        model = AutoModelForCausalLM.from_config(config, dtype=None, **from_config_kwargs)
+        model = build_model(config, model_class, dtype=None, **from_config_kwargs)
     for cfg in (model.config, *(getattr(model.config, k, None) for k in model.config.sub_configs)):
         if cfg is not None:
             cfg.dtype = dtype

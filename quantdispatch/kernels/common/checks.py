@@ -7,7 +7,6 @@ interpreter.
 from __future__ import annotations
 
 import torch
-import triton
 
 from quantdispatch.errors import InputError, WeightFormatError, format_error
 from quantdispatch.kernels.common.device_facts import device_facts
@@ -250,7 +249,7 @@ def check_fp8_weights(
                 )
             )
         bn, bk = int(block_size[0]), int(block_size[1])
-        want = (triton.cdiv(n, bn), triton.cdiv(k, bk))
+        want = (-(-n // bn), -(-k // bk))
         if tuple(scale.shape) != want:
             raise WeightFormatError(
                 format_error(

@@ -92,9 +92,12 @@ def _half_max(w, sv, S0: tl.constexpr, M0: tl.constexpr, S1: tl.constexpr, M1: t
 
 @triton.jit
 def _value(w, gm, S: tl.constexpr, M: tl.constexpr):
+    """The signed unit value times ``gm`` (>= 0). The sign goes in as a bit, not by negation:
+    some Triton versions (3.7 among them) lower ``-v`` to ``0 - v``, which gives +0 for a -0
+    code, so the byte written (0x80 by the rule) would depend on the Triton version."""
     sign, mag = _unit(w, S, M)
-    v = e2m1_magnitude(mag) * gm
-    return tl.where(sign == 1, -v, v)
+    v = (e2m1_magnitude(mag) * gm).to(tl.int32, bitcast=True)
+    return (v | (sign << 31)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
