@@ -74,7 +74,8 @@ def test_bound_path_equals_the_op_and_float64(fmt, n, k, backend, bias):
         want = x.double() @ layer.w64.T + (0 if layer.b64 is None else layer.b64)
         err = float((second.double() - want).norm() / want.norm())
         assert err < BOUND[layer.backend], (fmt, n, k, m, bound.family_for(m), err)
-    assert len(set(bound.families)) >= 2 or n % 64, bound.families
+    if layer.backend == "triton":  # the regime table's steps: several families by M
+        assert len(set(bound.families)) >= 2, bound.families
 
 
 def test_bound_path_with_3d_input_and_fp16():
