@@ -80,7 +80,9 @@ def _spec(value: object) -> object:
     kind = type(value)
     if kind is int:
         return value == 1, value & 15, -_I32 <= value < _I32, value >= _U64  # type: ignore[operator]
-    if kind is float or kind is bool or value is None:
+    if kind is bool:
+        return kind, value  # by value: never coarser than Triton, whatever it does with bools
+    if kind is float or value is None:
         return kind
     if kind.__name__ == "TensorDescriptor" and isinstance(
         getattr(value, "base", None), torch.Tensor
