@@ -22,10 +22,12 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed (optional extra)")
 
+from test_triton_dispatch import linear_tensors
+
 import quantdispatch.ops
 from quantdispatch.api import load_settings, select
 from quantdispatch.backends import get_backend
-from quantdispatch.backends.base import Layout, LinearBinding, as_op_tensors
+from quantdispatch.backends.base import LinearBinding, as_op_tensors
 from quantdispatch.backends.triton import bind, dispatch, prepare
 from quantdispatch.device import preset_profile
 from quantdispatch.errors import BackendUnavailableError
@@ -53,17 +55,6 @@ MS = (1, 16, 17, 32, 33, 64, 65, 127, 128, 256, 257, 511, 512, 513, 4096)
 CPU = torch.device("cpu")
 
 
-def _tensors(fmt, layout, n, k):
-    if layout is Layout.MMA16X64:
-        words = torch.zeros((n // 16, k // 64, 32, 4), dtype=torch.int32)
-        return [words, torch.zeros((n // 16, k // 64, 32, 2), dtype=torch.uint8), torch.ones(1)]
-    if fmt == "fp8":
-        return [torch.zeros((n, k), dtype=torch.uint8), torch.ones(())]
-    group = 16 if fmt == "nvfp4" else 32
-    scales = torch.full((n, k // group), 0x38, dtype=torch.uint8)
-    return [torch.zeros((n, k // 2), dtype=torch.uint8), scales, torch.ones(1)]
-
-
 def _unwrapped(fn):
     """The launcher object behind a step (mma16x64 steps check the dtype first)."""
     cells = getattr(fn, "__closure__", None) or ()
@@ -85,8 +76,9 @@ def test_the_bound_steps_are_kernel_for_at_every_m(monkeypatch, preset, fmt):
             continue
         layout = dispatch.linear_layout(fmt, n, k, act, profile.capability)
         meta = dispatch.prepared_meta(layout, act)
+        tensors = tuple(linear_tensors(fmt, layout, n, k))
         bound = get_backend("triton").bind_linear(
-            LinearBinding(tuple(_tensors(fmt, layout, n, k)), None, fmt, layout, meta, True, CPU)
+            LinearBinding(tensors, None, fmt, layout, meta, True, CPU)
         )
         for m in MS:
             family = d.kernel_for(m).family

@@ -171,15 +171,16 @@ def calls(monkeypatch):
     return seen
 
 
-def _linear_tensors(fmt, layout, n, k):
+def linear_tensors(fmt, layout, n, k):
+    """A prepared weight's tensors of these shapes: zero codes, block scales of 1.0."""
     if layout is Layout.MMA16X64:
-        words = torch.empty((n // 16, k // 64, 32, 4), dtype=torch.int32)
-        return [words, torch.empty((n // 16, k // 64, 32, 2), dtype=torch.uint8), torch.ones(1)]
+        words = torch.zeros((n // 16, k // 64, 32, 4), dtype=torch.int32)
+        return [words, torch.zeros((n // 16, k // 64, 32, 2), dtype=torch.uint8), torch.ones(1)]
     if fmt == "fp8":
-        return [torch.empty((n, k), dtype=torch.uint8), torch.ones(())]
+        return [torch.zeros((n, k), dtype=torch.uint8), torch.ones(())]
     group = 16 if fmt == "nvfp4" else 32
-    scales = torch.empty((n, k // group), dtype=torch.uint8)
-    return [torch.empty((n, k // 2), dtype=torch.uint8), scales, torch.ones(1)]
+    scales = torch.full((n, k // group), 0x38 if fmt == "nvfp4" else 127, dtype=torch.uint8)
+    return [torch.zeros((n, k // 2), dtype=torch.uint8), scales, torch.ones(1)]
 
 
 @pytest.mark.parametrize("preset", ("h200", "a100", "t4", "b200"))
@@ -193,7 +194,7 @@ def test_the_run_path_calls_the_launcher_of_kernel_for(monkeypatch, calls, prese
             continue
         layout = dispatch.linear_layout(fmt, n, k, act, profile.capability)
         meta = dispatch.prepared_meta(layout, act)
-        tensors = _linear_tensors(fmt, layout, n, k)
+        tensors = linear_tensors(fmt, layout, n, k)
         for m in (1, 16, 17, 33, 64, 65, 128, 129, 256, 257, 512, 513):
             calls.clear()
             run.linear(torch.empty((m, k), dtype=act), tensors, None, fmt, layout, meta, True)
@@ -217,7 +218,7 @@ def test_the_fp8_compute_run_path_calls_the_launcher_of_kernel_for(
         layout = dispatch.linear_layout(fmt, n, k, act, cap)
         got = fp8_compute.mode_for(fmt, n, k, act, cap, mode, (13, 0))
         meta = dispatch.prepared_meta(layout, act, got)
-        tensors = _linear_tensors(fmt, layout, n, k)
+        tensors = linear_tensors(fmt, layout, n, k)
         if got == "prefill-resident":
             stored = (
                 (k // 128, n) if fp8_compute.recipe_for(k) == "1x128" else (-(-n // 128), k // 128)
