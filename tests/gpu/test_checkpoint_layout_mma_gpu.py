@@ -159,11 +159,12 @@ def test_every_path_matches_float64(m, cfg, dtype):
 
 def test_heuristic_takes_the_mma_kernels_for_few_tokens_per_expert():
     facts = device_facts(DEV)
-    cfg = moe_plan.moe_config(4, 8, 128, 768, 2048, "nvfp4", facts)
+    cfg = moe_plan.checkpoint_layout_moe_plan(4, 8, 128, 768, 2048, "nvfp4", facts)
     assert isinstance(cfg, MmaMoeConfig)
-    many = moe_plan.moe_config(4096, 8, 128, 768, 2048, "nvfp4", facts)
+    many = moe_plan.checkpoint_layout_moe_plan(4096, 8, 128, 768, 2048, "nvfp4", facts)
     assert not isinstance(many, MmaMoeConfig)
-    assert not isinstance(moe_plan.moe_config(4, 8, 128, 768, 2048, "mxfp4", facts), MmaMoeConfig)
+    mx = moe_plan.checkpoint_layout_moe_plan(4, 8, 128, 768, 2048, "mxfp4", facts)
+    assert not isinstance(mx, MmaMoeConfig)
 
 
 def test_real_sizes_match_the_tl_dot_kernels():
@@ -173,7 +174,7 @@ def test_real_sizes_match_the_tl_dot_kernels():
                               (32, 8, 7168, 2048, 4)):  # fmt: skip
         w13, w2, gen = weights(e, h, i, seed=h + m)
         x, ids, w = routing(m, e, top_k, gen, torch.bfloat16, h)
-        cfg = moe_plan.moe_config(m, top_k, e, i, h, "nvfp4", device_facts(DEV))
+        cfg = moe_plan.checkpoint_layout_moe_plan(m, top_k, e, i, h, "nvfp4", device_facts(DEV))
         assert isinstance(cfg, MmaMoeConfig), cfg
         out = run(x, ids, w, w13, w2)
         assert rel(out, moe64("nvfp4", x, ids, w, w13, w2)) < BOUND[torch.bfloat16]

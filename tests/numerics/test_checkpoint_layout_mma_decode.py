@@ -94,7 +94,8 @@ def test_configs_split_k_by_work_and_the_cpu_keeps_tl_dot() -> None:
     deepseek = moe_plan.mma_moe_config(128, 256, 2048, 7168, direct=False)  # M=16: many blocks
     assert (deepseek.gemm1.wk, deepseek.gemm2.wk) == (2, 2)
     cpu = DeviceFacts.for_capability(None)
-    assert isinstance(moe_plan.moe_config(1, 8, 128, 768, 2048, "nvfp4", cpu), moe_plan.MoeConfig)
+    plan = moe_plan.checkpoint_layout_moe_plan(1, 8, 128, 768, 2048, "nvfp4", cpu)
+    assert isinstance(plan, moe_plan.MoeConfig)
 
 
 def test_moe_configs_keep_16_chunks_per_warp() -> None:
