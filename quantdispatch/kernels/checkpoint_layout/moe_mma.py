@@ -31,7 +31,7 @@ more instructions (15 vs 11 per word, activation permutes, byte-wise scale loads
 kernel is issue bound. The PTX of both decodes is in :mod:`..common.ptx`; the linear entry is
 :mod:`.mma_linear`. The checkpoint mode
 stays for direct callers of ``fused_moe`` and as the benchmarks' comparison column; LINEAR mode
-for ``benchmarks/mma_sweep.py --ckpt``; all tested.
+for ``benchmarks/probes/mma_sweep.py --ckpt``; all tested.
 
 One kernel, three modes: LINEAR (rows are tokens, ``y = x W^T * global scale + bias``);
 MoE gate/up (gate tile and up tile of one warp share the activation fragments, the activation

@@ -5,7 +5,7 @@ Every (shape, M, config) is first checked against the float64 reference (relativ
 < BOUND) and only then timed (CUDA-graph replays, weights rotated past L2), next to what the
 triton backend ran before (fused tl.dot kernel / dequant + cuBLAS) and bf16 cuBLAS. Also checks
 and times the layout's dequantize pass (the large-M path) and fp16 activations.
-Usage: python benchmarks/mma_sweep.py [--shapes qkv,o,gate_up,down] [--ms 1,16,64]
+Usage: python benchmarks/probes/mma_sweep.py [--shapes qkv,o,gate_up,down] [--ms 1,16,64]
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: shared helpers
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
 import linear as L  # benchmarks/linear.py: Problem, timing, reference
 

@@ -1,7 +1,7 @@
 """A few calls of one NVFP4 kernel for a profiler to capture (Nsight Compute), e.g.
 
     ncu --kernel-name regex:_mma --launch-skip 3 --launch-count 1 --set full \
-        python benchmarks/profile_mma.py --shape gate_up --m 64
+        python benchmarks/probes/profile_mma.py --shape gate_up --m 64
 
 ``--kernel mma`` is the repacked mma16x64 linear kernel, ``gemm`` the wgmma GEMM on the same
 layout (its heuristic tile), ``ckpt`` the checkpoint-layout one,
