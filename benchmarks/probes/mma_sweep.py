@@ -17,12 +17,13 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # probes/: ckpt_mma_linear.py
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: shared helpers
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
 import linear as L  # benchmarks/linear.py: Problem, timing, reference
+from ckpt_mma_linear import mma_ckpt_linear  # the checkpoint-layout kernel's LINEAR mode
 
-from quantdispatch.kernels.checkpoint_layout.mma_linear import mma_ckpt_linear
 from quantdispatch.kernels.mma_layout.dequant import mma_dequant_rows
 from quantdispatch.kernels.mma_layout.gemv import gemv_config, mma_linear
 from quantdispatch.kernels.mma_layout.layout import repack
@@ -119,7 +120,7 @@ def main() -> None:
                     best = (t, label)
             if best:
                 line.append(f"| best {best[1]} {best[0]:.1f} = {best[0] / floor:.2f}x floor")
-            if args.ckpt:  # the same configs on the checkpoint layout (mma_linear.py)
+            if args.ckpt:  # the same configs on the checkpoint layout (ckpt_mma_linear.py)
                 best = None
                 for wt, w, u, r, d in cfgs:
                     if r > 1 or d > 1:  # the checkpoint-layout kernel has no R or DEPTH

@@ -18,8 +18,8 @@ import argparse
 import math
 
 import torch
+from ckpt_mma_linear import mma_ckpt_linear  # probes/: the checkpoint-layout LINEAR mode
 
-from quantdispatch.kernels.checkpoint_layout.mma_linear import mma_ckpt_linear
 from quantdispatch.kernels.checkpoint_layout.moe import fused_moe
 from quantdispatch.kernels.checkpoint_layout.moe_plan import MmaGemmConfig, MmaMoeConfig
 from quantdispatch.kernels.mma_layout.gemm import mma_gemm
