@@ -2,7 +2,8 @@
 # One device call on the lent H200: doctor, verify, GPU tests, linear + MoE benchmarks.
 # Usage (device tool, carry .whl and .peer):  bash benchmarks/run_h200.sh
 # Logs and result files go to $OUT (or ./device-out); each step has its own time limit so a slow
-# step cannot eat the others' time.
+# step cannot eat the others' time. Steps that run benchmarks/probes/ scripts re-measure what
+# benchmarks/probes/README.md says each found.
 set -uo pipefail
 DEST=${OUT:-$PWD/device-out}
 OUT=/tmp/qd-out  # everything lands here; packed into $DEST/results.tgz after every step, since
