@@ -77,7 +77,7 @@ from quantdispatch.kernels.mma_layout.moe_gemm import mma_layout_moe
 from quantdispatch.kernels.mma_layout.moe_plan import (
     MoeGemmTile,
     SmallMoeConfig,
-    moe_layout_config,
+    mma_layout_moe_plan,
 )
 from quantdispatch.kernels.mma_layout.moe_stacks import repack_experts, repack_experts_mx
 from quantdispatch.kernels.regimes import MMA_LAYOUT_MOE, Family
@@ -278,7 +278,7 @@ class Layer:
     def config(self, m: int):
         """The repacked path's regime; the CPU interpreter runs no PTX: the GEMM there."""
         facts = device_facts(self.dev)
-        cfg = moe_layout_config(m, self.top_k, self.e, self.i, self.h, facts, pdl=PDL)
+        cfg = mma_layout_moe_plan(m, self.top_k, self.e, self.i, self.h, facts, pdl=PDL)
         return cfg if self.dev.type == "cuda" or isinstance(cfg, MoeGemmTile) else MoeGemmTile(16)
 
     def nvfp4(self, x, ids, w, config=None):
@@ -406,7 +406,9 @@ def run_point(layer: Layer, name: str, m: int, gen, bw: float, graphs: bool,
     rows = []
     fmt = layer.fmt
     facts = device_facts(x0.device)
-    ckpt_cfg = ckpt_plan.moe_config(m, layer.top_k, layer.e, layer.i, layer.h, fmt, facts)
+    ckpt_cfg = ckpt_plan.checkpoint_layout_moe_plan(
+        m, layer.top_k, layer.e, layer.i, layer.h, fmt, facts
+    )
     fns = {fmt: layer.nvfp4, f"{fmt}_ckpt": layer.nvfp4_ckpt, "bf16": layer.bf16}
     if marlin is not None:
         fns[peers.MOE_KERNEL] = marlin
@@ -522,7 +524,7 @@ def sweep_configs(m: int, top_k: int, e: int, i: int, h: int, only_small: bool =
     tpe = m * top_k / e
     out: list = []
     if 4 * m * top_k <= e:  # single pairs: the top-k sum inside the down kernel
-        pick = moe_layout_config(m, top_k, e, i, h, device_facts(torch.device("cuda")), pdl=PDL)
+        pick = mma_layout_moe_plan(m, top_k, e, i, h, device_facts(torch.device("cuda")), pdl=PDL)
         out.append(pick)
         out.append(replace(pick, pdl=False, prefetch=0))
         if pick.pdl:  # the down launch dependent on gate/up: L2 prefetch of 0 .. all chunks

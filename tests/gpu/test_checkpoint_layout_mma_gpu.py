@@ -1,13 +1,12 @@
-"""The checkpoint-layout mma.sync NVFP4 kernels (quantdispatch.kernels.checkpoint_layout.moe_mma)
-on a real GPU, against float64. Linear: real shapes, M = 1 .. 100, both 16-bit types, bias, zero /
-subnormal / 448 block scales, every config shape with uneven K splits, strided activations,
-CUDA graphs. MoE: every path (direct pairs, 8- and 16-pair sorted blocks), uneven K splits,
-gpt-oss's clamped SwiGLU with biases, expert-parallel ids, poisoned buffers, CUDA graphs.
+"""The checkpoint-layout mma.sync NVFP4 MoE kernels (kernels/checkpoint_layout/moe_mma.py) on a
+real GPU, against float64: every path (direct pairs, 8- and 16-pair sorted blocks), uneven K
+splits, gpt-oss's clamped SwiGLU with biases, expert-parallel ids, poisoned buffers, CUDA
+graphs. (The package never launches the kernel's LINEAR mode; the probes do:
+benchmarks/probes/mma_sweep.py --ckpt checks it against float64 before timing it.)
 
     python3 -m pytest tests/gpu/test_checkpoint_layout_mma_gpu.py -q
 
-Bounds: linear as test_linear_kernels_gpu.py's ``check``; MoE as test_moe_gpu.py (three
-roundings)."""
+Bounds as test_moe_gpu.py (three roundings)."""
 
 from __future__ import annotations
 
@@ -18,11 +17,9 @@ pytest.importorskip("triton")
 from quantdispatch.errors import InputError
 from quantdispatch.kernels.checkpoint_layout import moe as fm
 from quantdispatch.kernels.checkpoint_layout import moe_plan
-from quantdispatch.kernels.checkpoint_layout.mma_linear import mma_ckpt_linear
 from quantdispatch.kernels.checkpoint_layout.moe_plan import MmaGemmConfig, MmaMoeConfig
 from quantdispatch.kernels.common import checks
 from quantdispatch.kernels.common.device_facts import device_facts
-from tests.gpu.test_linear_kernels_gpu import check, fp4_w64, gen, nvfp4_weights
 from tests.gpu.test_moe_gpu import BOUND, DEV, moe64, rel, stacks
 
 pytestmark = pytest.mark.gpu
@@ -32,88 +29,6 @@ pytestmark = pytest.mark.gpu
 def _needs_sm80():
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0):
         pytest.skip("the mma kernels need an SM 8.0+ GPU")
-
-
-# ---- linear -----------------------------------------------------------------------------------
-
-LLAMA = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
-OTHER = [(4096, 2048), (2048, 768), (2880, 2880), (48, 192)]  # Qwen3, gpt-oss, tiny (N != K)
-MS = [1, 2, 7, 8, 9, 16, 33, 64, 65, 100]
-
-
-@pytest.fixture
-def nan_empty(monkeypatch):
-    """Every torch.empty NaN-filled: an output element the kernel does not write fails."""
-    real = torch.empty
-
-    def empty(*shape, **kw):
-        out = real(*shape, **kw)
-        return out.fill_(float("nan")) if out.is_floating_point() else out
-
-    monkeypatch.setattr(torch, "empty", empty)
-
-
-def linear_weights(n, kk, seed, zero_blocks=True):
-    g = gen(seed)
-    packed, sbits, gs = nvfp4_weights(n, kk, g)  # rows 0-7 subnormal scales, 8-15 448
-    if zero_blocks:
-        sbits[16:24, 1] = 0  # zero-scale blocks (their codes stay random)
-    return g, packed, sbits, gs, fp4_w64(packed, sbits, 16, False, 2.5e-3)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("shape", LLAMA + OTHER, ids=lambda s: f"{s[0]}x{s[1]}")
-def test_linear_real_shapes(nan_empty, shape, dtype):
-    n, kk = shape
-    g, packed, sbits, gs, w64 = linear_weights(n, kk, n + kk)
-    bias = torch.randn(n, generator=g, device=DEV)
-    for m in MS:
-        x = torch.randn(m, kk, generator=g, device=DEV).to(dtype)
-        check(mma_ckpt_linear(x, packed, sbits, gs), x.double() @ w64.T, dtype)
-        out = mma_ckpt_linear(x, packed, sbits, gs, bias)
-        check(out, x.double() @ w64.T + bias.double(), dtype)
-
-
-@pytest.mark.parametrize(
-    "cfg", [(1, 1, 1, 1), (1, 1, 4, 4), (2, 2, 8, 2), (8, 4, 2, 1), (4, 1, 2, 4), (2, 8, 1, 2)]
-)
-def test_linear_every_config_and_uneven_k_split(nan_empty, cfg):
-    n, kk = 2048, 2880 + 64  # 46 chunks
-    g, packed, sbits, gs, w64 = linear_weights(n, kk, 5)
-    for m in (1, 5, 8 * cfg[0] + 3):
-        x = torch.randn(m, kk, generator=g, device=DEV).to(torch.bfloat16)
-        out = mma_ckpt_linear(x, packed, sbits, gs, config=cfg)
-        check(out, x.double() @ w64.T, torch.bfloat16)
-
-
-def test_linear_strided_activations_and_unsupported_weights(nan_empty):
-    n, kk = 4096, 4096
-    g, packed, sbits, gs, w64 = linear_weights(n, kk, 6)
-    big = torch.randn(5, kk + 3, generator=g, device=DEV).to(torch.bfloat16)
-    for x in (big[:, :kk], big[:, 1 : kk + 1], big.view(-1)[1 : 1 + 4 * kk].view(4, kk)):
-        check(mma_ckpt_linear(x, packed, sbits, gs), x.double() @ w64.T, torch.bfloat16)
-    with pytest.raises(ValueError, match="16x64 tiles"):
-        mma_ckpt_linear(big[:, :kk], packed[:, 8:], sbits[:, 1:], gs)
-
-
-def test_linear_cuda_graph_replay_equals_eager():
-    n, kk = 4096, 4096
-    g, packed, sbits, gs, _ = linear_weights(n, kk, 8)
-    for m in (1, 16, 64):
-        static_x = torch.randn(m, kk, generator=g, device=DEV).to(torch.bfloat16)
-        mma_ckpt_linear(static_x, packed, sbits, gs)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_out = mma_ckpt_linear(static_x, packed, sbits, gs)
-        for _ in range(2):
-            static_x.copy_(torch.randn(m, kk, generator=g, device=DEV).to(torch.bfloat16))
-            gs.mul_(1.5)  # the global scale is read on the device
-            graph.replay()
-            assert torch.equal(static_out, mma_ckpt_linear(static_x, packed, sbits, gs))
-
-
-# ---- MoE --------------------------------------------------------------------------------------
 
 
 def weights(e, h, i, seed):
@@ -159,11 +74,12 @@ def test_every_path_matches_float64(m, cfg, dtype):
 
 def test_heuristic_takes_the_mma_kernels_for_few_tokens_per_expert():
     facts = device_facts(DEV)
-    cfg = moe_plan.moe_config(4, 8, 128, 768, 2048, "nvfp4", facts)
+    cfg = moe_plan.checkpoint_layout_moe_plan(4, 8, 128, 768, 2048, "nvfp4", facts)
     assert isinstance(cfg, MmaMoeConfig)
-    many = moe_plan.moe_config(4096, 8, 128, 768, 2048, "nvfp4", facts)
+    many = moe_plan.checkpoint_layout_moe_plan(4096, 8, 128, 768, 2048, "nvfp4", facts)
     assert not isinstance(many, MmaMoeConfig)
-    assert not isinstance(moe_plan.moe_config(4, 8, 128, 768, 2048, "mxfp4", facts), MmaMoeConfig)
+    mx = moe_plan.checkpoint_layout_moe_plan(4, 8, 128, 768, 2048, "mxfp4", facts)
+    assert not isinstance(mx, MmaMoeConfig)
 
 
 def test_real_sizes_match_the_tl_dot_kernels():
@@ -173,7 +89,7 @@ def test_real_sizes_match_the_tl_dot_kernels():
                               (32, 8, 7168, 2048, 4)):  # fmt: skip
         w13, w2, gen = weights(e, h, i, seed=h + m)
         x, ids, w = routing(m, e, top_k, gen, torch.bfloat16, h)
-        cfg = moe_plan.moe_config(m, top_k, e, i, h, "nvfp4", device_facts(DEV))
+        cfg = moe_plan.checkpoint_layout_moe_plan(m, top_k, e, i, h, "nvfp4", device_facts(DEV))
         assert isinstance(cfg, MmaMoeConfig), cfg
         out = run(x, ids, w, w13, w2)
         assert rel(out, moe64("nvfp4", x, ids, w, w13, w2)) < BOUND[torch.bfloat16]

@@ -34,7 +34,7 @@ from quantdispatch.kernels.mma_layout.moe_gemm import mma_layout_moe  # noqa: E4
 from quantdispatch.kernels.mma_layout.moe_plan import (  # noqa: E402
     MoeGemmTile,
     SmallMoeConfig,
-    moe_layout_config,
+    mma_layout_moe_plan,
 )
 from quantdispatch.kernels.mma_layout.moe_stacks import repack_experts, repack_experts_mx  # noqa: E402
 from quantdispatch.layers import QuantMoE  # noqa: E402
@@ -129,7 +129,7 @@ def test_gpt_oss_sizes_clamped_swiglu_with_biases(nan_empty, fmt):
         ids, w = routing(m, 32, 4, gen)
         x = torch.randn(m, 2880, generator=gen, device=DEV).to(torch.bfloat16)
         ref = moe64(fmt, x, ids, w, w13, w2, b13, b2, "swiglu_oai", params)
-        cfg = moe_layout_config(m, 4, 32, 2880, 2880, device_facts(DEV))
+        cfg = mma_layout_moe_plan(m, 4, 32, 2880, 2880, device_facts(DEV))
         out = call(r13, r2, x, ids, w, cfg, activation="swiglu_oai", params=params, b13=b13,
                    b2=b2)  # fmt: skip
         assert rel(out, ref) < BOUND[torch.bfloat16], cfg
@@ -143,7 +143,7 @@ def test_the_plan_between_single_pairs_and_blocks_matches_float64(nan_empty, m):
     w13, w2, r13, r2, gen = experts(E, H, INTER, seed=40 + m, dtype=torch.bfloat16)
     ids, w = routing(m, E, TOP_K, gen)
     x = torch.randn(m, H, generator=gen, device=DEV).to(torch.bfloat16)
-    cfg = moe_layout_config(m, TOP_K, E, INTER, H, device_facts(DEV))
+    cfg = mma_layout_moe_plan(m, TOP_K, E, INTER, H, device_facts(DEV))
     assert isinstance(cfg, SmallMoeConfig if m == 4 else MmaMoeConfig)
     assert m == 4 or cfg.direct == (m <= 8)
     out = call(r13, r2, x, ids, w, cfg)
@@ -188,7 +188,7 @@ def test_fp16_layer_runs_its_fp16_layout():
     assert layer._meta == Mma16x64Meta(torch.float16)  # repacked for fp16
     x, logits = inputs(4, 512, 8, gen, torch.float16)
     ids, w = layer.route(logits)
-    assert isinstance(moe_layout_config(4, 2, 8, 256, 512, device_facts(DEV)), MmaMoeConfig)
+    assert isinstance(mma_layout_moe_plan(4, 2, 8, 256, 512, device_facts(DEV)), MmaMoeConfig)
     assert rel(layer(x, logits), moe64("nvfp4", x, ids, w, w13, w2)) < BOUND[torch.float16]
 
 

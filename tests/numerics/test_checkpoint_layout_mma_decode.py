@@ -1,5 +1,5 @@
 """The checkpoint-layout decode of the mma.sync kernels (quantdispatch.kernels.common.ptx,
-kernels.checkpoint_layout.mma_linear) on the CPU: the kernel's bit operations replayed in torch
+kernels.checkpoint_layout.mma_decode) on the CPU: the kernel's bit operations replayed in torch
 give e2m1 * scale * 2^-8 exactly (every E2M1 code x every finite E4M3 scale, zero included,
 both 16-bit types), the decode tables tile a 32-bit word, and the activation permutation (prmt
 selectors) puts in each B register the columns the A registers of the same MMA step hold. The
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-from quantdispatch.kernels.checkpoint_layout import mma_linear, moe_plan
+from quantdispatch.kernels.checkpoint_layout import mma_decode, moe_plan
 from quantdispatch.kernels.common import decode_tables
 from quantdispatch.kernels.common.device_facts import DeviceFacts
 from tests.numerics.ref64 import e2m1_from_bits, e4m3_from_bits, unpack_low_first
@@ -46,7 +46,7 @@ def test_every_code_and_every_scale_decode_exactly(dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(1)
     packed = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.int32).to(torch.uint8)
     packed[0] = torch.arange(16, dtype=torch.uint8).repeat(k // 32) * 17  # every code
-    got = mma_linear.decode_checkpoint_emulated(packed, scales, dtype)
+    got = mma_decode.decode_checkpoint_emulated(packed, scales, dtype)
     want = (
         e2m1_from_bits(unpack_low_first(packed))
         * e4m3_from_bits(scales).repeat_interleave(16, dim=1)
@@ -58,7 +58,7 @@ def test_every_code_and_every_scale_decode_exactly(dtype: torch.dtype) -> None:
 
 
 def test_activation_permutation_matches_the_a_registers() -> None:
-    b_cols = mma_linear.x_perm_columns()
+    b_cols = mma_decode.x_perm_columns()
     for j in range(4):
         for r, b in ((0, 2 * j), (2, 2 * j + 1)):  # A register 0 <-> b0, register 2 <-> b1
             assert (decode_tables.reg_column(j, r, 0), decode_tables.reg_column(j, r, 1)) == b_cols[
@@ -94,7 +94,8 @@ def test_configs_split_k_by_work_and_the_cpu_keeps_tl_dot() -> None:
     deepseek = moe_plan.mma_moe_config(128, 256, 2048, 7168, direct=False)  # M=16: many blocks
     assert (deepseek.gemm1.wk, deepseek.gemm2.wk) == (2, 2)
     cpu = DeviceFacts.for_capability(None)
-    assert isinstance(moe_plan.moe_config(1, 8, 128, 768, 2048, "nvfp4", cpu), moe_plan.MoeConfig)
+    plan = moe_plan.checkpoint_layout_moe_plan(1, 8, 128, 768, 2048, "nvfp4", cpu)
+    assert isinstance(plan, moe_plan.MoeConfig)
 
 
 def test_moe_configs_keep_16_chunks_per_warp() -> None:

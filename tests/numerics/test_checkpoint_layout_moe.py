@@ -155,7 +155,7 @@ def test_all_tokens_on_one_expert_and_top_k_equal_to_experts():
 def test_single_token_direct_path(dtype):
     ex = make_experts("nvfp4", 8, 64, 32, seed=7)
     ids, w = routing(1, 8, 2, seed=8)
-    assert moe_plan.moe_config(1, 2, 8, 32, 64, "nvfp4", CPU).direct
+    assert moe_plan.checkpoint_layout_moe_plan(1, 2, 8, 32, 64, "nvfp4", CPU).direct
     x = rand_x(1, 64, dtype, seed=9)
     assert rel_err(run(ex, x, ids, w), moe64(x, ids, w, ex.w13, ex.w2)) < BOUND[dtype]
 
@@ -167,7 +167,7 @@ def test_direct_path_several_tokens_with_foreign_ids():
     ids, w = routing(3, 24, 2, seed=31)
     ids[0, 0] = -1
     ids[2] = torch.tensor([24, -1])
-    assert moe_plan.moe_config(3, 2, 24, 32, 64, "nvfp4", CPU).direct
+    assert moe_plan.checkpoint_layout_moe_plan(3, 2, 24, 32, 64, "nvfp4", CPU).direct
     x = rand_x(3, 64, torch.float16, seed=32)
     out = run(ex, x, ids, w)
     assert rel_err(out[:2], moe64(x, ids, w, ex.w13, ex.w2)[:2]) < BOUND[torch.float16]
@@ -320,7 +320,7 @@ def test_forced_mma_config_off_an_sm80_gpu_says_why():
 def test_dequant_path_is_gpu_only_and_named_in_errors():
     ex = make_experts("nvfp4", 2, 64, 32, seed=48)
     ids, w = routing(3, 2, 1, seed=49)
-    cfg = moe_plan.moe_config(8192, 2, 8, 14336, 4096, "nvfp4", CPU)
+    cfg = moe_plan.checkpoint_layout_moe_plan(8192, 2, 8, 14336, 4096, "nvfp4", CPU)
     assert not isinstance(cfg, moe_plan.DequantMoeConfig)
     with pytest.raises(InputError, match="grouped-GEMM config"):
         run(ex, rand_x(3, 64, torch.bfloat16, 50), ids, w, config=moe_plan.DequantMoeConfig())

@@ -1,5 +1,5 @@
-"""The Triton block-scaled FP8 GEMM that benchmarks/fp8_gemm_sweep.py times beside cuBLAS
-(benchmarks/fp8_block_gemm_triton.py) in the interpreter, against
+"""The Triton block-scaled FP8 GEMM that benchmarks/probes/fp8_gemm_sweep.py times beside cuBLAS
+(benchmarks/probes/fp8_block_gemm_triton.py) in the interpreter, against
 a float64 product of the same e4m3 operands and fp32 block scales: both weight recipes, the
 scalar and per-column weight-scale paths, subnormal and large scales, M / N not multiples of
 the tile, N != K, several scale blocks, padding rows of A that must not be read, bias, a
@@ -15,7 +15,7 @@ import torch
 from ref64 import e4m3_from_bits
 
 pytest.importorskip("triton")
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "probes"))
 from fp8_block_gemm_triton import BlockGemmTile, fp8_block_gemm
 
 F64 = torch.float64

@@ -37,7 +37,7 @@ from quantdispatch.kernels.mma_layout.moe_gemm import mma_layout_moe  # noqa: E4
 from quantdispatch.kernels.mma_layout.moe_plan import (  # noqa: E402
     MoeGemmTile,
     SmallMoeConfig,
-    moe_layout_config,
+    mma_layout_moe_plan,
     moe_layout_supported,
     small_moe_config,
 )
@@ -260,14 +260,14 @@ def test_regimes_from_tokens_per_expert():
     # single pairs (4 x pairs <= E): gate/up 8 warps x 1 chunk on grids of <= 1024 programs,
     # else as the per-pair mma kernels were tuned; down programs (one per token and 16-row output
     # tile) widened until the grid has 3072 warps
-    cfg = moe_layout_config(1, 8, 128, 768, 2048, CPU)  # 8 pairs x 48 tiles, 128 down tiles
+    cfg = mma_layout_moe_plan(1, 8, 128, 768, 2048, CPU)  # 8 pairs x 48 tiles, 128 down tiles
     assert cfg == SmallMoeConfig(8, 1, 16, 2)
-    cfg = moe_layout_config(4, 8, 128, 768, 2048, CPU)  # 32 pairs: 1536 gate/up programs
+    cfg = mma_layout_moe_plan(4, 8, 128, 768, 2048, CPU)  # 32 pairs: 1536 gate/up programs
     assert cfg == SmallMoeConfig(1, 2, 8, 2)
     for m, k, e, i, h, want in [(1, 2, 8, 14336, 4096, None), (1, 8, 256, 2048, 7168, (8, 1, 8)),
                                 (8, 8, 256, 2048, 7168, None)]:  # fmt: skip
         gate_up = mma_moe_config(m * k, e, i, h, direct=True, repacked=True).gemm1
-        got = moe_layout_config(m, k, e, i, h, CPU)
+        got = mma_layout_moe_plan(m, k, e, i, h, CPU)
         if want is None:  # big grids: the per-pair tuning; Mixtral 16 down warps, DeepSeek 4
             want = (gate_up.wk, gate_up.unroll, 16 if e == 8 else 4)
         assert got == SmallMoeConfig(*want, 2)
@@ -291,18 +291,18 @@ def test_regimes_from_tokens_per_expert():
     assert small_moe_config(1, 4, 2880, 2880, 4, 2, pdl=True).prefetch == 5  # gpt-oss: 45/8
     assert small_moe_config(16, 2, 14336, 4096, 4, 2, pdl=True).prefetch == 3  # 16 MB cap
     assert small_moe_config(1, 2, 14336, 4096, 4, 2).prefetch == 0  # no PDL, no prefetch
-    assert not moe_layout_config(1, 8, 128, 768, 2048, CPU).pdl  # not on the CPU
-    cfg = moe_layout_config(64, 8, 128, 768, 2048, CPU)  # 4 per expert
+    assert not mma_layout_moe_plan(1, 8, 128, 768, 2048, CPU).pdl  # not on the CPU
+    cfg = mma_layout_moe_plan(64, 8, 128, 768, 2048, CPU)  # 4 per expert
     assert isinstance(cfg, MmaMoeConfig) and not cfg.direct
-    assert moe_layout_config(128, 8, 128, 768, 2048, CPU).block_m == 16  # 8 per expert
-    assert moe_layout_config(256, 8, 128, 768, 2048, CPU).block_m == 32  # 16
-    assert moe_layout_config(512, 8, 128, 768, 2048, CPU).block_m == 64  # 32
-    assert moe_layout_config(1536, 8, 128, 768, 2048, CPU).block_m == 64  # 96
-    assert moe_layout_config(2048, 8, 128, 768, 2048, CPU).block_m == 128  # 128 (settled sweep)
-    wide = moe_layout_config(4096, 8, 128, 768, 2048, CPU)  # 256
+    assert mma_layout_moe_plan(128, 8, 128, 768, 2048, CPU).block_m == 16  # 8 per expert
+    assert mma_layout_moe_plan(256, 8, 128, 768, 2048, CPU).block_m == 32  # 16
+    assert mma_layout_moe_plan(512, 8, 128, 768, 2048, CPU).block_m == 64  # 32
+    assert mma_layout_moe_plan(1536, 8, 128, 768, 2048, CPU).block_m == 64  # 96
+    assert mma_layout_moe_plan(2048, 8, 128, 768, 2048, CPU).block_m == 128  # 128 (settled sweep)
+    wide = mma_layout_moe_plan(4096, 8, 128, 768, 2048, CPU)  # 256
     assert (wide.block_m, wide.block_n, wide.warps) == (128, 128, 8)
     # very many per expert: dequantize + grouped_mm only where grouped_mm runs (not on CPU)
-    assert isinstance(moe_layout_config(4096, 2, 8, 14336, 4096, CPU), MoeGemmTile)
+    assert isinstance(mma_layout_moe_plan(4096, 2, 8, 14336, 4096, CPU), MoeGemmTile)
 
 
 def test_eight_pair_blocks_split_k_only_evenly():
@@ -351,18 +351,18 @@ def test_small_experts_run_one_block_per_pair_up_to_half_a_token_per_expert():
     assert MMA_LAYOUT_MOE.direct is not None
     DIRECT_MAX_EXPERT_ELEMENTS = MMA_LAYOUT_MOE.direct.max_expert_elements
     for m in (5, 6, 8):  # Qwen3-30B-A3B: 768 x 2048, 0.31..0.5 per expert
-        cfg = moe_layout_config(m, 8, 128, 768, 2048, CPU)
+        cfg = mma_layout_moe_plan(m, 8, 128, 768, 2048, CPU)
         assert isinstance(cfg, MmaMoeConfig) and cfg.direct
         assert cfg == mma_moe_config(8 * m, 128, 768, 2048, direct=True, repacked=True)
-    assert not moe_layout_config(9, 8, 128, 768, 2048, CPU).direct  # 0.56 per expert
-    assert isinstance(moe_layout_config(4, 8, 128, 768, 2048, CPU), SmallMoeConfig)
+    assert not mma_layout_moe_plan(9, 8, 128, 768, 2048, CPU).direct  # 0.56 per expert
+    assert isinstance(mma_layout_moe_plan(4, 8, 128, 768, 2048, CPU), SmallMoeConfig)
     assert 1024 * 2048 <= DIRECT_MAX_EXPERT_ELEMENTS < 1536 * 4096
-    assert moe_layout_config(3, 8, 64, 1024, 2048, CPU).direct  # 64 experts, 0.375 per expert
+    assert mma_layout_moe_plan(3, 8, 64, 1024, 2048, CPU).direct  # 64 experts, 0.375 per expert
     # Qwen3-235B-A22B-sized, gpt-oss-120b / 20b, DeepSeek-V3, Mixtral at 0.375..0.5 per expert
     for m, k, e, i, h in [(8, 8, 128, 1536, 4096), (12, 4, 128, 2880, 2880),
                           (4, 4, 32, 2880, 2880), (12, 8, 256, 2048, 7168),
                           (2, 2, 8, 14336, 4096)]:  # fmt: skip
-        cfg = moe_layout_config(m, k, e, i, h, CPU)
+        cfg = mma_layout_moe_plan(m, k, e, i, h, CPU)
         assert isinstance(cfg, MmaMoeConfig) and not cfg.direct, (m, k, e, i, h)
 
 
@@ -372,10 +372,10 @@ def test_wide_tiles_only_where_128_rows_divide_both_gemms():
     that falls back to 64 rows on such a GEMM runs it with 4 warps."""
     from quantdispatch.kernels.mma_layout.moe_gemm import _tile_warps
 
-    qwen3 = moe_layout_config(2048, 8, 128, 768, 2048, CPU)
+    qwen3 = mma_layout_moe_plan(2048, 8, 128, 768, 2048, CPU)
     assert (qwen3.block_m, qwen3.block_n, qwen3.warps) == (128, 128, 8)
     for m, e in ((1024, 32), (4096, 128)):  # gpt-oss-20b, 120b: 128 tokens per expert
-        oss = moe_layout_config(m, 4, e, 2880, 2880, CPU)
+        oss = mma_layout_moe_plan(m, 4, e, 2880, 2880, CPU)
         assert (oss.block_m, oss.block_n, oss.warps, oss.stages) == (128, 64, 4, 3)
     wide = MoeGemmTile(128, block_n=128, warps=8, stages=3)
     assert _tile_warps(wide, 128) == 8 and _tile_warps(wide, 64) == 4
@@ -386,14 +386,14 @@ def test_tiles_fit_the_gpus_shared_memory():
     """The 128-pair tile (~150 KB of pipeline by the upper bound) runs where 227 KB are
     available (H100 / H200); a 99 KB GPU (RTX 30/40/50, L40S) gets the 64-pair tile, which
     fits by that bound."""
-    big = moe_layout_config(4096, 8, 128, 768, 2048, CPU)
+    big = mma_layout_moe_plan(4096, 8, 128, 768, 2048, CPU)
     assert big.block_m == 128 and big.shared_bytes() > 99 * 1024
     assert DeviceFacts.for_capability((8, 9)).shared_bytes == 99 * 1024  # RTX 4090 / L40S
     rtx = DeviceFacts("rtx", (8, 9), 128, 99 * 1024)
-    small = moe_plan.moe_plan(4096, 8, 128, 768, 2048, rtx)
+    small = mma_layout_moe_plan(4096, 8, 128, 768, 2048, rtx)
     assert small.block_m == 64 and small.shared_bytes() + moe_plan._SHARED_MARGIN <= 99 * 1024
     # the smaller tiles fit as they are
-    assert [moe_plan.moe_plan(m, 8, 128, 768, 2048, rtx).block_m for m in (128, 256, 512)] == [
+    assert [mma_layout_moe_plan(m, 8, 128, 768, 2048, rtx).block_m for m in (128, 256, 512)] == [
         16,
         32,
         64,
@@ -451,7 +451,7 @@ def test_bad_inputs():
     with pytest.raises(WeightFormatError, match="float32"):
         run(r13, r2, x, ids, w, cfg, b13=torch.zeros(2, 63))
     with pytest.raises(InputError, match="the mma kernels are PTX"):
-        run(r13, r2, x, ids, w, moe_layout_config(1, 1, 2, 64, 128, CPU))
+        run(r13, r2, x, ids, w, mma_layout_moe_plan(1, 1, 2, 64, 128, CPU))
     with pytest.raises(InputError, match=r"topk-sum w4u2/w8u2 off a CUDA GPU.*single-pair"):
         run(r13, r2, x, ids, w, SmallMoeConfig())
     with pytest.raises(InputError, match="MoeGemmTile with block_m a multiple of 16"):
@@ -514,10 +514,10 @@ def test_dequantize_only_large_experts_from_768_tokens_per_expert():
     gpt-oss, DeepSeek-V3) keep the grouped GEMM, which beat dequantize at 512..1024 per expert."""
     h200 = DeviceFacts.for_capability((9, 0))
     mixtral = (2, 8, 14336, 4096)  # top_k, E, I, H
-    assert isinstance(moe_plan.moe_plan(3072, *mixtral, h200), DequantMoeConfig)  # 768 per expert
-    assert isinstance(moe_plan.moe_plan(3068, *mixtral, h200), MoeGemmTile)  # 767
+    assert isinstance(mma_layout_moe_plan(3072, *mixtral, h200), DequantMoeConfig)  # 768 per expert
+    assert isinstance(mma_layout_moe_plan(3068, *mixtral, h200), MoeGemmTile)  # 767
     for m, top_k, e, i, h in [(16384, 8, 128, 768, 2048), (65536, 4, 32, 2880, 2880),
                               (131072, 8, 256, 2048, 7168)]:  # fmt: skip
-        assert isinstance(moe_plan.moe_plan(m, top_k, e, i, h, h200), MoeGemmTile), (e, i, h)
+        assert isinstance(mma_layout_moe_plan(m, top_k, e, i, h, h200), MoeGemmTile), (e, i, h)
     a100 = DeviceFacts.for_capability((8, 0))  # no torch._grouped_mm: never
-    assert isinstance(moe_plan.moe_plan(3072, *mixtral, a100), MoeGemmTile)
+    assert isinstance(mma_layout_moe_plan(3072, *mixtral, a100), MoeGemmTile)

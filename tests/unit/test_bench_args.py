@@ -8,6 +8,7 @@ import pytest
 
 pytest.importorskip("triton")
 sys.path.insert(0, "benchmarks")
+sys.path.insert(0, "benchmarks/probes")  # the one-off probes (ksplit_probe.py)
 
 from moe import parse_shape  # benchmarks/moe.py
 
@@ -27,7 +28,7 @@ def test_moe_shape_rejects_malformed(text):
 
 
 def test_ksplit_probe_points_and_splits_parse():
-    from ksplit_probe import parse_point, parse_split  # benchmarks/ksplit_probe.py
+    from ksplit_probe import parse_point, parse_split  # benchmarks/probes/ksplit_probe.py
 
     assert parse_point("mxfp4:32,4,2880,2880:4") == ("mxfp4", 32, 4, 2880, 2880, 4)
     assert parse_split("1x4x1") == (1, 4, 1)

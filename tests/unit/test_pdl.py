@@ -16,7 +16,7 @@ from quantdispatch.backends.base import Layout, Mma16x64Meta, encode_meta
 from quantdispatch.backends.triton import run
 from quantdispatch.errors import ConfigurationError
 from quantdispatch.kernels.common.device_facts import DeviceFacts
-from quantdispatch.kernels.mma_layout.moe_plan import SmallMoeConfig, moe_plan
+from quantdispatch.kernels.mma_layout.moe_plan import SmallMoeConfig, mma_layout_moe_plan
 
 ENV = "QUANTDISPATCH_PDL"
 #: What an H200 offers: dependent launches where Triton has grid dependency control.
@@ -58,12 +58,12 @@ def test_kernels_read_no_environment(monkeypatch):
 
     monkeypatch.setenv(ENV, "0")
     assert not hasattr(pdl, "pdl_enabled")
-    on = moe_plan(1, 8, 128, 768, 2048, H200, pdl=True)
-    off = moe_plan(1, 8, 128, 768, 2048, H200, pdl=False)
+    on = mma_layout_moe_plan(1, 8, 128, 768, 2048, H200, pdl=True)
+    off = mma_layout_moe_plan(1, 8, 128, 768, 2048, H200, pdl=False)
     assert isinstance(on, SmallMoeConfig) and isinstance(off, SmallMoeConfig)
     assert on.pdl is H200.dependent_launches and not off.pdl
     cpu = DeviceFacts.for_capability(None)
-    assert not moe_plan(1, 8, 128, 768, 2048, cpu, pdl=True).pdl  # no GPU: never
+    assert not mma_layout_moe_plan(1, 8, 128, 768, 2048, cpu, pdl=True).pdl  # no GPU: never
 
 
 @pytest.mark.parametrize("pdl", [True, False])

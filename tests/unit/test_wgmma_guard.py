@@ -144,7 +144,7 @@ def test_the_fp8_tiled_kernel_settles_only_when_swapped(monkeypatch, swap_ab) ->
 
 _LOOP_FACTS = """
 import json, sys
-sys.path.insert(0, "benchmarks")
+sys.path.insert(0, "benchmarks/probes")
 import wgmma_waits
 tma, spc = sys.argv[1] == "1", int(sys.argv[2])
 facts = [wgmma_waits.loop_facts(wgmma_waits.small_gemm(tma, s, spc=spc)) for s in (True, False)]
@@ -181,7 +181,7 @@ def test_settled_gemm_waits_for_every_wgmma_and_keeps_its_load_stages(tma, spc) 
 
 _A_IN_REGISTERS = """
 import json, re, sys
-sys.path.insert(0, "benchmarks")
+sys.path.insert(0, "benchmarks/probes")
 import wgmma_waits
 tma, spc = sys.argv[1] == "1", int(sys.argv[2])
 sass = wgmma_waits._sass(wgmma_waits.small_gemm(tma, True, spc=spc))

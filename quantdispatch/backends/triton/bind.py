@@ -186,7 +186,7 @@ def bind_moe(template: MoeCall) -> BoundMoe:
         cfg = plans.get(key)
         if cfg is None:
             call = replace(template, x=x, topk_ids=ids, topk_weights=weights)
-            cfg = run.moe_config(call, facts)
+            cfg = run.moe_call_plan(call, facts)
             if cfg is not None:  # None: an empty batch or malformed input (the launcher says)
                 if len(plans) > 4096:
                     plans.clear()

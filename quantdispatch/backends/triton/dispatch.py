@@ -35,12 +35,12 @@ __all__ = [
     "FP4",
     "facts_for",
     "fp8_row",
+    "layout_moe_plan",
     "linear_family",
     "linear_layout",
     "linear_ranges",
     "linear_row",
     "linear_steps",
-    "moe_config",
     "moe_layout",
     "moe_ranges",
 ]
@@ -165,7 +165,7 @@ def moe_layout(
     return Layout.CHECKPOINT
 
 
-def moe_config(
+def layout_moe_plan(
     fmt: str,
     layout: Layout,
     m: int,
@@ -182,12 +182,14 @@ def moe_config(
     """The launch config a MoE call runs (its ``family`` names the kernel family), by the
     layout's plan. ``aligned``: the checkpoint stacks' rows suit the mma kernels."""
     if layout is Layout.MMA16X64:
-        from quantdispatch.kernels.mma_layout.moe_plan import moe_plan
+        from quantdispatch.kernels.mma_layout.moe_plan import mma_layout_moe_plan
 
-        return moe_plan(m, top_k, experts, inter, hidden, facts, pdl=pdl)
-    from quantdispatch.kernels.checkpoint_layout.moe_plan import moe_config as plan
+        return mma_layout_moe_plan(m, top_k, experts, inter, hidden, facts, pdl=pdl)
+    from quantdispatch.kernels.checkpoint_layout.moe_plan import checkpoint_layout_moe_plan
 
-    return plan(m, top_k, experts, inter, hidden, fmt, facts, gated=gated, allow_mma=aligned)
+    return checkpoint_layout_moe_plan(
+        m, top_k, experts, inter, hidden, fmt, facts, gated=gated, allow_mma=aligned
+    )
 
 
 @functools.lru_cache(maxsize=256)
@@ -208,7 +210,7 @@ def moe_ranges(
     from quantdispatch.kernels.mma_layout.moe_plan import describe_moe_config
 
     def key(m: int) -> object:
-        cfg = moe_config(fmt, layout, m, top_k, experts, inter, hidden, facts, pdl=pdl)
+        cfg = layout_moe_plan(fmt, layout, m, top_k, experts, inter, hidden, facts, pdl=pdl)
         return cfg if layout is Layout.MMA16X64 else cfg.family  # type: ignore[attr-defined]
 
     def range_of(first: int, last: int | None, k: object) -> KernelRange:

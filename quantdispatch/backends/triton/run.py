@@ -162,7 +162,7 @@ def _checkpoint_fp8(
     return dequant_gemm(x, weight.shape[0], weight.shape[1], rows, bias)
 
 
-def moe_config(call: MoeCall, facts: DeviceFacts) -> object | None:
+def moe_call_plan(call: MoeCall, facts: DeviceFacts) -> object | None:
     """The launch config the layout's plan picks for this call (its ``family`` is the kernel
     family); None for an empty batch (nothing runs) or malformed inputs (the launcher then says
     what is wrong)."""
@@ -174,7 +174,7 @@ def moe_config(call: MoeCall, facts: DeviceFacts) -> object | None:
     m, top_k, experts = x.shape[0], ids.shape[1], w13[0].shape[0]
     if call.layout is Layout.MMA16X64:  # words [E, N/16, K/64, ...]
         inter, hidden = w2[0].shape[2] * CHUNK_K, w13[0].shape[2] * CHUNK_K
-        return dispatch.moe_config(
+        return dispatch.layout_moe_plan(
             call.fmt, call.layout, m, top_k, experts, inter, hidden, facts, pdl=call.pdl
         )
     if call.fmt not in ("nvfp4", "mxfp4", "fp8"):
@@ -183,7 +183,7 @@ def moe_config(call: MoeCall, facts: DeviceFacts) -> object | None:
     n13, hidden = w13[0].shape[1], x.shape[1]
     inter = n13 // 2 if gated else n13
     aligned = weights_aligned(call.fmt, w13[0], w2[0])
-    return dispatch.moe_config(
+    return dispatch.layout_moe_plan(
         call.fmt, call.layout, m, top_k, experts, inter, hidden, facts, gated=gated,
         aligned=aligned,
     )  # fmt: skip
@@ -194,7 +194,7 @@ def moe(call: MoeCall) -> torch.Tensor:
     repacked ones prepare_moe made: the plan's config (its kernel family) goes to the layout's
     launcher, which runs that family's kernels."""
     facts = device_facts(call.x.device)
-    cfg = moe_config(call, facts)
+    cfg = moe_call_plan(call, facts)
     if call.layout is Layout.MMA16X64:
         meta = call.meta
         assert isinstance(meta, Mma16x64Meta), meta

@@ -177,7 +177,7 @@ def dequant_fp4_rows(
 ) -> torch.Tensor:
     """Write the dequantized rows of an NVFP4 / MXFP4 weight into ``out`` [rows, K] (16-bit,
     rows contiguous). ``tile`` = (rows, packed bytes, warps) per program; the default is from
-    benchmarks/dequant_sweep.py on the H200 (docs/design/checkpoint-layout.md)."""
+    benchmarks/probes/dequant_sweep.py on the H200 (docs/design/checkpoint-layout.md)."""
     rows = Fp4DequantRows(
         packed, block_scale_u8, global_scale, scale_format=scale_format, tile=tile
     )

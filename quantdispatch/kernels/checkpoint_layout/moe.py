@@ -28,13 +28,13 @@ is CUDA-graph capturable and opaque to torch.compile (it runs behind a custom op
    cast to x.dtype. Slots with ids outside [0, E) are skipped, so their rows are never read.
    Kernels of steps 2-4: :mod:`.moe_gemm`.
 
-Which kernels run is :func:`.moe_plan.moe_config`'s choice from the static sizes: NVFP4 with
-few tokens per expert on SM 8.0+ runs steps 2-3 as the ``mma.sync`` kernels of :mod:`.moe_mma`
-(8-pair blocks or single pairs); very many tokens per expert on SM 9.0+ dequantize each GEMM's
-experts and run ``torch._grouped_mm`` (:func:`..common.slabs.run_dequant_moe`); everything else
-takes the tl.dot kernels. (``QuantMoE`` on an SM 8.0+ GPU repacks NVFP4 experts of gated layers
-and runs :mod:`..mma_layout.moe_gemm` instead, which reuses the alignment, the activations and
-step 4.)
+Which kernels run is :func:`.moe_plan.checkpoint_layout_moe_plan`'s choice from the static
+sizes: NVFP4 with few tokens per expert on SM 8.0+ runs steps 2-3 as the ``mma.sync`` kernels
+of :mod:`.moe_mma` (8-pair blocks or single pairs); very many tokens per expert on SM 9.0+
+dequantize each GEMM's experts and run ``torch._grouped_mm``
+(:func:`..common.slabs.run_dequant_moe`); everything else takes the tl.dot kernels.
+(``QuantMoE`` on an SM 8.0+ GPU repacks NVFP4 experts of gated layers and runs
+:mod:`..mma_layout.moe_gemm` instead, which reuses the alignment, the activations and step 4.)
 
 Tiles: few tokens per expert take 16-row blocks, narrow N tiles (enough programs to cover
 the GPU) and long K steps; many tokens per expert take 64/128-row blocks. K and N need not be
@@ -62,9 +62,9 @@ from quantdispatch.kernels.checkpoint_layout.moe_plan import (
     MmaMoeConfig,
     MoeConfig,
     MoeGemmConfig,
+    checkpoint_layout_moe_plan,
     grouped_mm_capable,
     mma_capable,
-    moe_config,
 )
 from quantdispatch.kernels.common import checks
 from quantdispatch.kernels.common.checks import check_moe_call, interpreting, rows_aligned
@@ -193,8 +193,8 @@ def fused_moe(
 
     ``topk_ids`` hold local expert ids; ids outside [0, E) contribute nothing. ``topk_weights``
     (float32) are final. ``block_size``: FP8 block scales' (rows, columns). ``config``: the
-    plan's choice (None: :func:`.moe_plan.moe_config` here). ``facts``: x's device (None:
-    asked here).
+    plan's choice (None: :func:`.moe_plan.checkpoint_layout_moe_plan` here). ``facts``: x's
+    device (None: asked here).
     """
     if fmt not in _FMT:
         _fail(f"format {fmt!r}", f"formats: {', '.join(_FMT)}", "", InputError)
@@ -222,10 +222,10 @@ def fused_moe(
     ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
     tw = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
     pairs = m * top_k
-    # the mma kernels load 8 bytes per weight row (moe_config checks format, GPU and shapes)
+    # the mma kernels load 8 bytes per weight row (the plan checks format, GPU and shapes)
     aligned = weights_aligned(fmt, c13, c2)
     facts = facts or device_facts(x.device)
-    cfg = config or moe_config(
+    cfg = config or checkpoint_layout_moe_plan(
         m, top_k, e, inter, hidden, fmt, facts, gated=spec.gated, allow_mma=aligned
     )
     alpha, limit = 0.0, 0.0

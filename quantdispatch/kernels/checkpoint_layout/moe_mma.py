@@ -28,10 +28,11 @@ with few tokens per expert. ``QuantMoE`` on an SM 8.0+ GPU repacks the experts o
 this kernel serves (:mod:`..mma_layout.moe_stacks`) and runs the same kernel in its REPACKED
 mode: the repacked decode is faster per weight (docs/design/moe.md), since this decode costs
 more instructions (15 vs 11 per word, activation permutes, byte-wise scale loads) and the
-kernel is issue bound. The PTX of both decodes is in :mod:`..common.ptx`; the linear entry is
-:mod:`.mma_linear`. The checkpoint mode
-stays for direct callers of ``fused_moe`` and as the benchmarks' comparison column; LINEAR mode
-for ``benchmarks/mma_sweep.py --ckpt``; all tested.
+kernel is issue bound. The PTX of both decodes is in :mod:`..common.ptx`; its torch replay for
+tests in :mod:`.mma_decode`. The checkpoint mode stays for direct callers of ``fused_moe`` and
+as the benchmarks' comparison column (both MoE modes tested). The package never launches the
+LINEAR mode: only the probes do (``benchmarks/probes/ckpt_mma_linear.py``; ``mma_sweep.py
+--ckpt`` checks it against float64 before timing it).
 
 One kernel, three modes: LINEAR (rows are tokens, ``y = x W^T * global scale + bias``);
 MoE gate/up (gate tile and up tile of one warp share the activation fragments, the activation

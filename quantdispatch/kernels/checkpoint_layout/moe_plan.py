@@ -24,13 +24,13 @@ __all__ = [
     "MmaMoeConfig",
     "MoeConfig",
     "MoeGemmConfig",
+    "checkpoint_layout_moe_plan",
     "dequant_buffer_bytes",
     "expected_experts",
     "grouped_mm_capable",
     "mma_capable",
     "mma_moe_config",
     "mma_moe_supported",
-    "moe_config",
 ]
 
 
@@ -247,7 +247,7 @@ _TL_DOT_TILES = {
 }
 
 
-def moe_config(
+def checkpoint_layout_moe_plan(
     m: int,
     top_k: int,
     experts: int,

@@ -286,12 +286,12 @@ MAX_TOKENS_PER_PROGRAM = 64  # 8 MMA column tiles of 8 tokens
 
 
 def mma_base_config(tiles: int, chunks: int, m: int) -> tuple[int, int, int, int, int]:
-    """(NT, WT, WK, UNROLL, R) with one step of weight loads in flight (the checkpoint-layout
-    kernel's configs too, :func:`..checkpoint_layout.mma_linear.linear_config`): token tiles per
-    program from M; warps side by side (activation reuse through L1); K split; chunks in flight
-    per warp; tiles per warp (activation reuse in registers; it pays only with 64+ tokens per
-    program). From the H200 sweeps (benchmarks/results/mma-sweep-h200-*.log, docs/design/
-    mma-layout.md)."""
+    """(NT, WT, WK, UNROLL, R) with one step of weight loads in flight (also the
+    checkpoint-layout kernel's linear configs, benchmarks/probes/ckpt_mma_linear.py): token
+    tiles per program from M; warps side by side (activation reuse through L1); K split; chunks
+    in flight per warp; tiles per warp (activation reuse in registers; it pays only with 64+
+    tokens per program). From the H200 sweeps (benchmarks/results/mma-sweep-h200-*.log,
+    docs/design/mma-layout.md)."""
     nt = 1
     while nt * 8 < min(m, MAX_TOKENS_PER_PROGRAM):
         nt *= 2

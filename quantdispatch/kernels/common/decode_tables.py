@@ -1,7 +1,7 @@
 """Where each FP4 decode wants the bits of an E2M1 code: the rotate / mask tables shared by the
 PTX builders (:mod:`.ptx`) and the torch emulations of both layouts
 (:func:`..mma_layout.layout.decode_emulated`,
-:func:`..checkpoint_layout.mma_linear.decode_checkpoint_emulated`). No triton import.
+:func:`..checkpoint_layout.mma_decode.decode_checkpoint_emulated`). No triton import.
 """
 
 from __future__ import annotations

@@ -14,14 +14,14 @@ already in registers) returned wrong results intermittently, and the Triton 3.6 
 pipelined RS tile has ``wgmma.wait_group 7`` (or 3) at the end of the loop body and no wait 0
 (docs/design/wgmma-gemm.md). With
 ``num_stages = 1`` the same kernels get one ``wait_group 0`` per step and no instruction writes
-an A register of a pending wgmma group in the SASS (``benchmarks/wgmma_waits.py``, Triton 3.6 and
-3.7); Triton 3.7 emits upstream's fixed pattern for pipelined tiles.
+an A register of a pending wgmma group in the SASS (``benchmarks/probes/wgmma_waits.py``, Triton
+3.6 and 3.7); Triton 3.7 emits upstream's fixed pattern for pipelined tiles.
 
 So on SM 9.x every such kernel reads its accumulator inside each K step (:func:`settle`, an
 identity that ptxas removes): Triton must then wait for the step's wgmmas (``wait_group 0``)
 before anything later in the step, and so before the next step's decode writes registers, while
-its loads stay pipelined (``num_stages`` as tuned). ``benchmarks/wgmma_waits.py`` checks every
-kernel: settled, Triton 3.6, 3.7 and 3.9 give one ``wait_group 0`` per step, no SASS write to
+its loads stay pipelined (``num_stages`` as tuned). ``benchmarks/probes/wgmma_waits.py`` checks
+every kernel: settled, Triton 3.6, 3.7 and 3.9 give one ``wait_group 0`` per step, no SASS write to
 an A register of a pending wgmma group, and the same cp.async / TMA stages as unsettled
 (benchmarks/results/rs-wgmma-hazard-h200-*/wgmma-waits-*-settled.txt). One stage per launch is
 safe too, but loses the load pipelining.

@@ -62,7 +62,7 @@ from quantdispatch.kernels.mma_layout.moe_pairs import small_moe
 from quantdispatch.kernels.mma_layout.moe_plan import (
     MoeGemmTile,
     SmallMoeConfig,
-    moe_layout_config,
+    mma_layout_moe_plan,
 )
 from quantdispatch.kernels.mma_layout.moe_stacks import dequant_experts
 from quantdispatch.kernels.mma_layout.tile_decode import weight_tile
@@ -248,9 +248,9 @@ def mma_layout_moe(
 ) -> torch.Tensor:
     """Routed experts on repacked stacks: [M, H] in x.dtype. ``topk_ids`` hold local expert ids
     (others contribute nothing), ``topk_weights`` (float32) are final. ``config``: the plan's
-    choice (None: :func:`.moe_plan.moe_plan` here). ``pdl`` (default True): the plan may make
-    the single-pair down kernel a programmatic dependent launch where the device has them
-    (False: never). ``facts``: x's device (None: asked here)."""
+    choice (None: :func:`.moe_plan.mma_layout_moe_plan` here). ``pdl`` (default True): the plan
+    may make the single-pair down kernel a programmatic dependent launch where the device has
+    them (False: never). ``facts``: x's device (None: asked here)."""
     spec = get_activation(activation)
     if not spec.gated:
         _fail(
@@ -288,7 +288,7 @@ def mma_layout_moe(
     if spec.name == "swiglu_oai":
         alpha, limit = (tuple(params) or spec.default_params)[:2]
     facts = facts or device_facts(x.device)
-    cfg = config or moe_layout_config(m, top_k, e, inter, hidden, facts, pdl=pdl)
+    cfg = config or mma_layout_moe_plan(m, top_k, e, inter, hidden, facts, pdl=pdl)
     pairs = m * top_k
     if isinstance(cfg, DequantMoeConfig):
         if not grouped_mm_capable(facts):

@@ -27,20 +27,14 @@ __all__ = [
     "GATE_UP_WIDE_MAX_PROGRAMS",
     "GATE_UP_WIDE_MIN_CHUNKS_PDL",
     "PREFETCH_MAX_BYTES",
-    "MoeDeviceFacts",
     "MoeGemmTile",
     "SmallMoeConfig",
     "describe_moe_config",
-    "moe_kernel_ranges",
-    "moe_layout_config",
+    "mma_layout_moe_plan",
     "moe_layout_supported",
-    "moe_plan",
     "small_moe_config",
     "small_units",
 ]
-
-#: The name doctor's ``--moe`` imports for the device facts this plan takes.
-MoeDeviceFacts = DeviceFacts
 
 
 def moe_layout_supported(
@@ -75,7 +69,7 @@ class MoeGemmTile:
         """Shared memory the pipelined loop needs, an upper bound: per stage the activation
         tile (block_m x 64 chunks x 2 B) and the words (32 B per weight row and chunk) and
         scale pairs (4 B) of one weight tile, two for gate/up. (Triton 3.9 compiled for sm_90
-        / sm_86 uses 36-96 / 24-64 KB for the four tiles of :func:`moe_layout_config`, this
+        / sm_86 uses 36-96 / 24-64 KB for the four tiles of :func:`mma_layout_moe_plan`, this
         says 39-150: it does not always stage the words.)"""
         tiles = 2 if gate_up else 1
         per_stage = self.block_m * 128 * self.chunks + tiles * self.block_n * self.chunks * 36
@@ -188,28 +182,13 @@ def small_moe_config(
 # the regime
 
 
-def moe_layout_config(
-    m: int,
-    top_k: int,
-    experts: int,
-    inter: int,
-    hidden: int,
-    facts: DeviceFacts,
-    *,
-    pdl: bool = True,
-    allow_dequant: bool = True,
-) -> SmallMoeConfig | MmaMoeConfig | MoeGemmTile | DequantMoeConfig:
-    """The launcher's entry to :func:`moe_plan` (same arguments)."""
-    return moe_plan(m, top_k, experts, inter, hidden, facts, pdl=pdl, allow_dequant=allow_dequant)
-
-
 #: 128-pair tiles on 128-row weight tiles where 128 divides I and H; else 64 rows, 4 warps
 #: (e.g. gpt-oss's 2880).
 _WIDE_128 = MoeGemmTile(128, block_n=128, warps=8, stages=3)
 _NARROW_128 = MoeGemmTile(128, block_n=64, warps=4, stages=3)
 
 
-def moe_plan(
+def mma_layout_moe_plan(
     m: int,
     top_k: int,
     experts: int,
@@ -290,20 +269,3 @@ def describe_moe_config(cfg: SmallMoeConfig | MmaMoeConfig | MoeGemmTile | Dequa
     if isinstance(cfg, MoeGemmTile):
         return f"grouped tl.dot GEMM decoding the repacked experts ({cfg.label()})"
     return "experts dequantized per GEMM + torch._grouped_mm"
-
-
-def moe_kernel_ranges(
-    top_k: int, experts: int, inter: int, hidden: int, facts: DeviceFacts,
-    max_m: int = 1 << 16, *, pdl: bool = True,
-) -> list[tuple[int, int, str]]:  # fmt: skip
-    """(first M, last M, words) for every run of M in 1..max_m that gets the same config from
-    :func:`moe_plan`; the last run ends at ``max_m`` (and goes on beyond it)."""
-    ranges: list[tuple[int, int, str]] = []
-    start, prev = 1, moe_plan(1, top_k, experts, inter, hidden, facts, pdl=pdl)
-    for m in range(2, max_m + 1):
-        cfg = moe_plan(m, top_k, experts, inter, hidden, facts, pdl=pdl)
-        if cfg != prev:
-            ranges.append((start, m - 1, describe_moe_config(prev)))
-            start, prev = m, cfg
-    ranges.append((start, max_m, describe_moe_config(prev)))
-    return ranges

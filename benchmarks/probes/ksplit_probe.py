@@ -4,14 +4,16 @@
 Session 15's question: why gpt-oss (H = I = 2880, 45 chunks of 64) ran faster with no K split
 while DeepSeek-V3 and Mixtral need theirs. Each point times the heuristic's pick and every
 (gate/up, down) pair of splits twice, interleaved (run-to-run spread next to the differences),
-after checking each against the reference. H200 log: results/ksplit-probe-h200-2026-11-30.log.
+after checking each against the reference. H200 log:
+benchmarks/results/ksplit-probe-h200-2026-11-30.log.
 
-    PYTHONPATH=$PWD python3 benchmarks/ksplit_probe.py
+    PYTHONPATH=$PWD python3 benchmarks/probes/ksplit_probe.py
     # other points (FORMAT:E,TOPK,H,I:M) and splits (WTxWKxUNROLL) per GEMM:
-    PYTHONPATH=$PWD python3 benchmarks/ksplit_probe.py --points mxfp4:32,4,2880,2880:4 \
+    PYTHONPATH=$PWD python3 benchmarks/probes/ksplit_probe.py --points mxfp4:32,4,2880,2880:4 \
         --gate-up 1x1x2,1x4x1 --down 1x1x2
 
-Session 16 used it for the few-program regime (results/ksplit-probe-h200-2026-11-30-few.log).
+Session 16 used it for the few-program regime
+(benchmarks/results/ksplit-probe-h200-2026-11-30-few.log).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: shared helpers
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
 import moe as bench  # benchmarks/moe.py: Layer, timing, reference
 

@@ -8,7 +8,7 @@ and scales must equal the default variant's bit for bit before it is timed. Rate
 read (0.5625 B per weight with the scales) + e4m3 written (1 B), per second. Timing as
 benchmarks/linear.py (median of CUDA-graph replays, weights rotated past L2).
 
-    PYTHONPATH=$PWD python3 benchmarks/fp8_reencode_sweep.py [--models 8b,70b] [--out DIR]
+    PYTHONPATH=$PWD python3 benchmarks/probes/fp8_reencode_sweep.py [--models 8b,70b] [--out DIR]
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: shared helpers
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
 from fp8_prefill_report import SHAPES
 from linear import time_rotated

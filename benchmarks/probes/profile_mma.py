@@ -1,7 +1,7 @@
 """A few calls of one NVFP4 kernel for a profiler to capture (Nsight Compute), e.g.
 
     ncu --kernel-name regex:_mma --launch-skip 3 --launch-count 1 --set full \
-        python benchmarks/profile_mma.py --shape gate_up --m 64
+        python benchmarks/probes/profile_mma.py --shape gate_up --m 64
 
 ``--kernel mma`` is the repacked mma16x64 linear kernel, ``gemm`` the wgmma GEMM on the same
 layout (its heuristic tile), ``ckpt`` the checkpoint-layout one,
@@ -18,8 +18,8 @@ import argparse
 import math
 
 import torch
+from ckpt_mma_linear import mma_ckpt_linear  # probes/: the checkpoint-layout LINEAR mode
 
-from quantdispatch.kernels.checkpoint_layout.mma_linear import mma_ckpt_linear
 from quantdispatch.kernels.checkpoint_layout.moe import fused_moe
 from quantdispatch.kernels.checkpoint_layout.moe_plan import MmaGemmConfig, MmaMoeConfig
 from quantdispatch.kernels.mma_layout.gemm import mma_gemm

@@ -15,7 +15,7 @@ shapes, random weights, ``quantize_model``), same ``generate`` settings. Per mod
 Writes ``decode-profile-<device>-<date>.json`` / ``.md`` and ``cprofile-<model>-<mode>.txt``
 under ``--out``.
 
-    PYTHONPATH=$PWD python3 benchmarks/decode_profile.py [--batches 1,16] [--out DIR]
+    PYTHONPATH=$PWD python3 benchmarks/probes/decode_profile.py [--batches 1,16] [--out DIR]
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: shared helpers
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
 import model_decode as md  # benchmarks/model_decode.py: models and settings
 
@@ -52,7 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=16, help="S: decode steps profiled")
     p.add_argument("--modes", default="none,cudagraphs")
-    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    p.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results"))
     args = p.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",")]
     args.modes = [m for m in args.modes.split(",") if m]

@@ -14,7 +14,7 @@ fragment loads, which the profile blamed for M = 16 (docs/design/mma-layout.md):
 
 Each variant is built from the shipped kernel's source by text substitution (an assertion
 stops the script when a substitution no longer applies) and timed like mma_sweep.py.
-Usage: python benchmarks/gemv_ablation.py [--shapes gate_up,down] [--ms 8,16] [--configs ..]
+Usage: python benchmarks/probes/gemv_ablation.py [--shapes gate_up,down] [--ms 8,16] [--configs ..]
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ from pathlib import Path
 import torch
 import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # probes/: mma_sweep.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: shared helpers
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
 import linear as L  # benchmarks/linear.py: Problem, timing, reference
 from mma_sweep import SHAPES, parse_config

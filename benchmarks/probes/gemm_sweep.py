@@ -3,7 +3,7 @@
 Every (shape, M, tile) is first checked against the float64 reference (relative error < BOUND;
 fp16 activations and a poisoned output once per shape and M) and only then timed (CUDA-graph
 replays, weights rotated past L2), next to bf16 cuBLAS and what the triton backend runs.
-Usage: python benchmarks/gemm_sweep.py [--shapes qkv,o,gate_up,down] [--ms 32,64,128]
+Usage: python benchmarks/probes/gemm_sweep.py [--shapes qkv,o,gate_up,down] [--ms 32,64,128]
        [--tiles BNxBMxBKwWsS[kSPLIT][rMAXNREG],...] [--pad-ab]
 ``--pad-ab``: TMA tiles also timed on unpadded activations (label ``/u``: the last token tile's
 boxes run past row M, as before session 14).
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: shared helpers
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
 import linear as L  # benchmarks/linear.py: Problem, timing, reference
 

@@ -1,9 +1,9 @@
 """Block-scaled FP8 GEMM in Triton: ``y = (A * sa) @ (B * sb)^T (+ bias)`` on FP8 tensor cores.
 
 An experiment, not part of the package: on the H200 it runs at 0.6-0.75x the speed of cuBLAS's
-block-scaled GEMM that FP8 prefill uses (benchmarks/fp8_gemm_sweep.py, docs/design/fp8-prefill.md),
-because each 128-column step waits for its tensor-core product before scaling it into the
-accumulator. Kept to re-measure with later Triton versions.
+block-scaled GEMM that FP8 prefill uses (benchmarks/probes/fp8_gemm_sweep.py,
+docs/design/fp8-prefill.md), because each 128-column step waits for its tensor-core product
+before scaling it into the accumulator. Kept to re-measure with later Triton versions.
 
 A is e4m3 [M, K] with fp32 scales per row and per 128 columns (``sa`` [M, K/128]); B is e4m3
 [N, K] with fp32 scales per 128 columns and per ``SB_ROWS`` rows (128: the 128x128 recipe,

@@ -1,8 +1,8 @@
 """Static SASS count of the mma.sync GEMV main loop, no GPU needed (Triton's bundled ptxas and
 cuobjdump, target sm_90).
 
-    python benchmarks/sass_count.py                # the configs the heuristic uses at M=1 / 16
-    python benchmarks/sass_count.py 2,8,2,1,1      # NT,WT,WK,UNROLL,R
+    python benchmarks/probes/sass_count.py             # the configs the heuristic uses at M=1 / 16
+    python benchmarks/probes/sass_count.py 2,8,2,1,1   # NT,WT,WK,UNROLL,R
 
 Prints, per config, the instructions of the longest loop (the K loop) by opcode; divide by
 UNROLL for one 64-column chunk per warp. Used to tell issue-bound from memory-bound before

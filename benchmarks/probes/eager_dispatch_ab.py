@@ -7,7 +7,7 @@ the two paths are compared here in alternation on one model (Llama-3.2-1B shapes
 (t(1 + S tokens) - t(1 token)) / S of eager ``generate`` with a static cache, medians of
 ``--reps`` alternating repeats.
 
-    PYTHONPATH=$PWD python3 benchmarks/eager_dispatch_ab.py [--batches 1,16] [--out DIR]
+    PYTHONPATH=$PWD python3 benchmarks/probes/eager_dispatch_ab.py [--batches 1,16] [--out DIR]
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: shared helpers
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
 import model_decode as md  # benchmarks/model_decode.py: the model and settings
 

@@ -1,7 +1,7 @@
-"""Summarize an Nsight Compute source-page export (``benchmarks/profile_stalls.sh`` writes
+"""Summarize an Nsight Compute source-page export (``benchmarks/probes/profile_stalls.sh`` writes
 ``stall-*-sass.csv``): where the warps of the hottest loop wait, per SASS instruction.
 
-    python benchmarks/stall_table.py stall-gemm-gate_up-128-sass.csv[.gz] [--top 25] [--all]
+    python benchmarks/probes/stall_table.py stall-gemm-gate_up-128-sass.csv[.gz] [--top 25] [--all]
 
 Prints the stall samples by reason over the whole kernel, then the instructions with the most
 samples (address, samples, top reasons, SASS), so a claim like "the decode waits on the

@@ -3,7 +3,8 @@
 product per (format, activation dtype) and one small MoE, each against float64 / the reference
 backend. Run it before tests/gpu/test_marlin_gpu.py to confirm the contract quickly.
 
-    PYTHONPATH=$PWD python3 benchmarks/marlin_smoke.py [--lib-dir /tmp/vllm] [--version 0.33.0]
+    PYTHONPATH=$PWD python3 benchmarks/probes/marlin_smoke.py [--lib-dir /tmp/vllm] \
+        [--version 0.33.0]
 
 Libraries: ``--lib-dir`` (``*.so``), else ``.peer/vllm/*.so.xz`` decompressed to /tmp/vllm,
 else an installed vLLM. Exit status 1 if anything fails or exceeds its bound.
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
 from quantdispatch.api import load_settings
 from quantdispatch.backends import marlin_providers
@@ -31,7 +32,7 @@ from quantdispatch.formats import (
 )
 from quantdispatch.layers import QuantLinear, QuantMoE
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BOUND = {torch.bfloat16: 1e-2, torch.float16: 4e-3}
 
 

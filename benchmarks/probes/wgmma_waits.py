@@ -4,8 +4,8 @@ installed Triton and list, per K loop, how many wgmmas take A from registers ("R
 ``wgmma.wait_group`` counts the loop body has. An RS loop whose body waits only with a count above 0
 lets the next step overwrite A registers of wgmmas still in flight.
 
-    python benchmarks/wgmma_waits.py                            # every kernel, 3 stages and 1
-    PYTHONPATH=/tmp/triton36 python benchmarks/wgmma_waits.py   # another Triton (pip --target)
+    python benchmarks/probes/wgmma_waits.py                           # every kernel, 3 stages and 1
+    PYTHONPATH=/tmp/triton36 python benchmarks/probes/wgmma_waits.py  # another Triton (--target)
 
 The output is what docs/design/wgmma-gemm.md quotes for Triton 3.6 and 3.7.
 """

@@ -16,7 +16,7 @@ row-wise and per-tensor outputs against float64 of the unscaled operands, the tw
 bit-equal. Timing as benchmarks/linear.py (median of CUDA-graph replays, operands rotated past
 L2). Writes fp8-gemm-sweep-<gpu>-<date>.json / .md under --out.
 
-    PYTHONPATH=$PWD python3 benchmarks/fp8_gemm_sweep.py [--models 8b,70b] [--ms 256,1024]
+    PYTHONPATH=$PWD python3 benchmarks/probes/fp8_gemm_sweep.py [--models 8b,70b] [--ms 256,1024]
 """
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # probes/: fp8_block_gemm_triton.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: shared helpers
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
 from fp8_block_gemm_triton import BlockGemmTile
 from fp8_prefill_report import SHAPES
@@ -267,7 +268,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="8b")
     ap.add_argument("--ms", default="256,1024,4096")
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results"))
     args = ap.parse_args()
     import linear as L
 

@@ -5,7 +5,7 @@ Every (shape, M, config) is first checked against the float64 reference (relativ
 < BOUND) and only then timed (CUDA-graph replays, weights rotated past L2), next to what the
 triton backend ran before (fused tl.dot kernel / dequant + cuBLAS) and bf16 cuBLAS. Also checks
 and times the layout's dequantize pass (the large-M path) and fp16 activations.
-Usage: python benchmarks/mma_sweep.py [--shapes qkv,o,gate_up,down] [--ms 1,16,64]
+Usage: python benchmarks/probes/mma_sweep.py [--shapes qkv,o,gate_up,down] [--ms 1,16,64]
 """
 
 from __future__ import annotations
@@ -17,12 +17,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # probes/: ckpt_mma_linear.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: shared helpers
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
 import linear as L  # benchmarks/linear.py: Problem, timing, reference
+from ckpt_mma_linear import mma_ckpt_linear  # the checkpoint-layout kernel's LINEAR mode
 
-from quantdispatch.kernels.checkpoint_layout.mma_linear import mma_ckpt_linear
 from quantdispatch.kernels.mma_layout.dequant import mma_dequant_rows
 from quantdispatch.kernels.mma_layout.gemv import gemv_config, mma_linear
 from quantdispatch.kernels.mma_layout.layout import repack
@@ -119,7 +120,7 @@ def main() -> None:
                     best = (t, label)
             if best:
                 line.append(f"| best {best[1]} {best[0]:.1f} = {best[0] / floor:.2f}x floor")
-            if args.ckpt:  # the same configs on the checkpoint layout (mma_linear.py)
+            if args.ckpt:  # the same configs on the checkpoint layout (ckpt_mma_linear.py)
                 best = None
                 for wt, w, u, r, d in cfgs:
                     if r > 1 or d > 1:  # the checkpoint-layout kernel has no R or DEPTH

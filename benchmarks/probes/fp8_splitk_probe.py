@@ -14,7 +14,7 @@ the same e4m3 operands (NVFP4 weight re-encoded, activations quantized 1x128):
 Each output is checked against the one-GEMM block output before it is timed (relative error
 < 1e-3: only summation order and one bf16 rounding differ). Timing as benchmarks/linear.py.
 
-    PYTHONPATH=$PWD python3 benchmarks/fp8_splitk_probe.py --ms 128,256,512,1024 --out DIR
+    PYTHONPATH=$PWD python3 benchmarks/probes/fp8_splitk_probe.py --ms 128,256,512,1024 --out DIR
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: shared helpers
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
 from fp8_prefill_report import SHAPES
 from linear import rel_err as rel

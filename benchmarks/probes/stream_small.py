@@ -9,7 +9,7 @@ optimized away) for the NVFP4 bytes of each benchmark shape at M = 1, and chains
 reads shaped like one MoE call (gate/up bytes, then down bytes, then the top-k sum's rows).
 Prints and writes a markdown table: us, effective TB/s, and us / (bytes / 4.24 TB/s).
 
-    PYTHONPATH=$PWD python3 benchmarks/stream_small.py [--out DIR]
+    PYTHONPATH=$PWD python3 benchmarks/probes/stream_small.py [--out DIR]
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: shared helpers
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
 from linear import time_calls  # benchmarks/linear.py: median us per call over graph replays
 
@@ -64,7 +65,7 @@ def buffers(nbytes: int) -> list[torch.Tensor]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results"))
     args = ap.parse_args()
     rows = []
     for name, nbytes in SINGLE.items():

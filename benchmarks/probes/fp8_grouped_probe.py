@@ -9,7 +9,7 @@ uneven (odd-sized) expert groups. The FP8 output is checked against float64 of t
 operands on every row of three experts before it is timed; the activation quantizer (per token
 over all K, hardware rounding) is timed too. Writes fp8-grouped-probe-<gpu>-<date>.md / .json.
 
-    PYTHONPATH=$PWD python3 benchmarks/fp8_grouped_probe.py [--out DIR]
+    PYTHONPATH=$PWD python3 benchmarks/probes/fp8_grouped_probe.py [--out DIR]
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: shared helpers
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
 #: (name, experts, N, K): each GEMM of a gated MoE (w13: 2I x H, w2: H x I)
 SHAPES = [
@@ -112,7 +112,7 @@ def probe(name, e, n, k, t, uneven, g) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results"))
     args = ap.parse_args()
     import linear as L
 

@@ -12,7 +12,7 @@ only the summation order differs). Timing as benchmarks/linear.py.
 The library: ``--vllm-lib`` (e.g. /tmp/vllm/_C_stable_libtorch.abi3.so, decompressed from
 .peer/vllm by ../shared/tools/peer-vllm-marlin.sh's recipe), else an installed vLLM.
 
-    PYTHONPATH=$PWD python3 benchmarks/fp8_cutlass_probe.py --vllm-lib PATH --out DIR
+    PYTHONPATH=$PWD python3 benchmarks/probes/fp8_cutlass_probe.py --vllm-lib PATH --out DIR
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: shared helpers
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
 from fp8_prefill_report import SHAPES
 from linear import rel_err as rel

@@ -23,7 +23,7 @@ add the squares in another order), so ``fp8`` and ``fp8 fused`` are not compared
 Timing as benchmarks/linear.py (median of CUDA-graph replays, inputs and weights rotated past
 L2). Writes fp8-producers-<gpu>-<date>.json / .md under --out.
 
-    PYTHONPATH=$PWD python3 benchmarks/fp8_producers.py [--models 8b] [--ms 256,1024,4096]
+    PYTHONPATH=$PWD python3 benchmarks/probes/fp8_producers.py [--models 8b] [--ms 256,1024,4096]
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: shared helpers
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
 from fp8_prefill_report import SHAPES
 from linear import rel_err as rel
@@ -209,7 +209,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="8b")
     ap.add_argument("--ms", default="256,1024,2048,4096,8192")
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results"))
     args = ap.parse_args()
     ms = [int(v) for v in args.ms.split(",")]
     rows = []
