@@ -121,27 +121,24 @@ def _fast(module: nn.Module, x: torch.Tensor, dtype: torch.dtype) -> bool:
 def _bound_norm(norm: nn.Module):  # type: ignore[no-untyped-def]
     """The norm's bound kernel (kept on the module, made again when its weight moves), or None
     for a weight the kernel does not take."""
-    from quantdispatch.kernels.native.fp8_producers import RmsNorm
-
     w = norm.weight
     bound = norm.__dict__.get(_BOUND)
     if bound is None or bound.weight_ptr != w.data_ptr() or bound.dtype is not w.dtype:
         if w.dtype not in (torch.bfloat16, torch.float16) or w.dim() != 1:
             return None
-        bound = RmsNorm(w.detach(), float(norm.variance_epsilon))
-        bound.weight_ptr = w.data_ptr()
-        norm.__dict__[_BOUND] = bound
+        from quantdispatch.kernels.native.fp8_producers import RmsNorm
+
+        bound = norm.__dict__[_BOUND] = RmsNorm(w.detach(), float(norm.variance_epsilon))
     return bound
 
 
 def _bound_silu(mlp: nn.Module, gate: torch.Tensor):  # type: ignore[no-untyped-def]
-    from quantdispatch.kernels.native.fp8_producers import SiluMul
-
+    """The MLP's bound SiLU x mul (kept on the module, made again for another dtype or device)."""
     bound = mlp.__dict__.get(_BOUND)
     if bound is None or bound.dtype is not gate.dtype or bound.device != gate.device:
-        bound = SiluMul(gate.shape[-1], gate.dtype, gate.device)
-        bound.device = gate.device
-        mlp.__dict__[_BOUND] = bound
+        from quantdispatch.kernels.native.fp8_producers import SiluMul
+
+        bound = mlp.__dict__[_BOUND] = SiluMul(gate.shape[-1], gate.dtype, gate.device)
     return bound
 
 

@@ -292,6 +292,7 @@ class RmsNorm:
                 )
             )
         self.weight, self.k, self.dtype = weight, weight.shape[0], weight.dtype
+        self.weight_ptr = weight.data_ptr()  # the caller rebinds when its weight moves
         bf16 = weight.dtype == torch.bfloat16
         self._view = (lambda t: t.view(torch.int16)) if bf16 else (lambda t: t)
         block_k = max(128, triton.next_power_of_2(self.k))
@@ -342,7 +343,7 @@ class SiluMul:
                     "run the module's own forward for this width",
                 )
             )
-        self.width, self.dtype = width, dtype
+        self.width, self.dtype, self.device = width, dtype, torch.device(device)
         bf16 = dtype == torch.bfloat16
         self._view = (lambda t: t.view(torch.int16)) if bf16 else (lambda t: t)
         dummy = torch.empty(1, dtype=torch.uint8, device=device)  # the codes: never written
