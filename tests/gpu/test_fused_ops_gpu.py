@@ -88,3 +88,20 @@ def test_captured_decode_tokens_equal_eager(arch, batch):
     assert graph.graph is not None
     assert torch.equal(got, eager.generate(ids, 24))
     assert torch.equal(graph.generate(ids, 24), got)  # replays again from a new prefill
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_fused_rotary_gives_hfs_bits_on_the_gpu(arch):
+    """Only the attention layers patched: the fused rotary kernel is HF's formula bit for bit,
+    so the logits are equal, prefill and decode-sized."""
+    from quantdispatch.integrations.transformers import fused_ops
+
+    base = _model(arch)
+    model = copy.deepcopy(base)
+    for layer in model.model.layers:
+        fused_ops.patch_attention(layer.self_attn)
+        assert "forward" in vars(layer.self_attn)
+    for shape in ((2, 33), (4, 1)):
+        ids = torch.randint(0, 1024, shape, device=DEV)
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, base(ids).logits)

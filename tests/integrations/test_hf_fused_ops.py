@@ -21,6 +21,7 @@ import quantdispatch.ops  # noqa: F401
 from quantdispatch.integrations.transformers import (
     capture_decode,
     fused_ops,
+    fused_rope,
     install_fused_ops,
     quantize_model,
     remove_fused_ops,
@@ -36,6 +37,7 @@ pytestmark = pytest.mark.skipif(
 def kernels_on_cpu(monkeypatch):
     """Let the fused forwards run their kernels on CPU tensors (the interpreter)."""
     monkeypatch.setattr(fused_ops, "_kernels_run", lambda x: True)
+    monkeypatch.setattr(fused_rope, "_kernel_call", lambda q, k, cos, sin: True)
 
 
 def _patched(model) -> list[str]:
@@ -48,7 +50,8 @@ def _model(arch, dtype=torch.bfloat16):
 
 @pytest.mark.parametrize(
     ("arch", "per_layer"),
-    [("llama", 4), ("qwen3", 6), ("qwen3_moe", 5)],  # norms (+ q / k norms), MLP, decoder layer
+    # norms (+ q / k norms), MLP, decoder layer, attention
+    [("llama", 5), ("qwen3", 7), ("qwen3_moe", 6)],
 )
 def test_install_patches_the_known_modules_and_remove_restores_them(arch, per_layer):
     model = _model(arch)
@@ -82,12 +85,38 @@ def test_fused_model_computes_the_eager_models_logits(kernels_on_cpu, arch, dtyp
 
 def test_quantized_model_gets_fused_ops_by_default_and_not_when_off(kernels_on_cpu):
     model = quantize_model(_model("llama"), "nvfp4")
-    assert len(_patched(model)) == 9
+    assert len(_patched(model)) == 11
     off = quantize_model(_model("llama"), "nvfp4", fused_ops=False)
     assert _patched(off) == []
     with torch.no_grad():
         a, b = model(PROMPT).logits.double(), off(PROMPT).logits.double()
     assert float((a - b).norm() / b.norm()) < 2e-2
+
+
+def test_the_attention_rotates_q_and_k_in_one_kernel_for_its_own_instances_only(
+    kernels_on_cpu, monkeypatch
+):
+    """A patched attention runs the fused rotary kernel once per call, gives the eager model's
+    logits bit for bit where nothing else is fused, and leaves its class and other models alone."""
+    from quantdispatch.kernels.native import rope
+
+    base = _model("llama")
+    model = copy.deepcopy(base)
+    cls = type(model.model.layers[0].self_attn)
+    forward = cls.forward
+    for layer in model.model.layers:
+        fused_ops.patch_attention(layer.self_attn)
+    calls = []
+    real = rope.rope
+    monkeypatch.setattr(rope, "rope", lambda *a: calls.append(1) or real(*a))
+    with torch.no_grad():
+        assert torch.equal(model(PROMPT).logits, base(PROMPT).logits)
+    assert len(calls) == len(model.model.layers)
+    assert cls.forward is forward and "forward" not in vars(base.model.layers[0].self_attn)
+    calls.clear()
+    with torch.no_grad():
+        base(PROMPT)
+    assert calls == []
 
 
 def test_the_decoder_layer_adds_the_residual_and_norms_once(kernels_on_cpu, monkeypatch):

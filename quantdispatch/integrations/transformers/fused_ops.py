@@ -11,7 +11,9 @@ forwards these kernels reproduce (:mod:`quantdispatch.kernels.native.fp8_produce
 - a decoder layer adds the attention output to the residual stream and normalizes the sum in
   one kernel (``add_rms_norm``) before its MLP;
 - a gated SiLU MLP runs ``silu_mul`` before ``down_proj`` (gpt-oss's SwiGLU already runs inside
-  the MoE kernels).
+  the MoE kernels);
+- an attention layer rotates its queries and keys in one kernel (:mod:`.fused_rope`, bit for bit
+  HF's ``apply_rotary_pos_emb``).
 
 The results are those of the eager modules within their own fp32 rounding (the kernels round
 where the modules round; sums of squares are added in another order). Eager calls launch the
@@ -36,6 +38,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from quantdispatch.integrations.transformers.fused_rope import attention_ok, rotary_forward
 from quantdispatch.layers.base import direct_call_ok
 
 __all__ = [
@@ -46,6 +49,7 @@ __all__ = [
     "NORM_CLASSES",
     "SCOPE_START",
     "install_fused_ops",
+    "patch_attention",
     "patch_decoder",
     "patch_mlp",
     "patch_norm",
@@ -269,6 +273,14 @@ def patch_decoder(layer: nn.Module) -> None:
     _patch(layer, _decoder_forward)
 
 
+def patch_attention(attn: nn.Module) -> None:
+    """Give an attention module of :data:`.fused_rope.ATTENTION_CLASSES` its class's forward
+    with the fused rotary embedding (:func:`.fused_rope.rotary_forward`)."""
+    forward = rotary_forward(type(attn))
+    if forward is not None:
+        _patch(attn, forward)
+
+
 def unpatch(module: nn.Module) -> bool:
     """Give ``module`` its own forward back once no flag asks for the patch; True if it did."""
     if getattr(module, _PATCH, None) is None or any(
@@ -306,20 +318,21 @@ def decoder_ok(module: object) -> bool:
 
 
 def install_fused_ops(model: nn.Module) -> int:
-    """Patch every norm, gated MLP and decoder layer of ``model`` that this module knows
+    """Patch every norm, gated MLP, decoder layer and attention layer of ``model`` that this module knows
     (module doc); returns how many modules it patched. Safe to call again."""
     done = 0
     for module in model.modules():
         patch = (
             patch_norm if norm_ok(module) else patch_mlp if mlp_ok(module) else
-            patch_decoder if decoder_ok(module) else None
+            patch_decoder if decoder_ok(module) else
+            patch_attention if attention_ok(module) else None
         )  # fmt: skip
         if patch is not None and not getattr(module, FUSED, False):
             setattr(module, FUSED, True)
             patch(module)
             done += 1
     if done:
-        logger.info("quantdispatch: fused norms / activations in %d modules", done)
+        logger.info("quantdispatch: fused norms / activations / rotary in %d modules", done)
     return done
 
 
