@@ -24,7 +24,8 @@ Decode runs start from a 128-token prompt; each round prefills, synchronizes, th
 median of ``--reps`` rounds with the device synchronized at both ends. Writes
 ``whole-model-<gpu>-<date>.json``: ``rows`` with keys
 ``model``, ``run``, ``batch``, ``tokens``, ``bf16_ms``, ``bf16_fused_ms``, ``quant_ms``,
-``format`` (and ``tokens_match_eager`` for graph decode), plus versions and settings; and a
+``format`` (and ``tokens_match_eager`` for graph decode), plus versions, settings and per model
+``quantize_s`` and ``first_token_s`` (the cold time to first token is their sum); and a
 markdown table beside it. Results are written after every row; ``--budget-s`` skips what would
 start later (recorded as skipped).
 
@@ -206,6 +207,13 @@ def eager_prefill(model: Any, tokens: int, a: argparse.Namespace, clock: Clock) 
     return clock.median_ms(forward, a.reps)
 
 
+def first_token(model: Any) -> None:
+    """HF ``generate`` of one token from a 128-token prompt: with the quantization before it,
+    the time to first token of a cold model (Triton compiles what this process has not)."""
+    with torch.no_grad():
+        model.generate(_prompt(model, 1), max_new_tokens=1, do_sample=False)
+
+
 def _prompt(model: Any, batch: int, n: int = PROMPT) -> torch.Tensor:
     g = torch.Generator().manual_seed(batch * 7 + n)
     return torch.randint(1, model.config.vocab_size, (batch, n), generator=g).to(model.device)
@@ -291,6 +299,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 info[f"fused_modules_{variant}"] = install_fused_ops(model)
             else:
                 remove_fused_ops(model)
+            if variant == "quant" and "first_token_s" not in info:
+                info["first_token_s"] = round(clock.time(lambda m=model: first_token(m)), 2)
 
             def emit(run, batch, tokens, ms, extra, name=name, key=key):  # type: ignore[no-untyped-def]
                 row = rows.setdefault((name, run, batch, tokens), dict(
@@ -336,6 +346,13 @@ def render(report: dict[str, Any]) -> str:
             f"| {r['model']} | {r['run']} | {r['batch']} | {r['tokens']} | {_f(b)} | {_f(f)} | "
             f"{_f(q)} | {_x(b, q)} | {_x(f, q)} | {note} |"
         )
+    for name, info in report.get("models", {}).items():
+        if "quantize_s" in info and "first_token_s" in info:
+            lines.append(
+                f"\n{name}: quantize {info['quantize_s']:.2f} s + first token "
+                f"{info['first_token_s']:.2f} s = cold time to first token "
+                f"{info['quantize_s'] + info['first_token_s']:.2f} s."
+            )
     return "\n".join(lines) + "\n"
 
 

@@ -41,7 +41,8 @@ def _inputs(b, s, hq, hk, d, dtype, cos_batch, seed=0):  # type: ignore[no-untyp
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize(
     ("b", "s", "hq", "hk", "d", "cos_batch"),
-    [(1, 1, 4, 2, 64, False), (2, 3, 12, 4, 80, True), (3, 2, 9, 9, 32, False), (1, 5, 2, 1, 16, True)],
+    [(1, 1, 4, 2, 64, False), (2, 3, 12, 4, 80, True), (3, 2, 9, 9, 32, False),
+     (1, 5, 2, 1, 16, True)],
 )
 def test_rope_is_hfs_formula_bit_for_bit(dtype, b, s, hq, hk, d, cos_batch):
     q, k, cos, sin = _inputs(b, s, hq, hk, d, dtype, cos_batch)

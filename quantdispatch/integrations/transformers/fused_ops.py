@@ -318,8 +318,8 @@ def decoder_ok(module: object) -> bool:
 
 
 def install_fused_ops(model: nn.Module) -> int:
-    """Patch every norm, gated MLP, decoder layer and attention layer of ``model`` that this module knows
-    (module doc); returns how many modules it patched. Safe to call again."""
+    """Patch every norm, gated MLP, decoder layer and attention layer of ``model`` that this
+    module knows (module doc); returns how many modules it patched. Safe to call again."""
     done = 0
     for module in model.modules():
         patch = (

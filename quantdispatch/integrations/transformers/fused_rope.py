@@ -42,19 +42,19 @@ def fused_apply_rotary(original: Callable[..., object]) -> Callable[..., object]
     """``apply_rotary_pos_emb`` that runs the fused kernel where it can, else ``original``."""
 
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):  # type: ignore[no-untyped-def]
-        if not args and not kwargs.keys() - {"unsqueeze_dim"} and kwargs.get("unsqueeze_dim", 1) == 1:
-            if _kernel_call(q, k, cos, sin):
-                from quantdispatch.kernels.native.rope import rope, rope_eligible
+        default = not args and kwargs.get("unsqueeze_dim", 1) == 1 and len(kwargs) <= 1
+        if default and (not kwargs or "unsqueeze_dim" in kwargs) and _kernel_call(q, k, cos, sin):
+            from quantdispatch.kernels.native.rope import rope, rope_eligible
 
-                if rope_eligible(q, k, cos, sin):
-                    return rope(q, k, cos, sin)
+            if rope_eligible(q, k, cos, sin):
+                return rope(q, k, cos, sin)
         return original(q, k, cos, sin, *args, **kwargs)
 
     apply_rotary_pos_emb.__wrapped__ = original  # type: ignore[attr-defined]
     return apply_rotary_pos_emb
 
 
-def _rebuilt(fn: Callable[..., object], inner: Callable[..., object], new_inner: Callable[..., object]):  # type: ignore[no-untyped-def]
+def _rebuilt(fn, inner, new_inner):  # type: ignore[no-untyped-def]
     """``fn`` (``inner`` itself, or decorators' wrappers around it holding the next function in
     a closure cell) with ``inner`` replaced by ``new_inner``; None where a wrapper holds it some
     other way."""

@@ -1,0 +1,100 @@
+#!/usr/bin/env python3
+"""Where an eager decode step's time goes: Llama-3-8B-shaped layers (``--layers``, random
+weights), the one-token step on a StaticCache (``capture_decode(capture=False)``) for bf16,
+bf16 with fused ops and NVFP4 with fused ops, at each batch: ms per step (median of rounds),
+CUDA kernels launched per step, and with ``--profile`` the Python functions with the most
+own time over a few steps.
+
+    PYTHONPATH=$PWD python3 benchmarks/probes/eager_step.py --layers 8 --batches 1,16 --profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from whole_model import PROMPT, build
+
+
+def step_ms(dec, ids, steps: int, rounds: int) -> float:  # type: ignore[no-untyped-def]
+    times = []
+    for _ in range(rounds + 1):
+        dec.prefill(ids)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            dec.step()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) / steps)
+    return 1e3 * statistics.median(times[1:])
+
+
+def kernels_per_step(dec, ids) -> int:  # type: ignore[no-untyped-def]
+    from torch.profiler import ProfilerActivity, profile
+
+    dec.prefill(ids)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(4):
+            dec.step()
+        torch.cuda.synchronize()
+    return sum(e.count for e in prof.key_averages() if e.device_type.name == "CUDA") // 4
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--batches", default="1,16")
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--profile", action="store_true")
+    a = p.parse_args()
+    from quantdispatch.integrations.transformers import (
+        capture_decode,
+        install_fused_ops,
+        quantize_model,
+        remove_fused_ops,
+    )
+
+    model = build("llama-3-8b", a.layers, torch.device("cuda"))
+    for variant in ("bf16", "bf16-fused", "quant"):
+        if variant == "quant":
+            quantize_model(model, "nvfp4", fused_ops=False)
+        if variant == "bf16":
+            remove_fused_ops(model)
+        else:
+            install_fused_ops(model)
+        for batch in (int(b) for b in a.batches.split(",")):
+            ids = torch.randint(1, 1000, (batch, PROMPT), device="cuda")
+            dec = capture_decode(model, batch, PROMPT + a.steps + 8, capture=False)
+            ms = step_ms(dec, ids, a.steps, a.rounds)
+            row = dict(variant=variant, batch=batch, layers=a.layers, step_ms=round(ms, 3),
+                       kernels=kernels_per_step(dec, ids))  # fmt: skip
+            print(json.dumps(row), flush=True)
+            if a.profile:
+                dec.prefill(ids)
+                torch.cuda.synchronize()
+                prof = cProfile.Profile()
+                prof.enable()
+                for _ in range(8):
+                    dec.step()
+                torch.cuda.synchronize()
+                prof.disable()
+                buf = io.StringIO()
+                pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(22)
+                print(buf.getvalue()[-4500:], flush=True)
+
+
+if __name__ == "__main__":
+    main()
