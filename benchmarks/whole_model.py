@@ -4,9 +4,11 @@ against bf16 with the same fused norms / activations, on one GPU, in one run.
 
 Models (random weights, real shapes, transformers' own classes, sdpa attention):
 ``llama-3-8b`` (32 layers) and ``qwen3-30b-a3b`` (48 layers, 128 experts, top-8); ``--layers``
-cuts depth for quick runs. Three variants of each, in this order on one model object: ``bf16``
-(HF as it is), ``bf16-fused`` (``install_fused_ops``), then the model quantized in place
-(``--format``, fused ops on, as ``quantize_model`` leaves it).
+cuts depth for quick runs. Variants: ``bf16`` (HF as it is), ``bf16-fused``
+(``install_fused_ops``), ``quant`` (quantized with ``--format``, fused ops on, as
+``quantize_model`` leaves it) and the diagnostic ``quant-plain`` (fused ops removed). Two model
+objects hold them: the quantized one, built and quantized first, and a bf16 one from the same
+seed; the fused ops are switched on and off between rounds.
 
 Runs, each per variant:
 
@@ -21,8 +23,10 @@ Runs, each per variant:
 
 Decode runs start from a 128-token prompt; each round prefills, synchronizes, then times
 ``--steps`` steps (so a host-bound prefill never hides the steps' GPU time). Every time is a
-median of ``--reps`` rounds with the device synchronized at both ends. Writes
-``whole-model-<gpu>-<date>.json``: ``rows`` with keys
+median of ``--reps`` rounds with the device synchronized at both ends, and each round runs every
+variant once (round-robin after a warm-up round), so that slow phases of the host, which eager
+runs feel most, hit every variant alike (compiled generate runs one variant after the other).
+Writes ``whole-model-<gpu>-<date>.json``: ``rows`` with keys
 ``model``, ``run``, ``batch``, ``tokens``, ``bf16_ms``, ``bf16_fused_ms``, ``quant_ms``,
 ``format`` (and ``tokens_match_eager`` for graph decode), plus versions, settings and per model
 ``quantize_s`` and ``first_token_s`` (the cold time to first token is their sum); and a
@@ -147,64 +151,106 @@ def build(name: str, layers: int | None, device: torch.device) -> Any:
     return model.eval()
 
 
-def eager_decode(model: Any, batch: int, a: argparse.Namespace, clock: Clock) -> float:
-    from quantdispatch.integrations.transformers import capture_decode
+class Variant:
+    """One variant: a model object and whether it runs with the fused ops."""
 
-    dec = capture_decode(model, batch, PROMPT + a.steps + 8, capture=False)
-    return _time_steps(dec, _prompt(model, batch), a, clock)
+    def __init__(self, name: str, model: Any, fused: bool) -> None:
+        self.name, self.model, self.fused = name, model, fused
 
+    def activate(self) -> None:
+        from quantdispatch.integrations.transformers import install_fused_ops, remove_fused_ops
 
-def graph_decode(model: Any, batch: int, a: argparse.Namespace, clock: Clock) -> tuple[float, bool]:
-    from quantdispatch.integrations.transformers import capture_decode
-
-    n = PROMPT + max(a.steps, 16) + 8
-    dec, plain = capture_decode(model, batch, n), capture_decode(model, batch, n, capture=False)
-    ids = _prompt(model, batch)
-    match = torch.equal(dec.generate(ids, 16), plain.generate(ids, 16))
-    return _time_steps(dec, ids, a, clock), bool(match)
+        (install_fused_ops if self.fused else remove_fused_ops)(self.model)
 
 
-def _time_steps(dec: Any, ids: torch.Tensor, a: argparse.Namespace, clock: Clock) -> float:
-    """ms per decode step: each round prefills (untimed, the device synchronized after it),
-    then times ``a.steps`` steps; median over rounds after a warm-up round."""
+def _interleaved(vs: list[Variant], one: Callable[[Variant], float], reps: int) -> dict[str, float]:
+    """Median ms per variant over ``reps`` rounds, each round running every variant once (round
+    0 warms up and is dropped): slow phases of the host hit every variant alike."""
+    times: dict[str, list[float]] = {v.name: [] for v in vs}
+    for r in range(reps + 1):
+        for v in vs:
+            v.activate()
+            t = one(v)
+            if r:
+                times[v.name].append(t)
+    return {k: statistics.median(t) for k, t in times.items()}
+
+
+def _steps_ms(dec: Any, ids: torch.Tensor, a: argparse.Namespace, clock: Clock) -> float:
+    """One round: prefill (untimed, the device synchronized after it), then ms per step over
+    ``a.steps`` steps."""
+    dec.prefill(ids)
+    clock.sync()
 
     def steps() -> None:
         for _ in range(a.steps):
             dec.step()
 
-    times = []
-    for _ in range(a.reps + 1):
-        dec.prefill(ids)
-        clock.sync()
-        times.append(clock.time(steps))
-    return 1e3 * statistics.median(times[1:]) / a.steps
+    return 1e3 * clock.time(steps) / a.steps
 
 
-def compiled_decode(model: Any, batch: int, a: argparse.Namespace, clock: Clock) -> float:
+def eager_decode(vs: list[Variant], batch: int, a: argparse.Namespace, clock: Clock):  # type: ignore[no-untyped-def]
+    from quantdispatch.integrations.transformers import capture_decode
+
+    decs = {v.name: capture_decode(v.model, batch, PROMPT + a.steps + 8, capture=False)
+            for v in vs}  # fmt: skip
+    ids = _prompt(vs[0].model, batch)
+    return _interleaved(vs, lambda v: _steps_ms(decs[v.name], ids, a, clock), a.reps), {}
+
+
+def graph_decode(vs: list[Variant], batch: int, a: argparse.Namespace, clock: Clock):  # type: ignore[no-untyped-def]
+    """Each variant's step captured with its own fused ops; greedy tokens checked against the
+    same step run eagerly; then the replays timed round-robin."""
+    from quantdispatch.integrations.transformers import capture_decode
+
+    n = PROMPT + max(a.steps, 16) + 8
+    ids = _prompt(vs[0].model, batch)
+    decs, match = {}, {}
+    for v in vs:
+        v.activate()
+        dec, plain = capture_decode(v.model, batch, n), capture_decode(v.model, batch, n,
+                                                                      capture=False)  # fmt: skip
+        match[v.name] = bool(torch.equal(dec.generate(ids, 16), plain.generate(ids, 16)))
+        decs[v.name] = dec
+        del plain
+    ms = _interleaved(vs, lambda v: _steps_ms(decs[v.name], ids, a, clock), a.reps)
+    return ms, {v: {"tokens_match_eager": m} for v, m in match.items()}
+
+
+def compiled_decode(vs: list[Variant], batch: int, a: argparse.Namespace, clock: Clock):  # type: ignore[no-untyped-def]
+    """transformers' compiled generate, one variant after the other (each compiles)."""
     from transformers import CompileConfig
 
-    ids = _prompt(model, batch)
     cc = CompileConfig(backend="cudagraphs", mode=None)
     kw = dict(do_sample=False, cache_implementation="static", compile_config=cc)
+    out = {}
+    for v in vs:
+        v.activate()
+        ids = _prompt(v.model, batch)
 
-    def gen(n: int) -> None:
-        with torch.no_grad():
-            model.generate(ids, max_new_tokens=n, **kw)
+        def gen(n: int, model: Any = v.model, ids: torch.Tensor = ids) -> None:
+            with torch.no_grad():
+                model.generate(ids, max_new_tokens=n, **kw)
 
-    gen(a.steps)  # compiles
-    t_n = clock.median_ms(lambda: gen(a.steps), a.reps)
-    t_1 = clock.median_ms(lambda: gen(1), a.reps)
-    return (t_n - t_1) / (a.steps - 1)
+        gen(a.steps)  # compiles
+        t_n = clock.median_ms(lambda: gen(a.steps), a.reps)
+        t_1 = clock.median_ms(lambda: gen(1), a.reps)
+        out[v.name] = (t_n - t_1) / (a.steps - 1)
+        torch._dynamo.reset()
+    return out, {}
 
 
-def eager_prefill(model: Any, tokens: int, a: argparse.Namespace, clock: Clock) -> float:
-    ids = _prompt(model, 1, tokens)
+def eager_prefill(vs: list[Variant], tokens: int, a: argparse.Namespace, clock: Clock):  # type: ignore[no-untyped-def]
+    ids = _prompt(vs[0].model, 1, tokens)
 
-    def forward() -> None:
-        with torch.no_grad():
-            model(ids, use_cache=False, logits_to_keep=1)
+    def forward(v: Variant) -> float:
+        def run() -> None:
+            with torch.no_grad():
+                v.model(ids, use_cache=False, logits_to_keep=1)
 
-    return clock.median_ms(forward, a.reps)
+        return 1e3 * clock.time(run)
+
+    return _interleaved(vs, forward, a.reps), {}
 
 
 def first_token(model: Any) -> None:
@@ -219,8 +265,13 @@ def _prompt(model: Any, batch: int, n: int = PROMPT) -> torch.Tensor:
     return torch.randint(1, model.config.vocab_size, (batch, n), generator=g).to(model.device)
 
 
-def measure_variant(model: Any, a: argparse.Namespace, clock: Clock, emit) -> None:  # type: ignore[no-untyped-def]
-    """Every run of one variant; ``emit(run, batch, tokens, ms, extra)`` per measurement."""
+MEASURE = {"eager-decode": eager_decode, "graph-decode": graph_decode,
+           "compiled-decode": compiled_decode, "eager-prefill": eager_prefill}  # fmt: skip
+
+
+def measure(vs: list[Variant], a: argparse.Namespace, clock: Clock, emit) -> None:  # type: ignore[no-untyped-def]
+    """Every run of every variant; ``emit(run, batch, tokens, {variant: ms}, {variant: extra})``
+    per measurement."""
     plan: list[tuple[str, int, int]] = []
     for run in a.runs:
         if run == "eager-prefill":
@@ -230,37 +281,46 @@ def measure_variant(model: Any, a: argparse.Namespace, clock: Clock, emit) -> No
             plan += [(run, b, a.steps) for b in batches]
     for run, batch, tokens in plan:
         if clock.left() <= 0:
-            emit(run, batch, tokens, None, {"skipped": "time budget spent"})
+            emit(run, batch, tokens, {}, {v.name: {"skipped": "time budget spent"} for v in vs})
             continue
-        extra: dict[str, Any] = {}
         try:
-            if run == "eager-decode":
-                ms = eager_decode(model, batch, a, clock)
-            elif run == "graph-decode":
-                ms, extra["tokens_match_eager"] = graph_decode(model, batch, a, clock)
-            elif run == "compiled-decode":
-                ms = compiled_decode(model, batch, a, clock)
-                torch._dynamo.reset()
-            else:
-                ms = eager_prefill(model, tokens, a, clock)
+            ms, extra = MEASURE[run](vs, tokens if run == "eager-prefill" else batch, a, clock)
         except Exception as exc:  # recorded; the other runs go on
-            ms, extra = None, {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            err = f"{type(exc).__name__}: {str(exc)[:300]}"
+            ms, extra = {}, {v.name: {"error": err} for v in vs}
         emit(run, batch, tokens, ms, extra)
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
 
+def variants(name: str, a: argparse.Namespace, clock: Clock, info: dict[str, Any]) -> list[Variant]:
+    """The variants of one model: the quantized model is built and quantized first (its cold
+    time to first token measured), then the bf16 model from the same seed (same weights), so
+    that the larger bf16 copy never sits beside a second bf16 copy."""
+    from quantdispatch.integrations.transformers import install_fused_ops, quantize_model
+
+    device = torch.device(a.device)
+    quant = base = None
+    if any(v.startswith("quant") for v in a.variants):
+        quant = build(name, a.layers, device)
+        t = clock.time(lambda: quantize_model(quant, a.format, fused_ops=False))
+        info["quantize_s"] = round(t, 2)
+        info["quant_bytes"] = sum(b.numel() * b.element_size() for b in quant.buffers())
+        info["fused_modules"] = install_fused_ops(quant)
+        info["first_token_s"] = round(clock.time(lambda: first_token(quant)), 2)
+    if any(v.startswith("bf16") for v in a.variants):
+        base = build(name, a.layers, device)
+    info["layers"] = (quant or base).config.num_hidden_layers
+    models = {"bf16": (base, False), "bf16-fused": (base, True), "quant": (quant, True),
+              "quant-plain": (quant, False)}  # fmt: skip
+    return [Variant(v, *models[v]) for v in a.variants]
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     a = parse_args(argv)
     import transformers
     import triton
-
-    from quantdispatch.integrations.transformers import (
-        install_fused_ops,
-        quantize_model,
-        remove_fused_ops,
-    )
 
     device = torch.device(a.device)
     clock = Clock(device, a.budget_s)
@@ -285,37 +345,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         stem.with_suffix(".md").write_text(render(report), encoding="utf-8")
 
     for name in a.models:
-        model = build(name, a.layers, device)
-        info = report["models"][name] = {"layers": model.config.num_hidden_layers}
-        quantized = False
-        for variant in a.variants:
-            key = VARIANTS[variant]
-            if variant.startswith("quant") and not quantized:
-                t = clock.time(lambda m=model: quantize_model(m, a.format, fused_ops=False))
-                info["quantize_s"] = round(t, 2)
-                info["quant_bytes"] = sum(b.numel() * b.element_size() for b in model.buffers())
-                quantized = True
-            if variant in ("bf16-fused", "quant"):
-                info[f"fused_modules_{variant}"] = install_fused_ops(model)
-            else:
-                remove_fused_ops(model)
-            if variant == "quant" and "first_token_s" not in info:
-                info["first_token_s"] = round(clock.time(lambda m=model: first_token(m)), 2)
+        info = report["models"][name] = {}
+        vs = variants(name, a, clock, info)
 
-            def emit(run, batch, tokens, ms, extra, name=name, key=key):  # type: ignore[no-untyped-def]
-                row = rows.setdefault((name, run, batch, tokens), dict(
-                    model=name, run=run, batch=batch, tokens=tokens, bf16_ms=None,
-                    bf16_fused_ms=None, quant_ms=None, format=a.format))  # fmt: skip
-                if key not in ("bf16_ms", "bf16_fused_ms", "quant_ms"):
-                    row.setdefault(key, None)
-                row[key] = None if ms is None else round(ms, 3)
-                for k, v in extra.items():
-                    row[k if key == "quant_ms" else f"{key[:-3]}_{k}"] = v
-                print(json.dumps(row), flush=True)
-                write()
+        def emit(run, batch, tokens, ms, extra, name=name, names=a.variants):  # type: ignore[no-untyped-def]
+            row = rows.setdefault((name, run, batch, tokens), dict(
+                model=name, run=run, batch=batch, tokens=tokens, bf16_ms=None,
+                bf16_fused_ms=None, quant_ms=None, format=a.format))  # fmt: skip
+            for v in names:
+                key = VARIANTS[v]
+                row[key] = None if ms.get(v) is None else round(ms[v], 3)
+                for k, val in extra.get(v, {}).items():
+                    row[k if key == "quant_ms" else f"{key[:-3]}_{k}"] = val
+            print(json.dumps(row), flush=True)
+            write()
 
-            measure_variant(model, a, clock, emit)
-        del model
+        measure(vs, a, clock, emit)
+        del vs
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -3,9 +3,11 @@
 weights), the one-token step on a StaticCache (``capture_decode(capture=False)``) for bf16,
 bf16 with fused ops and NVFP4 with fused ops, at each batch: ms per step (median of rounds),
 CUDA kernels launched per step, and with ``--profile`` the Python functions with the most
-own time over a few steps.
+own time over a few steps. ``--prefill N`` does the same for one forward over N tokens and
+lists the CUDA kernels with the most GPU time (is a prefill host- or GPU-bound, and where).
 
     PYTHONPATH=$PWD python3 benchmarks/probes/eager_step.py --layers 8 --batches 1,16 --profile
+    PYTHONPATH=$PWD python3 benchmarks/probes/eager_step.py --layers 8 --batches "" --prefill 512
 """
 
 from __future__ import annotations
@@ -52,6 +54,36 @@ def kernels_per_step(dec, ids) -> int:  # type: ignore[no-untyped-def]
     return sum(e.count for e in prof.key_averages() if e.device_type.name == "CUDA") // 4
 
 
+def prefill_report(model, tokens: int, rounds: int) -> dict:  # type: ignore[no-untyped-def]
+    """Wall ms of one forward over ``tokens`` tokens (median), GPU busy ms from the profiler,
+    and the kernels with the most GPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    ids = torch.randint(1, 1000, (1, tokens), device="cuda")
+
+    def fwd() -> None:
+        with torch.no_grad():
+            model(ids, use_cache=False, logits_to_keep=1)
+
+    fwd()
+    times = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fwd()
+        torch.cuda.synchronize()
+        times.append(1e3 * (time.perf_counter() - t0))
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fwd()
+        torch.cuda.synchronize()
+    kern = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    total = sum(e.self_device_time_total for e in kern) / 1e3
+    top = sorted(kern, key=lambda e: -e.self_device_time_total)[:12]
+    return dict(wall_ms=round(statistics.median(times), 2), gpu_ms=round(total, 2),
+                top=[(e.key[:70], e.count, round(e.self_device_time_total / 1e3, 2))
+                     for e in top])  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--layers", type=int, default=8)
@@ -59,6 +91,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--prefill", default="", help="token counts of prefill reports")
     a = p.parse_args()
     from quantdispatch.integrations.transformers import (
         capture_decode,
@@ -75,7 +108,11 @@ def main() -> None:
             remove_fused_ops(model)
         else:
             install_fused_ops(model)
-        for batch in (int(b) for b in a.batches.split(",")):
+        for tokens in (int(t) for t in a.prefill.split(",") if t):
+            row = dict(variant=variant, tokens=tokens, layers=a.layers,
+                       **prefill_report(model, tokens, a.rounds))  # fmt: skip
+            print(json.dumps(row), flush=True)
+        for batch in (int(b) for b in a.batches.split(",") if b):
             ids = torch.randint(1, 1000, (batch, PROMPT), device="cuda")
             dec = capture_decode(model, batch, PROMPT + a.steps + 8, capture=False)
             ms = step_ms(dec, ids, a.steps, a.rounds)
