@@ -198,3 +198,18 @@ def test_capture_decode_gives_generates_greedy_tokens():
         graph.generate(PROMPT, 40)
     with pytest.raises(Exception, match="batch_size=1"):
         graph.generate(PROMPT.repeat(2, 1), 4)
+
+
+def test_compiling_a_patched_attention_traces_the_class_forward():
+    """Dynamo guards a function's globals as its module's: a patched attention must give
+    torch.compile its class's own forward (else guard creation fails)."""
+    base = _model("llama")
+    model = copy.deepcopy(base)
+    for layer in model.model.layers:
+        fused_ops.patch_attention(layer.self_attn)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(model, backend="eager", fullgraph=False)(PROMPT).logits
+        want = base(PROMPT).logits
+    torch._dynamo.reset()
+    assert torch.equal(got, want)

@@ -38,7 +38,11 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from quantdispatch.integrations.transformers.fused_rope import attention_ok, rotary_forward
+from quantdispatch.integrations.transformers.fused_rope import (
+    attention_ok,
+    rotary_attention_forward,
+    rotary_forward,
+)
 from quantdispatch.layers.base import direct_call_ok
 
 __all__ = [
@@ -276,9 +280,8 @@ def patch_decoder(layer: nn.Module) -> None:
 def patch_attention(attn: nn.Module) -> None:
     """Give an attention module of :data:`.fused_rope.ATTENTION_CLASSES` its class's forward
     with the fused rotary embedding (:func:`.fused_rope.rotary_forward`)."""
-    forward = rotary_forward(type(attn))
-    if forward is not None:
-        _patch(attn, forward)
+    if rotary_forward(type(attn)) is not None:
+        _patch(attn, rotary_attention_forward)
 
 
 def unpatch(module: nn.Module) -> bool:

@@ -5,9 +5,10 @@ global name. A patched attention module runs its class's own forward, unchanged,
 that function whose globals differ in one name: ``apply_rotary_pos_emb`` is
 :func:`fused_apply_rotary`, which runs :func:`quantdispatch.kernels.native.rope.rope` for eager
 CUDA calls in the layout it takes and the module's own function for every other call
-(compilation, autograd, CPU tensors, other layouts). Nothing global changes: other modules of
-the same class, and other models, keep the original forward. The kernel's results are HF's bit
-for bit.
+(autograd, CPU tensors, other layouts). Under torch.compile the class's own forward runs (dynamo
+guards a function's globals as its module's, so it must not trace the copy; inductor fuses the
+rotation itself). Nothing global changes: other modules of the same class, and other models,
+keep the original forward. The kernel's results are HF's bit for bit.
 """
 
 from __future__ import annotations
@@ -22,7 +23,13 @@ from torch import nn
 
 from quantdispatch.layers.base import direct_call_ok
 
-__all__ = ["ATTENTION_CLASSES", "attention_ok", "fused_apply_rotary", "rotary_forward"]
+__all__ = [
+    "ATTENTION_CLASSES",
+    "attention_ok",
+    "fused_apply_rotary",
+    "rotary_attention_forward",
+    "rotary_forward",
+]
 
 #: Attention modules whose forward applies ``apply_rotary_pos_emb(q, k, cos, sin)`` of their
 #: module to the projections (LlamaAttention's copies).
@@ -107,6 +114,14 @@ def rotary_forward(cls: type) -> Callable[..., object] | None:
     new_inner.__qualname__, new_inner.__doc__ = inner.__qualname__, inner.__doc__
     new_inner.__dict__.update(inner.__dict__)
     return _rebuilt(forward, inner, new_inner)
+
+
+def rotary_attention_forward(self: nn.Module, *args, **kwargs):  # type: ignore[no-untyped-def]
+    """A patched attention module's forward: the class's forward with the fused rotary
+    (:func:`rotary_forward`) in eager mode, the class's own forward when compiling."""
+    if torch.compiler.is_compiling():
+        return type(self).forward(self, *args, **kwargs)
+    return rotary_forward(type(self))(self, *args, **kwargs)
 
 
 def attention_ok(module: object) -> bool:
