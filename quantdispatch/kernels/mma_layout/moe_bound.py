@@ -11,10 +11,11 @@ import torch
 
 from quantdispatch.kernels.common import checks
 from quantdispatch.kernels.common.device_facts import DeviceFacts, device_facts
-from quantdispatch.kernels.mma_layout.moe_gemm import _check_stack, mma_layout_moe
+from quantdispatch.kernels.common.moe_activations import activation_args
+from quantdispatch.kernels.mma_layout.moe_gemm import mma_layout_moe
 from quantdispatch.kernels.mma_layout.moe_pairs import SmallMoe
 from quantdispatch.kernels.mma_layout.moe_plan import SmallMoeConfig
-from quantdispatch.moe.activations import get_activation
+from quantdispatch.kernels.mma_layout.moe_stacks import check_stack
 
 __all__ = ["MmaLayoutMoe"]
 
@@ -38,19 +39,16 @@ class MmaLayoutMoe:
         pdl: bool = True,
         facts: DeviceFacts | None = None,
     ) -> None:
-        spec = get_activation(activation)
-        _, _, self.hidden = _check_stack(w13, "w13")
-        _, _, self.inter = _check_stack(w2, "w2")
+        act = activation_args(activation, params)
+        _, _, self.hidden = check_stack(w13, "w13")
+        _, _, self.inter = check_stack(w2, "w2")
         self.w13, self.w2, self.b13, self.b2 = tuple(w13), tuple(w2), w13_bias, w2_bias
         self.activation, self.params, self.packed_for = activation, tuple(params), packed_for
         self.pdl, self.facts = pdl, facts or device_facts(w13[0].device)
-        alpha, limit = 0.0, 0.0
-        if spec.name == "swiglu_oai":
-            alpha, limit = (tuple(params) or spec.default_params)[:2]
         self._small: dict[int, SmallMoe] = {}
-        self._small_args = (self.w13, self.w2, w13_bias, w2_bias, spec.code, alpha, limit,
+        self._small_args = (self.w13, self.w2, w13_bias, w2_bias, act.code, act.alpha, act.limit,
                             self.inter)  # fmt: skip
-        self._gated = spec.gated
+        self._gated = act.gated
 
     def __call__(
         self, x: torch.Tensor, ids: torch.Tensor, tw: torch.Tensor, config: object
