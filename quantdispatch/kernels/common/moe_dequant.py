@@ -1,7 +1,7 @@
 """Experts for very many tokens per expert: each GEMM's experts dequantized to 16-bit by the
 layout's own dequantizer, then ``torch._grouped_mm`` (:class:`DequantExperts`; SM 9.0+). It
-sorts the pairs and sums the slots itself (torch, no host sync), so it skips the align and
-reduce stages of :mod:`.moe_stages`.
+sorts the pairs itself (torch, no host sync) and finalizes with
+:func:`.moe_finalize.weight_and_sum`, so it skips the align and reduce stages of :mod:`.moe_stages`.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from quantdispatch.kernels.common import checks
 from quantdispatch.kernels.common.activation import apply_activation
 from quantdispatch.kernels.common.launch import launch
 from quantdispatch.kernels.common.moe_align import BlockRouting
+from quantdispatch.kernels.common.moe_finalize import local_pairs, weight_and_sum
 from quantdispatch.kernels.common.moe_stages import MoeExperts, MoeInputs
 
 __all__ = ["DequantExperts", "run_dequant_moe"]
@@ -96,12 +97,8 @@ def run_dequant_moe(
     not hold run through expert 0 with weight 0 (finite, so they add exactly 0).
     ``dequant13`` / ``dequant2`` return each GEMM's experts as x.dtype [E, N, K] (one layout's
     dequantizer; called one after the other so only one copy is alive)."""
-    m, hidden = x.shape
     top_k = ids.shape[1]
-    flat = ids.reshape(-1).long()
-    valid = (flat >= 0) & (flat < e)
-    key = torch.where(valid, flat, 0)
-    weight = torch.where(valid, tw.reshape(-1), 0.0)
+    _, key = local_pairs(ids, e)
     order = torch.argsort(key, stable=True)
     counts = torch.zeros(e, dtype=torch.int32, device=x.device)
     counts.index_add_(0, key, torch.ones_like(key, dtype=torch.int32))
@@ -123,9 +120,6 @@ def run_dequant_moe(
     w = dequant2()
     ys = torch._grouped_mm(a, w.transpose(1, 2), offs=offs).float()
     del w
-    if b2 is not None:
-        ys = ys + b2[sorted_expert]
-    ys = ys * weight[order][:, None]
     y = torch.empty_like(ys)
-    y[order] = ys
-    out.copy_(y.view(m, top_k, hidden).sum(1))
+    y[order] = ys  # back in pair order
+    out.copy_(weight_and_sum(y, ids, tw, e, b2))
