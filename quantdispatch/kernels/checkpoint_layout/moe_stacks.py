@@ -1,7 +1,7 @@
 """The stacked canonical expert tensors of the checkpoint layout as the MoE kernels take them:
 each stack checked and unpacked once (:func:`unpack_stack`), the FP8 scale strides and kinds
 (:func:`scale_strides`), and whether the mma.sync kernels may read the stacks
-(:func:`weights_aligned`). No triton import.
+(:func:`weights_aligned`).
 """
 
 from __future__ import annotations
