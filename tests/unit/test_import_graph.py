@@ -196,7 +196,7 @@ def test_kernels_import_nothing_from_the_layers_above():
 def _kernel_offenders(layer: str, allowed: tuple[str, ...]) -> list[str]:
     """Imports of ``kernels.<layer>`` modules into quantdispatch.kernels outside ``allowed``."""
     own = f"{PACKAGE}.kernels.{layer}"
-    ok = tuple(f"{PACKAGE}.{name}" for name in allowed) + (own,)
+    ok = (*(f"{PACKAGE}.{name}" for name in allowed), own)
     return [
         f"{module} imports {target}"
         for module, targets in sorted(GRAPH.items())
