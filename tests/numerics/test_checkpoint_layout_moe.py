@@ -36,14 +36,15 @@ from quantdispatch.kernels.checkpoint_layout.moe_plan import MoeConfig, MoeGemmC
 from quantdispatch.kernels.checkpoint_layout.moe_stacks import unpack_stack  # noqa: E402
 from quantdispatch.kernels.common import checks  # noqa: E402
 from quantdispatch.kernels.common.device_facts import DeviceFacts  # noqa: E402
-from quantdispatch.kernels.common.moe_activations import get_activation  # noqa: E402
+from quantdispatch.kernels.common.moe_activations import activation_args  # noqa: E402
 from quantdispatch.kernels.common.moe_align import max_blocks_for, moe_align  # noqa: E402
-from quantdispatch.kernels.common.moe_dequant import run_dequant_moe  # noqa: E402
+from quantdispatch.kernels.common.moe_dequant import DequantExperts  # noqa: E402
 from quantdispatch.kernels.common.moe_plan import (  # noqa: E402
     DequantMoeConfig,
     MmaGemmConfig,
     MmaMoeConfig,
 )
+from quantdispatch.kernels.common.moe_stages import ExpertWeights, MoeInputs, run_stages  # noqa: E402
 from quantdispatch.layers import QuantMoE  # noqa: E402
 
 if not checks.interpreting():
@@ -271,16 +272,16 @@ def test_bad_inputs():
 def run_dequant(ex, x, ids, w, activation="silu", params=(0.0, 0.0), b13=None, b2=None, **kw):
     """The dequantize path called directly (the heuristic only takes it on SM 9.0+ GPUs)."""
     w13, w2, block = stacked(ex, activation=activation, **kw)
-    c13, s13, g13, *_ = unpack_stack(ex.fmt, w13, "w13", block)
-    c2, s2, g2, *_ = unpack_stack(ex.fmt, w2, "w2", block)
-    spec = get_activation(activation)
+    s13, s2 = unpack_stack(ex.fmt, w13, "w13", block), unpack_stack(ex.fmt, w2, "w2", block)
     out = torch.empty(x.shape, dtype=x.dtype)
-    run_dequant_moe(
-        x, ids, w, c13.shape[0],
-        lambda: dequant_experts(ex.fmt, c13, s13, g13, x.dtype),
-        lambda: dequant_experts(ex.fmt, c2, s2, g2, x.dtype),
-        b13, b2, spec.code, spec.gated, *params, out,
-    )  # fmt: skip
+    weights = ExpertWeights(
+        lambda dt: dequant_experts(ex.fmt, *s13[:3], dt),
+        lambda dt: dequant_experts(ex.fmt, *s2[:3], dt),
+        b13,
+        b2,
+    )
+    inp = MoeInputs(x, ids, w, s13.e, activation_args(activation, params))
+    run_stages(DequantExperts(weights), inp, out)
     return out
 
 

@@ -189,13 +189,13 @@ def test_mma_path_sizes_its_buffers_by_the_layers_sizes(monkeypatch, direct):
     layouts. (A session read I off w13's shape, which the repacked words do not carry.)"""
     from quantdispatch.kernels.common.moe_activations import activation_args
     from quantdispatch.kernels.common.moe_mma import MmaExperts
-    from quantdispatch.kernels.common.moe_stages import MoeInputs, run_stages
+    from quantdispatch.kernels.common.moe_stages import ExpertWeights, MoeInputs, run_stages
 
     seen = {}
 
-    def fake_apply(self, inp, blocks, a, y, out):
-        seen["a"], seen["y"] = tuple(a.shape), tuple(y.shape)
-        y.zero_()
+    def fake_apply(self, inp, work):
+        seen["a"], seen["y"] = tuple(work.a.shape), tuple(work.y.shape)
+        work.y.zero_()
 
     monkeypatch.setattr(MmaExperts, "apply", fake_apply)
     e, hidden, inter, m, top_k = 4, 128, 192, 5, 2
@@ -208,7 +208,7 @@ def test_mma_path_sizes_its_buffers_by_the_layers_sizes(monkeypatch, direct):
         out = torch.empty(m, hidden, dtype=torch.bfloat16)
         x = rand_x(m, hidden, torch.bfloat16, seed=2)
         inp = MoeInputs(x, ids, tw, e, activation_args("silu"))
-        run_stages(MmaExperts(a13, a2, None, None, cfg, inter), inp, out)
+        run_stages(MmaExperts(ExpertWeights(a13, a2, None, None), cfg, inter), inp, out)
         assert seen["a"][1] == inter and seen["y"] == (m * top_k, hidden)
         if direct:
             assert seen["a"][0] == m * top_k

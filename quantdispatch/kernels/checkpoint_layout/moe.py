@@ -72,6 +72,7 @@ from quantdispatch.kernels.common.moe_dequant import DequantExperts
 from quantdispatch.kernels.common.moe_mma import MmaExperts
 from quantdispatch.kernels.common.moe_plan import DequantMoeConfig, MmaMoeConfig, grouped_mm_capable
 from quantdispatch.kernels.common.moe_stages import (
+    ExpertWeights,
     MoeExperts,
     MoeInputs,
     prepare_inputs,
@@ -119,7 +120,8 @@ def fused_moe(
     cfg = config or checkpoint_layout_moe_plan(
         inp.m, inp.top_k, s13.e, inter, inp.hidden, fmt, facts, gated=act.gated, allow_mma=aligned
     )
-    experts = _experts(cfg, fmt, s13, s2, w13_bias, w2_bias, block_size, aligned, facts, inp)
+    weights = ExpertWeights(s13, s2, w13_bias, w2_bias)
+    experts = _experts(cfg, fmt, weights, block_size, aligned, facts, inp)
     return run_stages(experts, inp, out)
 
 
@@ -154,10 +156,7 @@ def _checked_stacks(
 def _experts(
     cfg: object,
     fmt: str,
-    s13: ExpertStack,
-    s2: ExpertStack,
-    b13: torch.Tensor | None,
-    b2: torch.Tensor | None,
+    weights: ExpertWeights,
     block_size: tuple[int, int] | None,
     aligned: bool,
     facts: DeviceFacts,
@@ -165,6 +164,7 @@ def _experts(
 ) -> MoeExperts:
     """The experts of the config's kernel family, after checking the config suits this call."""
     x, act, hidden = inp.x, inp.act, inp.hidden
+    s13, s2, b13, b2 = weights
     inter = s13.n // 2 if act.gated else s13.n
     if isinstance(cfg, DequantMoeConfig):
         if fmt not in ("nvfp4", "mxfp4") or not grouped_mm_capable(facts):
@@ -175,12 +175,13 @@ def _experts(
                 InputError,
             )
         return DequantExperts(
-            lambda dt: dequant_experts(fmt, s13.codes, s13.scales, s13.global_scale, dt),
-            lambda dt: dequant_experts(fmt, s2.codes, s2.scales, s2.global_scale, dt),
-            b13, b2,
+            ExpertWeights(
+                lambda dt: dequant_experts(fmt, *s13[:3], dt),
+                lambda dt: dequant_experts(fmt, *s2[:3], dt), b13, b2,
+            )
         )  # fmt: skip
     if isinstance(cfg, MoeConfig):
-        return TlDotExperts(fmt, s13, s2, b13, b2, block_size, cfg, inter)
+        return TlDotExperts(fmt, weights, block_size, cfg, inter)
     mma = isinstance(cfg, MmaMoeConfig) and aligned
     if not (mma and mma_capable(fmt, act.gated, inter, hidden, facts)):
         fail(
@@ -190,6 +191,4 @@ def _experts(
             "leave config=None (the heuristic picks the tl.dot kernels then)",
             InputError,
         )
-    w13 = (s13.codes, s13.scales, s13.global_scale)
-    w2 = (s2.codes, s2.scales, s2.global_scale)
-    return MmaExperts(w13, w2, b13, b2, cfg, inter)  # type: ignore[arg-type]
+    return MmaExperts(ExpertWeights(s13[:3], s2[:3], b13, b2), cfg, inter)

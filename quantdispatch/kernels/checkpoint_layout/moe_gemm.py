@@ -22,7 +22,6 @@ from quantdispatch.kernels.checkpoint_layout.moe_plan import MoeConfig, MoeGemmC
 from quantdispatch.kernels.checkpoint_layout.moe_stacks import (
     FORMAT_CODES,
     GROUPS,
-    ExpertStack,
     scale_strides,
 )
 from quantdispatch.kernels.common.activation import apply_activation
@@ -35,8 +34,7 @@ from quantdispatch.kernels.common.decode import (
     e8m0_to_f32_scaled,
 )
 from quantdispatch.kernels.common.launch import launch
-from quantdispatch.kernels.common.moe_align import BlockRouting
-from quantdispatch.kernels.common.moe_stages import MoeExperts, MoeInputs
+from quantdispatch.kernels.common.moe_stages import ExpertWeights, MoeExperts, MoeInputs, MoeWork
 
 __all__ = ["TlDotExperts", "moe_gemm1_kernel", "moe_gemm2_kernel"]
 
@@ -291,21 +289,19 @@ def moe_gemm2_kernel(
 
 class TlDotExperts(MoeExperts):
     """The tl.dot gate/up and down kernels as the experts stage (:mod:`..common.moe_stages`),
-    over checked stacks (:func:`.moe_stacks.unpack_stack`) with the plan's tiles. ``block_size``:
+    over checked stacks (:func:`.moe_stacks.unpack_stack`, each an
+    :class:`.moe_stacks.ExpertStack`) with the plan's tiles. ``block_size``:
     FP8 block scales' (rows, columns)."""
 
     def __init__(
         self,
         fmt: str,
-        w13: ExpertStack,
-        w2: ExpertStack,
-        b13: torch.Tensor | None,
-        b2: torch.Tensor | None,
+        weights: ExpertWeights,
         block_size: tuple[int, int] | None,
         cfg: MoeConfig,
         inter: int,
     ) -> None:
-        self.fmt, self.w13, self.w2, self.b13, self.b2, self.cfg = fmt, w13, w2, b13, b2, cfg
+        self.fmt, self.weights, self.cfg = fmt, weights, cfg
         self.inter, self.block_m, self.direct = inter, cfg.block_m, cfg.direct
         self._bsn, self._bsk = block_size if fmt == "fp8" and block_size is not None else (1, 1)
         self._group = GROUPS[fmt]
@@ -328,18 +324,11 @@ class TlDotExperts(MoeExperts):
             num_stages=c.num_stages,
         )  # fmt: skip
 
-    def apply(
-        self,
-        inp: MoeInputs,
-        blocks: BlockRouting | None,
-        a: torch.Tensor | None,
-        y: torch.Tensor | None,
-        out: torch.Tensor,
-    ) -> None:
-        assert blocks is not None and a is not None and y is not None
+    def apply(self, inp: MoeInputs, work: MoeWork) -> None:
+        blocks, a, y = work.buffers()
         x, ids, act, e, hidden, inter = inp.x, inp.ids, inp.act, inp.experts, inp.hidden, self.inter
         rows = (blocks.sorted_ids, blocks.block_expert, blocks.num_blocks)
-        (c13, s13, g13, *_), (c2, s2, g2, *_), b13, b2 = self.w13, self.w2, self.b13, self.b2
+        (c13, s13, g13, *_), (c2, s2, g2, *_), b13, b2 = self.weights
         se13, sn13, sk13, kind13 = scale_strides(self.fmt, s13)
         launch(moe_gemm1_kernel, (blocks.n_blocks, triton.cdiv(inter, self.cfg.gemm1.block_n)),
             x, ids, *rows, c13, s13, g13 if g13 is not None else s13, b13 if b13 is not None else x,

@@ -6,8 +6,6 @@ sorts the pairs itself (torch, no host sync) and finalizes with
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import triton
 import triton.language as tl
@@ -15,43 +13,10 @@ import triton.language as tl
 from quantdispatch.kernels.common import checks
 from quantdispatch.kernels.common.activation import apply_activation
 from quantdispatch.kernels.common.launch import launch
-from quantdispatch.kernels.common.moe_align import BlockRouting
 from quantdispatch.kernels.common.moe_finalize import local_pairs, weight_and_sum
-from quantdispatch.kernels.common.moe_stages import MoeExperts, MoeInputs
+from quantdispatch.kernels.common.moe_stages import ExpertWeights, MoeExperts, MoeInputs, MoeWork
 
-__all__ = ["DequantExperts", "run_dequant_moe"]
-
-
-class DequantExperts(MoeExperts):
-    """:func:`run_dequant_moe` as the experts stage. ``dequant13`` / ``dequant2`` return each
-    GEMM's experts as x.dtype [E, N, K] (called one after the other, so only one copy is
-    alive)."""
-
-    whole_call = True
-
-    def __init__(
-        self,
-        dequant13: Callable[[torch.dtype], torch.Tensor],
-        dequant2: Callable[[torch.dtype], torch.Tensor],
-        b13: torch.Tensor | None,
-        b2: torch.Tensor | None,
-    ) -> None:
-        self.dequant13, self.dequant2, self.b13, self.b2 = dequant13, dequant2, b13, b2
-
-    def apply(
-        self,
-        inp: MoeInputs,
-        blocks: BlockRouting | None,
-        a: torch.Tensor | None,
-        y: torch.Tensor | None,
-        out: torch.Tensor,
-    ) -> None:
-        x, act = inp.x, inp.act
-        run_dequant_moe(
-            x, inp.ids, inp.tw, inp.experts,
-            lambda: self.dequant13(x.dtype), lambda: self.dequant2(x.dtype),
-            self.b13, self.b2, act.code, act.gated, act.alpha, act.limit, out,
-        )  # fmt: skip
+__all__ = ["DequantExperts"]
 
 
 @triton.jit
@@ -76,50 +41,46 @@ def _act_rows_kernel(h_ptr, a_ptr, e_ptr, bias_ptr, inter, stride_h, stride_a, s
     tl.store(a_ptr + row * stride_a + n, a.to(a_ptr.dtype.element_ty), mask=ok)
 
 
-def run_dequant_moe(
-    x: torch.Tensor,
-    ids: torch.Tensor,
-    tw: torch.Tensor,
-    e: int,
-    dequant13: Callable[[], torch.Tensor],
-    dequant2: Callable[[], torch.Tensor],
-    b13: torch.Tensor | None,
-    b2: torch.Tensor | None,
-    act_code: int,
-    gated: bool,
-    alpha: float,
-    limit: float,
-    out: torch.Tensor,
-) -> None:
+class DequantExperts(MoeExperts):
     """Many tokens per expert: pairs sorted by expert (device-side, no host sync), each GEMM's
     experts dequantized to x.dtype and run as one torch._grouped_mm, activation and biases in
-    fp32, routing weights applied and the slots summed in fp32. Pairs whose id this layer does
-    not hold run through expert 0 with weight 0 (finite, so they add exactly 0).
-    ``dequant13`` / ``dequant2`` return each GEMM's experts as x.dtype [E, N, K] (one layout's
-    dequantizer; called one after the other so only one copy is alive)."""
-    top_k = ids.shape[1]
-    _, key = local_pairs(ids, e)
-    order = torch.argsort(key, stable=True)
-    counts = torch.zeros(e, dtype=torch.int32, device=x.device)
-    counts.index_add_(0, key, torch.ones_like(key, dtype=torch.int32))
-    offs = torch.cumsum(counts, 0, dtype=torch.int32)
-    sorted_expert = key[order]
-    xs = x.index_select(0, order // top_k)
-    w = dequant13()
-    h = torch._grouped_mm(xs, w.transpose(1, 2), offs=offs)
-    del w
-    inter = h.shape[1] // 2 if gated else h.shape[1]
-    a = checks.empty((h.shape[0], inter), x.dtype, x.device)
-    bn = min(1024, triton.next_power_of_2(inter))
-    launch(_act_rows_kernel, (h.shape[0], triton.cdiv(inter, bn)),
-        h, a, sorted_expert, b13 if b13 is not None else h, inter, h.stride(0), a.stride(0),
-        b13.stride(0) if b13 is not None else 0, float(alpha), float(limit),
-        ACT=act_code, GATED=gated, HAS_BIAS=b13 is not None, BN=bn, num_warps=4,
-    )  # fmt: skip
-    del h
-    w = dequant2()
-    ys = torch._grouped_mm(a, w.transpose(1, 2), offs=offs).float()
-    del w
-    y = torch.empty_like(ys)
-    y[order] = ys  # back in pair order
-    out.copy_(weight_and_sum(y, ids, tw, e, b2))
+    fp32, then the shared finalize (routing weights, fp32 top-k sum). Pairs whose id this layer
+    does not hold run through expert 0 with weight 0 (finite, so they add exactly 0).
+
+    The stacks of ``weights`` are callables that return each GEMM's experts in the dtype they
+    are given, [E, N, K] (one layout's dequantizer; called one after the other, so only one
+    copy is alive)."""
+
+    whole_call = True
+
+    def __init__(self, weights: ExpertWeights) -> None:
+        self.weights = weights
+
+    def apply(self, inp: MoeInputs, work: MoeWork) -> None:
+        dequant13, dequant2, b13, b2 = self.weights
+        x, ids, e, act, top_k = inp.x, inp.ids, inp.experts, inp.act, inp.top_k
+        _, key = local_pairs(ids, e)
+        order = torch.argsort(key, stable=True)
+        counts = torch.zeros(e, dtype=torch.int32, device=x.device)
+        counts.index_add_(0, key, torch.ones_like(key, dtype=torch.int32))
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        sorted_expert = key[order]
+        xs = x.index_select(0, order // top_k)
+        w = dequant13(x.dtype)
+        h = torch._grouped_mm(xs, w.transpose(1, 2), offs=offs)
+        del w
+        inter = h.shape[1] // 2 if act.gated else h.shape[1]
+        a = checks.empty((h.shape[0], inter), x.dtype, x.device)
+        bn = min(1024, triton.next_power_of_2(inter))
+        launch(_act_rows_kernel, (h.shape[0], triton.cdiv(inter, bn)),
+            h, a, sorted_expert, b13 if b13 is not None else h, inter, h.stride(0), a.stride(0),
+            b13.stride(0) if b13 is not None else 0, float(act.alpha), float(act.limit),
+            ACT=act.code, GATED=act.gated, HAS_BIAS=b13 is not None, BN=bn, num_warps=4,
+        )  # fmt: skip
+        del h
+        w = dequant2(x.dtype)
+        ys = torch._grouped_mm(a, w.transpose(1, 2), offs=offs).float()
+        del w
+        y = torch.empty_like(ys)
+        y[order] = ys  # back in pair order
+        work.out.copy_(weight_and_sum(y, ids, inp.tw, e, b2))

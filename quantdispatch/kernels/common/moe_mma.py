@@ -49,9 +49,8 @@ import triton.language as tl
 
 from quantdispatch.kernels.common.activation import apply_activation
 from quantdispatch.kernels.common.launch import launch
-from quantdispatch.kernels.common.moe_align import BlockRouting
 from quantdispatch.kernels.common.moe_plan import MmaGemmConfig, MmaMoeConfig
-from quantdispatch.kernels.common.moe_stages import MoeExperts, MoeInputs
+from quantdispatch.kernels.common.moe_stages import ExpertWeights, MoeExperts, MoeInputs, MoeWork
 from quantdispatch.kernels.common.ptx import chunk_mma, k_reduce, load_chunk, load_x, x_perm
 
 __all__ = ["MmaExperts", "checkpoint_mma_kernel"]
@@ -263,24 +262,15 @@ def _launch(cfg: MmaGemmConfig, blocks: int, tiles: int, **kw: object) -> None:
 
 
 class MmaExperts(MoeExperts):
-    """The mma.sync gate/up and down kernels as the experts stage, for both layouts: ``w13`` /
-    ``w2`` = (packed uint8 [E, N, K/2], E4M3 codes uint8 [E, N, K/16], global scales fp32 [E]),
+    """The mma.sync gate/up and down kernels as the experts stage, for both layouts: the stacks
+    = (packed uint8 [E, N, K/2], E4M3 codes uint8 [E, N, K/16], global scales fp32 [E]),
     or in the mma16x64 layout (int32 words [E, N/16, K/64, 32, 4], uint8 scales [E, N/16,
     K/64, 32 or 16, 2], global scales; :mod:`..mma_layout.moe_stacks`), checked by the caller,
     shapes by :func:`.moe_plan.mma_moe_supported`. ``inter`` (I) is passed, not read off w13:
     the two layouts shape their code tensors differently."""
 
-    def __init__(
-        self,
-        w13: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-        w2: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-        b13: torch.Tensor | None,
-        b2: torch.Tensor | None,
-        cfg: MmaMoeConfig,
-        inter: int,
-    ) -> None:
-        c13, s13, g13 = w13
-        c2, s2, g2 = w2
+    def __init__(self, weights: ExpertWeights, cfg: MmaMoeConfig, inter: int) -> None:
+        (c13, s13, g13), (c2, s2, g2), b13, b2 = weights
         repacked = c13.dtype == torch.int32
         if repacked:  # strides in words and in scale pairs (int16)
             s13, s2 = s13.view(torch.int16), s2.view(torch.int16)
@@ -306,16 +296,9 @@ class MmaExperts(MoeExperts):
         )  # fmt: skip
         self._hidden = hidden
 
-    def apply(
-        self,
-        inp: MoeInputs,
-        blocks: BlockRouting | None,
-        a: torch.Tensor | None,
-        y: torch.Tensor | None,
-        out: torch.Tensor,
-    ) -> None:
+    def apply(self, inp: MoeInputs, work: MoeWork) -> None:
         """Gate/up into ``a`` then down into ``y`` (one row per pair)."""
-        assert blocks is not None and a is not None and y is not None
+        blocks, a, y = work.buffers()
         x, act = inp.x, inp.act
         if x.stride(0) % 8 or x.data_ptr() % 16:  # 16-byte activation loads
             x = x.clone(memory_format=torch.contiguous_format)

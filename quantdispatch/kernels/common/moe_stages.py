@@ -20,6 +20,7 @@ runs the stages; each layout's launcher validates its stacks and picks the exper
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -31,7 +32,15 @@ from quantdispatch.kernels.common.launch import launch
 from quantdispatch.kernels.common.moe_activations import ActivationArgs
 from quantdispatch.kernels.common.moe_align import BlockRouting, route_blocks
 
-__all__ = ["MoeExperts", "MoeInputs", "moe_reduce", "prepare_inputs", "run_stages"]
+__all__ = [
+    "ExpertWeights",
+    "MoeExperts",
+    "MoeInputs",
+    "MoeWork",
+    "moe_reduce",
+    "prepare_inputs",
+    "run_stages",
+]
 
 
 @dataclass(frozen=True)
@@ -89,6 +98,32 @@ def prepare_inputs(
     )
 
 
+class ExpertWeights(NamedTuple):
+    """One layer's two expert stacks (each the layout's tuple of tensors) and their float32
+    biases ([E, N] or None), as an experts class takes them."""
+
+    w13: Any
+    w2: Any
+    b13: torch.Tensor | None
+    b2: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class MoeWork:
+    """What the runner hands the experts: the call's output, and (unless ``whole_call``) the
+    align stage's blocks, the intermediate ``a`` and the per-pair output ``y``."""
+
+    out: torch.Tensor
+    blocks: BlockRouting | None = None
+    a: torch.Tensor | None = None
+    y: torch.Tensor | None = None
+
+    def buffers(self) -> tuple[BlockRouting, torch.Tensor, torch.Tensor]:
+        """(blocks, a, y) of a call that went through the align stage."""
+        assert self.blocks is not None and self.a is not None and self.y is not None
+        return self.blocks, self.a, self.y
+
+
 class MoeExperts:
     """One kernel family's two expert GEMMs over one layer's stacks, with the plan's config.
 
@@ -108,28 +143,22 @@ class MoeExperts:
         included), one output row per (token, slot) pair."""
         return (blocks.n_blocks * blocks.block_m, self.inter), (inp.pairs, inp.hidden)
 
-    def apply(
-        self,
-        inp: MoeInputs,
-        blocks: BlockRouting | None,
-        a: torch.Tensor | None,
-        y: torch.Tensor | None,
-        out: torch.Tensor,
-    ) -> None:
-        """Gate/up into ``a`` then down into ``y`` (``whole_call``: everything into ``out``)."""
+    def apply(self, inp: MoeInputs, work: MoeWork) -> None:
+        """Gate/up into ``work.a`` then down into ``work.y`` (``whole_call``: everything into
+        ``work.out``)."""
         raise NotImplementedError
 
 
 def run_stages(experts: MoeExperts, inp: MoeInputs, out: torch.Tensor) -> torch.Tensor:
     """align -> experts -> finalize for a prepared call with M > 0; returns ``out`` [M, H]."""
     if experts.whole_call:
-        experts.apply(inp, None, None, None, out)
+        experts.apply(inp, MoeWork(out))
         return out
     blocks = route_blocks(inp.ids, inp.experts, experts.block_m, experts.direct)
     a_shape, y_shape = experts.workspace_shapes(inp, blocks)
     a = checks.empty(a_shape, inp.x.dtype, inp.x.device)
     y = checks.empty(y_shape, inp.x.dtype, inp.x.device)
-    experts.apply(inp, blocks, a, y, out)
+    experts.apply(inp, MoeWork(out, blocks, a, y))
     moe_reduce(y, inp.ids, out, inp.experts)
     return out
 

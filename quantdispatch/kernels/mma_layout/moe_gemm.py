@@ -47,13 +47,14 @@ from quantdispatch.kernels.common.checks import interpreting
 from quantdispatch.kernels.common.device_facts import DeviceFacts, device_facts
 from quantdispatch.kernels.common.launch import launch
 from quantdispatch.kernels.common.moe_activations import ActivationArgs, activation_args
-from quantdispatch.kernels.common.moe_align import BlockRouting
 from quantdispatch.kernels.common.moe_dequant import DequantExperts
 from quantdispatch.kernels.common.moe_mma import MmaExperts
 from quantdispatch.kernels.common.moe_plan import DequantMoeConfig, MmaMoeConfig, grouped_mm_capable
 from quantdispatch.kernels.common.moe_stages import (
+    ExpertWeights,
     MoeExperts,
     MoeInputs,
+    MoeWork,
     prepare_inputs,
     run_stages,
 )
@@ -201,19 +202,13 @@ class GroupedGemmExperts(MoeExperts):
     checked by :func:`.moe_stacks.check_stack`, with the plan's tile."""
 
     def __init__(
-        self,
-        w13: Sequence[torch.Tensor],
-        w2: Sequence[torch.Tensor],
-        b13: torch.Tensor | None,
-        b2: torch.Tensor | None,
-        tile: MoeGemmTile,
-        inter: int,
-        facts: DeviceFacts,
+        self, weights: ExpertWeights, tile: MoeGemmTile, inter: int, facts: DeviceFacts
     ) -> None:
         if not isinstance(tile, MoeGemmTile) or tile.block_m % 16 or tile.block_n % 64:
             fail(f"config {tile!r}", "MoeGemmTile with block_m a multiple of 16, block_n of 64",
                  "leave config=None", InputError)  # fmt: skip
         self.tile, self.inter, self.block_m, self.facts = tile, inter, tile.block_m, facts
+        w13, w2, b13, b2 = weights
         self._gemms = (self._weights(w13, b13, True), self._weights(w2, b2, False))
 
     def _weights(self, w: Sequence[torch.Tensor], bias: torch.Tensor | None, gate_up: bool) -> dict:
@@ -229,15 +224,8 @@ class GroupedGemmExperts(MoeExperts):
             num_warps=_tile_warps(self.tile, bn), SPC=w[1].shape[3],
         )  # fmt: skip
 
-    def apply(
-        self,
-        inp: MoeInputs,
-        blocks: BlockRouting | None,
-        a: torch.Tensor | None,
-        y: torch.Tensor | None,
-        out: torch.Tensor,
-    ) -> None:
-        assert blocks is not None and a is not None and y is not None
+    def apply(self, inp: MoeInputs, work: MoeWork) -> None:
+        blocks, a, y = work.buffers()
         x, act, cfg, n_blocks = inp.x, inp.act, self.tile, blocks.n_blocks
         common = dict(
             sorted_ptr=blocks.sorted_ids, bexp_ptr=blocks.block_expert,
@@ -284,7 +272,8 @@ def mma_layout_moe(
         return out
     facts = facts or device_facts(x.device)
     cfg = config or mma_layout_moe_plan(inp.m, inp.top_k, e, inter, hidden, facts, pdl=pdl)
-    return run_stages(_experts(cfg, w13, w2, w13_bias, w2_bias, inter, facts, x), inp, out)
+    weights = ExpertWeights(tuple(w13), tuple(w2), w13_bias, w2_bias)
+    return run_stages(_experts(cfg, weights, inter, facts, x), inp, out)
 
 
 def gated_activation(activation: str, params: Sequence[float]) -> ActivationArgs:
@@ -328,22 +317,18 @@ def checked_stacks(
 
 
 def _experts(
-    cfg: object,
-    w13: Sequence[torch.Tensor],
-    w2: Sequence[torch.Tensor],
-    b13: torch.Tensor | None,
-    b2: torch.Tensor | None,
-    inter: int,
-    facts: DeviceFacts,
-    x: torch.Tensor,
+    cfg: object, weights: ExpertWeights, inter: int, facts: DeviceFacts, x: torch.Tensor
 ) -> MoeExperts:
     """The experts of the config's kernel family, after checking the config suits this call."""
+    w13, w2, b13, b2 = weights
     if isinstance(cfg, DequantMoeConfig):
         if not grouped_mm_capable(facts):
             fail(f"a dequantize config on {x.device}", "needs torch._grouped_mm on SM 9.0+",
                  "leave config=None", InputError)  # fmt: skip
         return DequantExperts(
-            lambda dt: dequant_experts(*w13, dt), lambda dt: dequant_experts(*w2, dt), b13, b2
+            ExpertWeights(
+                lambda dt: dequant_experts(*w13, dt), lambda dt: dequant_experts(*w2, dt), b13, b2
+            )
         )
     if isinstance(cfg, SmallMoeConfig):
         _on_gpu(x, f"config {cfg.label()}", "the single-pair kernels are PTX")
@@ -351,11 +336,11 @@ def _experts(
             fail(f"config {cfg.label()} on {x.device}",
                  "a programmatic dependent launch needs SM 9.0+ and Triton's grid dependency "
                  "control", "use pdl=False", InputError)  # fmt: skip
-        return SmallMoeExperts(tuple(w13), tuple(w2), b13, b2, cfg, inter)  # type: ignore[arg-type]
+        return SmallMoeExperts(weights, cfg, inter)
     if isinstance(cfg, MmaMoeConfig):
         _on_gpu(x, "an mma.sync config", "the mma kernels are PTX")
-        return MmaExperts(tuple(w13), tuple(w2), b13, b2, cfg, inter)  # type: ignore[arg-type]
-    return GroupedGemmExperts(w13, w2, b13, b2, cfg, inter, facts)  # type: ignore[arg-type]
+        return MmaExperts(weights, cfg, inter)
+    return GroupedGemmExperts(weights, cfg, inter, facts)  # type: ignore[arg-type]
 
 
 def _on_gpu(x: torch.Tensor, what: str, rule: str) -> None:

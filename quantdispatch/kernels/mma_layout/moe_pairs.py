@@ -39,8 +39,7 @@ import triton.language as tl
 from quantdispatch.kernels.common import checks
 from quantdispatch.kernels.common.activation import apply_activation
 from quantdispatch.kernels.common.launch import Launcher
-from quantdispatch.kernels.common.moe_align import BlockRouting
-from quantdispatch.kernels.common.moe_stages import MoeExperts, MoeInputs
+from quantdispatch.kernels.common.moe_stages import ExpertWeights, MoeExperts, MoeInputs, MoeWork
 from quantdispatch.kernels.common.pdl import gdc_launch_dependents, gdc_wait
 from quantdispatch.kernels.common.ptx import chunk_mma, k_reduce, load_w, load_x
 from quantdispatch.kernels.mma_layout.moe_plan import SmallMoeConfig, small_units
@@ -372,26 +371,10 @@ class SmallMoeExperts(MoeExperts):
 
     whole_call = True
 
-    def __init__(
-        self,
-        w13: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-        w2: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-        b13: torch.Tensor | None,
-        b2: torch.Tensor | None,
-        cfg: SmallMoeConfig,
-        inter: int,
-    ) -> None:
-        self.w13, self.w2, self.b13, self.b2, self.cfg, self.inter = w13, w2, b13, b2, cfg, inter
+    def __init__(self, weights: ExpertWeights, cfg: SmallMoeConfig, inter: int) -> None:
+        self.weights, self.cfg, self.inter = weights, cfg, inter
 
-    def apply(
-        self,
-        inp: MoeInputs,
-        blocks: BlockRouting | None,
-        a: torch.Tensor | None,
-        y: torch.Tensor | None,
-        out: torch.Tensor,
-    ) -> None:
-        act = inp.act
-        small = SmallMoe(self.w13, self.w2, self.b13, self.b2, act.code, act.alpha, act.limit,
-                         self.inter, inp.top_k)  # fmt: skip
-        small(inp.x, inp.ids, inp.tw, self.cfg, out)
+    def apply(self, inp: MoeInputs, work: MoeWork) -> None:
+        (w13, w2, b13, b2), act = self.weights, inp.act
+        small = SmallMoe(w13, w2, b13, b2, act.code, act.alpha, act.limit, self.inter, inp.top_k)
+        small(inp.x, inp.ids, inp.tw, self.cfg, work.out)
