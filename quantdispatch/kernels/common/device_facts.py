@@ -49,11 +49,6 @@ class DeviceFacts:
     rs_wgmma_hazard: bool = False
 
     @classmethod
-    def of(cls, device: torch.device) -> DeviceFacts:
-        """The facts of ``device`` (cached per device)."""
-        return device_facts(device)
-
-    @classmethod
     def for_capability(
         cls, capability: tuple[int, int] | None, sm_count: int | None = None
     ) -> DeviceFacts:
