@@ -1,6 +1,6 @@
 """NVFP4 and MXFP4 MoE experts in the ``mma16x64`` layout: every regime on one repacked copy.
 
-Why: the MoE kernels on the checkpoint layout (:mod:`..checkpoint_layout.moe_mma`,
+Why: the MoE kernels on the checkpoint layout (:mod:`..common.moe_mma`,
 :mod:`..checkpoint_layout.moe`) decode each weight with more instructions than the repacked
 linear kernels (15 vs 11 integer ops per 8 codes, activation permutes, byte-wise scales), and at
 few tokens per expert they are issue bound, so the same mma.sync design streams faster from the
@@ -9,13 +9,13 @@ repacked layout (docs/design/moe.md). With the tl.dot GEMM that decodes the repa
 copy). The regime is chosen in :mod:`.moe_plan`:
 
 * single (token, slot) pairs (4 x pairs <= E: decode): the mma.sync gate/up tiles of
-  :mod:`..checkpoint_layout.moe_mma` and a down kernel that also sums the top-k slots
+  :mod:`..common.moe_mma` and a down kernel that also sums the top-k slots
   (:mod:`.moe_pairs`: two launches instead of three);
 * few tokens per expert: the mma.sync gate/up + down kernels of
-  :mod:`..checkpoint_layout.moe_mma` in their REPACKED mode (gate and up tiles of a warp share
+  :mod:`..common.moe_mma` in their REPACKED mode (gate and up tiles of a warp share
   the activation fragments, activation fused) on 8-pair blocks;
 * mid: a grouped GEMM (:func:`_moe_gemm_kernel`): expert-sorted blocks of ``block_m`` pairs
-  (:func:`..checkpoint_layout.moe_align.moe_align`) times 64-row weight tiles, the weight decoded
+  (:func:`..common.moe_align.moe_align`) times 64-row weight tiles, the weight decoded
   into the wgmma A operand as in :mod:`.gemm` (swap AB: weight rows x tokens). Gate/up programs run
   the gate tile and the up tile on the same activation tile (one shared-memory tile feeds both dots)
   and fuse the activation; they write the intermediate with its columns already in the MMA K order,
@@ -30,6 +30,9 @@ fp32 [E]. MXFP4 (:func:`.moe_stacks.repack_experts_mx`): scales [E, N/16, K/64, 
 per group of 32 read by two lanes, and each expert's scales relative to its own largest (its
 global scale).
 The layout places codes for one 16-bit activation dtype (bf16 or fp16), fixed at repack.
+
+Every regime runs the stages of :mod:`..common.moe_stages`; :func:`mma_layout_moe` checks the
+stacks, asks the plan and picks the experts (the grouped GEMM's are :class:`GroupedGemmExperts`).
 """
 
 from __future__ import annotations
