@@ -12,6 +12,7 @@ import torch
 from quantdispatch.kernels.common import checks
 from quantdispatch.kernels.common.device_facts import DeviceFacts, device_facts
 from quantdispatch.kernels.common.moe_activations import activation_args
+from quantdispatch.kernels.common.moe_stages import ExpertWeights
 from quantdispatch.kernels.mma_layout.moe_gemm import mma_layout_moe
 from quantdispatch.kernels.mma_layout.moe_pairs import SmallMoe
 from quantdispatch.kernels.mma_layout.moe_plan import SmallMoeConfig
@@ -21,17 +22,15 @@ __all__ = ["MmaLayoutMoe"]
 
 
 class MmaLayoutMoe:
-    """:func:`mma_layout_moe` over one layer's repacked stacks, checked once (the bound MoE
+    """:func:`mma_layout_moe` over one layer's repacked stacks and biases (``weights``), checked
+    once (the bound MoE
     path): a call checks the per-call tensors' shapes and runs the plan's regime, the single
     pairs on their bound launches (:class:`.moe_pairs.SmallMoe`), the others through
     :func:`mma_layout_moe` with the same config."""
 
     def __init__(
         self,
-        w13: Sequence[torch.Tensor],
-        w2: Sequence[torch.Tensor],
-        w13_bias: torch.Tensor | None,
-        w2_bias: torch.Tensor | None,
+        weights: ExpertWeights,
         *,
         activation: str,
         params: Sequence[float],
@@ -39,6 +38,7 @@ class MmaLayoutMoe:
         pdl: bool = True,
         facts: DeviceFacts | None = None,
     ) -> None:
+        w13, w2, w13_bias, w2_bias = weights
         act = activation_args(activation, params)
         _, _, self.hidden = check_stack(w13, "w13")
         _, _, self.inter = check_stack(w2, "w2")
