@@ -71,8 +71,8 @@ from quantdispatch.backends.base import CheckpointMeta, Layout, MoeCall
 from quantdispatch.backends.reference import ReferenceBackend
 from quantdispatch.kernels.checkpoint_layout import moe_plan as ckpt_plan
 from quantdispatch.kernels.checkpoint_layout.moe import fused_moe
-from quantdispatch.kernels.checkpoint_layout.moe_plan import MmaGemmConfig, MmaMoeConfig
 from quantdispatch.kernels.common.device_facts import device_facts
+from quantdispatch.kernels.common.moe_plan import DequantMoeConfig, MmaGemmConfig, MmaMoeConfig
 from quantdispatch.kernels.mma_layout.moe_gemm import mma_layout_moe
 from quantdispatch.kernels.mma_layout.moe_plan import (
     MoeGemmTile,
@@ -354,12 +354,12 @@ def distinct_experts(ids: torch.Tensor) -> int:
 
 
 def config_dict(
-    cfg: ckpt_plan.MoeConfig | MmaMoeConfig | ckpt_plan.DequantMoeConfig | MoeGemmTile,
+    cfg: ckpt_plan.MoeConfig | MmaMoeConfig | DequantMoeConfig | MoeGemmTile,
 ) -> dict:
     family: Family = cfg.family  # the regime table's name for it
     if isinstance(cfg, SmallMoeConfig):
         return {"kernel": "topk-sum", "family": family.value, **vars(cfg)}
-    if isinstance(cfg, ckpt_plan.DequantMoeConfig):
+    if isinstance(cfg, DequantMoeConfig):
         return {"kernel": "dequant+grouped_mm", "family": family.value}
     if isinstance(cfg, MoeGemmTile):
         return {"kernel": "gemm", "family": family.value, **vars(cfg)}
@@ -519,7 +519,7 @@ def sweep_configs(m: int, top_k: int, e: int, i: int, h: int, only_small: bool =
     grouped GEMM tiles from 2 on, dequantize + grouped_mm from 256; the single-pair kernels also
     where the heuristic picks 8-pair blocks at <= 1 token per expert. ``only_small``: the
     single-pair kernels (and the pick) only."""
-    from quantdispatch.kernels.checkpoint_layout.moe_plan import mma_moe_config
+    from quantdispatch.kernels.common.moe_plan import mma_moe_config
 
     tpe = m * top_k / e
     out: list = []
@@ -564,7 +564,7 @@ def sweep_configs(m: int, top_k: int, e: int, i: int, h: int, only_small: bool =
             out += [MoeGemmTile(bm, 64, 2, 4, 4), MoeGemmTile(bm, 64, 2, 4, 3),
                     MoeGemmTile(bm, 128, 2, 8, 3)]  # fmt: skip
     if tpe >= 256:  # dequantize + grouped_mm as a challenger below the plan's threshold too
-        out.append(ckpt_plan.DequantMoeConfig())
+        out.append(DequantMoeConfig())
     return out
 
 

@@ -3,7 +3,7 @@ global scale + bias``), for mma_sweep.py ``--ckpt`` and profile_mma.py ``--kerne
 
 The package never runs it: linears are repacked into the mma16x64 layout on SM 8.0+, and the
 checkpoint-layout decode costs more per weight (docs/design/checkpoint-layout.md). The
-kernel (:func:`quantdispatch.kernels.checkpoint_layout.moe_mma.checkpoint_mma_kernel`) keeps the
+kernel (:func:`quantdispatch.kernels.common.moe_mma.checkpoint_mma_kernel`) keeps the
 mode as this comparison's subject; the MoE modes are what the package launches.
 """
 
@@ -12,10 +12,10 @@ from __future__ import annotations
 import torch
 import triton
 
-from quantdispatch.kernels.checkpoint_layout.moe_mma import checkpoint_mma_kernel
 from quantdispatch.kernels.common.checks import rows_aligned
 from quantdispatch.kernels.common.configs import mma_base_config
 from quantdispatch.kernels.common.launch import launch
+from quantdispatch.kernels.common.moe_mma import checkpoint_mma_kernel
 
 
 def mma_ckpt_supported_shape(n: int, k: int) -> bool:

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 
 import moe as bench  # benchmarks/moe.py: Layer, timing, reference
 
-from quantdispatch.kernels.checkpoint_layout.moe_plan import (
+from quantdispatch.kernels.common.moe_plan import (
     MmaGemmConfig,
     MmaMoeConfig,
     mma_moe_config,

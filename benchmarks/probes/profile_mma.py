@@ -21,7 +21,7 @@ import torch
 from ckpt_mma_linear import mma_ckpt_linear  # probes/: the checkpoint-layout LINEAR mode
 
 from quantdispatch.kernels.checkpoint_layout.moe import fused_moe
-from quantdispatch.kernels.checkpoint_layout.moe_plan import MmaGemmConfig, MmaMoeConfig
+from quantdispatch.kernels.common.moe_plan import MmaGemmConfig, MmaMoeConfig
 from quantdispatch.kernels.mma_layout.gemm import mma_gemm
 from quantdispatch.kernels.mma_layout.gemm_tiles import parse_tile
 from quantdispatch.kernels.mma_layout.gemv import mma_linear

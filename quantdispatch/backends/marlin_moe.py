@@ -7,12 +7,14 @@ padded per expert with the value tokens * top_k; ``expert_ids``: the expert of e
 the second (top_k = 1) reads row ``id``. Everything around the two GEMMs is ours, in torch:
 the block alignment (no host sync, so CUDA graphs capture it), the biases, the activation, and
 the routing weights, applied once in float32 (the provider's ``mul_topk_weights`` stays off;
-routed scaling is already in the weights QuantMoE computed).
+routed scaling is already in the weights QuantMoE computed) by the finalize stage the MoE paths
+without the Triton reduce share (:mod:`quantdispatch.kernels.common.moe_finalize`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -26,8 +28,9 @@ from quantdispatch.backends.marlin_contract import (
     permute_scales,
 )
 from quantdispatch.backends.marlin_table import Contract, Schema
+from quantdispatch.kernels.common.moe_finalize import local_pairs, weight_and_sum
 
-__all__ = ["align_tokens", "block_size_for", "prepare_stack", "run_moe"]
+__all__ = ["MarlinExperts", "align_tokens", "block_size_for", "prepare_stack", "run_moe"]
 
 #: Row-block sizes the MoE kernel is built for.
 MOE_BLOCK_SIZES = (8, 16, 32, 48, 64)
@@ -120,6 +123,17 @@ def prepare_stack(
     return out
 
 
+class Route(NamedTuple):
+    """The align stage's result in the provider's terms, with what every GEMM call repeats."""
+
+    sorted_token_ids: torch.Tensor
+    expert_ids: torch.Tensor
+    num_tokens_past_padded: torch.Tensor
+    topk_weights: torch.Tensor
+    block: int
+    top_k: int
+
+
 def _call(
     contract: Contract,
     a: torch.Tensor,
@@ -128,9 +142,7 @@ def _call(
     scales: torch.Tensor,
     global_scale: torch.Tensor | None,
     workspace: torch.Tensor,
-    route: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    topk_weights: torch.Tensor,
-    block: int,
+    route: Route,
     top_k: int,
     size_m: int,
     size_n: int,
@@ -138,13 +150,76 @@ def _call(
 ) -> torch.Tensor:
     op = contract.op("moe")
     head = (a, c, qweight, None, scales, None, global_scale, None)
-    mid = (*route, topk_weights, block, top_k, False, FLOAT4_E2M1F_ID, size_m, size_n, size_k)
+    mid = (*route[:3], route.topk_weights, route.block, top_k, False, FLOAT4_E2M1F_ID, size_m,
+           size_n, size_k)  # fmt: skip
     tail = (False, True, False, -1, -1, -1)  # no atomic add, fp32 reduce, no float zp, auto
     if contract.schema is Schema.MARLIN_GEMM:
         return op(*head, workspace, *mid, *tail)
     if contract.schema is Schema.MARLIN_GEMM_GIDX:
         return op(*head, None, None, workspace, *mid, True, *tail)
     raise NotImplementedError(f"no MoE binding for the {contract.schema.value} schema")
+
+
+class MarlinExperts:
+    """The experts stage on Marlin: both expert GEMMs on the provider's grouped GEMM, the first
+    GEMM's bias and the activation between them in torch (the activation contract of
+    :mod:`quantdispatch.moe.activations`). ``w13`` / ``w2``: (qweight, scales[, global],
+    workspace) from :func:`prepare_stack`, I padded to ``inter_pad``."""
+
+    def __init__(
+        self,
+        contract: Contract,
+        w13: Sequence[torch.Tensor],
+        w2: Sequence[torch.Tensor],
+        *,
+        inter: int,
+        inter_pad: int,
+        gated: bool,
+    ) -> None:
+        self.contract, self.w13, self.w2 = contract, w13, w2
+        self.inter, self.inter_pad, self.shards = inter, inter_pad, 2 if gated else 1
+        self.nvfp4 = len(w13) == 4
+
+    def workspace_shapes(
+        self, pairs: int, hidden: int
+    ) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(first GEMM's output, per-pair output) shapes, one row per (token, slot) pair."""
+        return (pairs, self.shards * self.inter_pad), (pairs, hidden)
+
+    def _gemm(self, w: Sequence[torch.Tensor], a: torch.Tensor, c: torch.Tensor,
+              route: Route, top_k: int) -> torch.Tensor:  # fmt: skip
+        """c [rows, N] = the grouped GEMM of a's rows (a row per token when ``top_k`` is the
+        layer's, per pair when 1) by the blocks' experts."""
+        return _call(self.contract, a, c, w[0], w[1], w[2] if self.nvfp4 else None, w[-1],
+                     route, top_k, a.shape[0], c.shape[1], a.shape[1])  # fmt: skip
+
+    def apply(
+        self,
+        x: torch.Tensor,
+        route: Route,
+        expert: torch.Tensor,
+        w13_bias: torch.Tensor | None,
+        activation: str,
+        params: Sequence[float],
+    ) -> torch.Tensor:
+        """Per-pair expert outputs [M * top_k, H] in x.dtype (routing weights not applied);
+        ``expert``: each pair's expert id, foreign ones sent to 0 (their rows are dropped by
+        the finalize stage)."""
+        from quantdispatch.moe.activations import apply_activation
+
+        pairs = expert.numel()
+        h_shape, y_shape = self.workspace_shapes(pairs, x.shape[1])
+        h = torch.zeros(h_shape, dtype=x.dtype, device=x.device)
+        h = self._gemm(self.w13, x.contiguous(), h, route, route.top_k)
+        hf = h.float().reshape(pairs, self.shards, self.inter_pad)[:, :, : self.inter]
+        hf = hf.reshape(pairs, -1)
+        if w13_bias is not None:
+            hf = hf + w13_bias.float()[expert]
+        act = apply_activation(hf, activation, params)
+        if self.inter_pad != self.inter:
+            act = torch.nn.functional.pad(act, (0, self.inter_pad - self.inter))
+        y = torch.zeros(y_shape, dtype=x.dtype, device=x.device)
+        return self._gemm(self.w2, act.to(x.dtype).contiguous(), y, route, 1)
 
 
 def run_moe(
@@ -163,65 +238,16 @@ def run_moe(
     inter_pad: int,
     gated: bool,
 ) -> torch.Tensor:
-    """out[t] = sum_k w[t, k] * expert_{id[t, k]}(x[t]) with both expert GEMMs on Marlin.
-
-    ``w13`` / ``w2``: (qweight, scales[, global], workspace) from :func:`prepare_stack`."""
-    from quantdispatch.moe.activations import apply_activation
-
-    m, hidden = x.shape
-    top_k = topk_ids.shape[1]
+    """out[t] = sum_k w[t, k] * expert_{id[t, k]}(x[t]) with both expert GEMMs on Marlin:
+    align (:func:`align_tokens`), :class:`MarlinExperts`, then the shared finalize
+    (:func:`..kernels.common.moe_finalize.weight_and_sum`: second bias, routing weights,
+    fp32 top-k sum)."""
+    m, top_k = topk_ids.shape
     experts = w13[0].shape[0]
     block = block_size_for(m, top_k, experts)
-    route = align_tokens(topk_ids, experts, block)
     weights = topk_weights.to(torch.float32).contiguous()
-    ids = topk_ids.reshape(-1).to(torch.int64)
-    valid = (ids >= 0) & (ids < experts)
-    safe = torch.where(valid, ids, torch.zeros_like(ids))
-    nvfp4 = len(w13) == 4
-    shards = 2 if gated else 1
-
-    h = torch.zeros((m * top_k, shards * inter_pad), dtype=x.dtype, device=x.device)
-    h = _call(
-        contract,
-        x.contiguous(),
-        h,
-        w13[0],
-        w13[1],
-        w13[2] if nvfp4 else None,
-        w13[-1],
-        route,
-        weights,
-        block,
-        top_k,
-        m,
-        shards * inter_pad,
-        hidden,
-    )
-    hf = h.float().reshape(m * top_k, shards, inter_pad)[:, :, :inter].reshape(m * top_k, -1)
-    if w13_bias is not None:
-        hf = hf + w13_bias.float()[safe]
-    act = apply_activation(hf, activation, params)
-    if inter_pad != inter:
-        act = torch.nn.functional.pad(act, (0, inter_pad - inter))
-    y = torch.zeros((m * top_k, hidden), dtype=x.dtype, device=x.device)
-    y = _call(
-        contract,
-        act.to(x.dtype).contiguous(),
-        y,
-        w2[0],
-        w2[1],
-        w2[2] if nvfp4 else None,
-        w2[-1],
-        route,
-        weights,
-        block,
-        1,
-        m * top_k,
-        hidden,
-        inter_pad,
-    )
-    yf = y.float()
-    if w2_bias is not None:
-        yf = yf + w2_bias.float()[safe]
-    scale = (weights.reshape(-1) * valid).reshape(m * top_k, 1)
-    return (yf * scale).reshape(m, top_k, hidden).sum(dim=1).to(x.dtype)
+    route = Route(*align_tokens(topk_ids, experts, block), weights, block, top_k)
+    _, expert = local_pairs(topk_ids, experts)
+    stage = MarlinExperts(contract, w13, w2, inter=inter, inter_pad=inter_pad, gated=gated)
+    y = stage.apply(x, route, expert, w13_bias, activation, params)
+    return weight_and_sum(y, topk_ids, weights, experts, w2_bias).to(x.dtype)

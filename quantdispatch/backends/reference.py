@@ -176,8 +176,10 @@ class ReferenceBackend(Backend):
         ``topk_ids`` hold local expert indices; ids outside [0, E) (experts another rank
         holds, or -1) contribute nothing, so a sum over expert-parallel ranks is the full
         layer. This path synchronizes with the device (it lists the experts in use): it is
-        the contract, not a fast path.
+        the contract, not a fast path, so it keeps its own per-expert sum rather than the
+        finalize stage of the fast paths (:mod:`quantdispatch.kernels.common.moe_finalize`).
         """
+        from quantdispatch.kernels.common.moe_finalize import local_pairs
         from quantdispatch.moe.activations import apply_activation
 
         x, topk_ids, topk_weights, fmt = call.x, call.topk_ids, call.topk_weights, call.fmt
@@ -187,8 +189,8 @@ class ReferenceBackend(Backend):
         xf = x.to(torch.float32)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         ids = topk_ids.to(torch.long)
-        valid = (ids >= 0) & (ids < num_experts)
-        for e in torch.unique(ids[valid]).tolist():
+        valid, _ = local_pairs(topk_ids, num_experts)
+        for e in torch.unique(ids[valid.view_as(ids)]).tolist():
             token_idx, slot = torch.nonzero(ids == e, as_tuple=True)
             w13_e = self.weight_object(fmt, [t[e] for t in w13], meta)
             w2_e = self.weight_object(fmt, [t[e] for t in w2], meta)

@@ -121,7 +121,7 @@ class QuantMoE(QuantLayer):
         self.format = fmt
         validate_stacked(fmt, stacked13, "w13", block)
         validate_stacked(fmt, stacked2, "w2", block)
-        e, n13, hidden, inter = layer_dims(fmt, stacked13, stacked2, spec.gated, spec.name)
+        e, _, hidden, inter = layer_dims(fmt, stacked13, stacked2, spec.gated, spec.name)
         self.num_local_experts, self.hidden_size, self.intermediate_size = e, hidden, inter
         self.num_experts = int(num_experts) if num_experts is not None else e
         held = held_experts(expert_ids, e, self.num_experts)
@@ -152,32 +152,57 @@ class QuantMoE(QuantLayer):
             settings=settings,
             policy=policy,
         )
-        # the backend's own stacks (the triton backend repacks NVFP4 experts; same bytes)
+        self._hold_experts(
+            backend, target, fmt, block, spec.gated, (stacked13, stacked2), (w13_bias, w2_bias)
+        )
+        self._hold_router(e_score_correction_bias, held, target)
+
+    def _hold_experts(
+        self,
+        backend: Any,
+        target: torch.device,
+        fmt: str,
+        block: Sequence[int] | None,
+        gated: bool,
+        stacks: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]],
+        biases: tuple[torch.Tensor | None, torch.Tensor | None],
+    ) -> None:
+        """The backend's own expert stacks (the triton backend repacks NVFP4 experts; same
+        bytes) and the expert biases, as buffers."""
+        stacked13, stacked2 = stacks
         prepared = backend.prepare_moe(
             [t.detach().to(target).contiguous() for t in stacked13],
             [t.detach().to(target).contiguous() for t in stacked2],
             STACK_NAMES[fmt],
             CheckpointMeta(block_size=tuple(block) if block else None),  # type: ignore[arg-type]
             self.decision.request,
-            gated=spec.gated,
+            gated=gated,
         )
         self._names13 = tuple(f"w13_{n}" for n in prepared.names)
         self._names2 = tuple(f"w2_{n}" for n in prepared.names)
-        stacks = [*prepared.w13, *prepared.w2]
-        self._hold(self._names13 + self._names2, stacks, prepared.layout, prepared.meta)
-        self.register_buffer("w13_bias", check_bias(w13_bias, (e, n13), "w13_bias", target))
-        self.register_buffer("w2_bias", check_bias(w2_bias, (e, hidden), "w2_bias", target))
-        if e_score_correction_bias is not None:
-            if tuple(e_score_correction_bias.shape) != (self.num_experts,):
+        held = [*prepared.w13, *prepared.w2]
+        self._hold(self._names13 + self._names2, held, prepared.layout, prepared.meta)
+        e, n13 = self.num_local_experts, self.intermediate_size * (2 if gated else 1)
+        self.register_buffer("w13_bias", check_bias(biases[0], (e, n13), "w13_bias", target))
+        self.register_buffer(
+            "w2_bias", check_bias(biases[1], (e, self.hidden_size), "w2_bias", target)
+        )
+
+    def _hold_router(
+        self, correction: torch.Tensor | None, held: Sequence[int], target: torch.device
+    ) -> None:
+        """The router's score correction bias and the global -> local expert map, as buffers."""
+        if correction is not None:
+            if tuple(correction.shape) != (self.num_experts,):
                 raise CheckpointError(
                     format_error(
-                        f"e_score_correction_bias has shape {tuple(e_score_correction_bias.shape)}",
+                        f"e_score_correction_bias has shape {tuple(correction.shape)}",
                         f"it has one value per expert of the model: ({self.num_experts},)",
                         "pass the router's e_score_correction_bias",
                     )
                 )
-            e_score_correction_bias = e_score_correction_bias.detach().to(target, torch.float32)
-        self.register_buffer("e_score_correction_bias", e_score_correction_bias)
+            correction = correction.detach().to(target, torch.float32)
+        self.register_buffer("e_score_correction_bias", correction)
         self.expert_ids: tuple[int, ...] = tuple(held)
         self.register_buffer("expert_map", build_expert_map(held, self.num_experts, target))
 

@@ -1,4 +1,4 @@
-"""The checkpoint-layout mma.sync NVFP4 MoE kernels (kernels/checkpoint_layout/moe_mma.py) on a
+"""The checkpoint-layout mma.sync NVFP4 MoE kernels (kernels/common/moe_mma.py) on a
 real GPU, against float64: every path (direct pairs, 8- and 16-pair sorted blocks), uneven K
 splits, gpt-oss's clamped SwiGLU with biases, expert-parallel ids, poisoned buffers, CUDA
 graphs. (The package never launches the kernel's LINEAR mode; the probes do:
@@ -17,9 +17,9 @@ pytest.importorskip("triton")
 from quantdispatch.errors import InputError
 from quantdispatch.kernels.checkpoint_layout import moe as fm
 from quantdispatch.kernels.checkpoint_layout import moe_plan
-from quantdispatch.kernels.checkpoint_layout.moe_plan import MmaGemmConfig, MmaMoeConfig
 from quantdispatch.kernels.common import checks
 from quantdispatch.kernels.common.device_facts import device_facts
+from quantdispatch.kernels.common.moe_plan import MmaGemmConfig, MmaMoeConfig
 from tests.gpu.test_moe_gpu import BOUND, DEV, moe64, rel, stacks
 
 pytestmark = pytest.mark.gpu

@@ -22,14 +22,14 @@ triton = pytest.importorskip("triton")
 
 from quantdispatch.backends.base import Mma16x64Meta  # noqa: E402
 from quantdispatch.kernels.checkpoint_layout.moe import fused_moe  # noqa: E402
-from quantdispatch.kernels.checkpoint_layout.moe_plan import (  # noqa: E402
+from quantdispatch.kernels.common import checks  # noqa: E402
+from quantdispatch.kernels.common.device_facts import device_facts  # noqa: E402
+from quantdispatch.kernels.common.moe_plan import (  # noqa: E402
     DequantMoeConfig,
     MmaMoeConfig,
     grouped_mm_capable,
     mma_moe_config,
 )
-from quantdispatch.kernels.common import checks  # noqa: E402
-from quantdispatch.kernels.common.device_facts import device_facts  # noqa: E402
 from quantdispatch.kernels.mma_layout.moe_gemm import mma_layout_moe  # noqa: E402
 from quantdispatch.kernels.mma_layout.moe_plan import (  # noqa: E402
     MoeGemmTile,

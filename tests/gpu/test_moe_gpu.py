@@ -172,17 +172,18 @@ def test_many_tokens_per_expert_regimes(fmt):
     checked against float64."""
     from quantdispatch.kernels.checkpoint_layout import moe_plan
     from quantdispatch.kernels.common.device_facts import device_facts
+    from quantdispatch.kernels.common.moe_plan import DequantMoeConfig
     from quantdispatch.kernels.mma_layout.moe_plan import MoeGemmTile, mma_layout_moe_plan
 
     m = 4200
     facts = device_facts(DEV)
     cfg = moe_plan.checkpoint_layout_moe_plan(m, 2, 8, 1792, 1024, fmt, facts)
     if torch.cuda.get_device_capability() >= (9, 0):
-        assert isinstance(cfg, moe_plan.DequantMoeConfig), cfg
+        assert isinstance(cfg, DequantMoeConfig), cfg
         repacked = mma_layout_moe_plan(m, 2, 8, 1792, 1024, facts)
         assert isinstance(repacked, MoeGemmTile), repacked
         big = mma_layout_moe_plan(3072, 2, 8, 14336, 4096, facts)  # Mixtral, 768 per expert
-        assert isinstance(big, moe_plan.DequantMoeConfig), big
+        assert isinstance(big, DequantMoeConfig), big
     layer, w13, w2, gen = layer_and_weights(fmt, 8, 2, 1024, 1792, seed=21, renormalize=True)
     x, logits = inputs(m, 1024, 8, gen, torch.bfloat16)
     ids, w = layer.route(logits)

@@ -13,6 +13,7 @@ import torch
 pytest.importorskip("triton")
 from quantdispatch.kernels.checkpoint_layout import mma_decode, moe_plan
 from quantdispatch.kernels.common import decode_tables
+from quantdispatch.kernels.common import moe_plan as shared_plan
 from quantdispatch.kernels.common.device_facts import DeviceFacts
 from tests.numerics.ref64 import e2m1_from_bits, e4m3_from_bits, unpack_low_first
 
@@ -81,17 +82,17 @@ def test_activation_permutation_matches_the_a_registers() -> None:
     ],
 )
 def test_supported_shapes(inter, hidden, gated, cap, ok) -> None:
-    assert moe_plan.mma_moe_supported(inter, hidden, gated, cap) is ok
+    assert shared_plan.mma_moe_supported(inter, hidden, gated, cap) is ok
 
 
 def test_configs_split_k_by_work_and_the_cpu_keeps_tl_dot() -> None:
-    cfg = moe_plan.mma_moe_config(8, 128, 768, 2048, direct=True)  # Qwen3 M=1
+    cfg = shared_plan.mma_moe_config(8, 128, 768, 2048, direct=True)  # Qwen3 M=1
     assert cfg.direct and cfg.block_m == 8
     assert cfg.gemm1.wk == 2  # 32 chunks: >= 16 per warp
     assert cfg.gemm2.wk == 1 and cfg.gemm2.unroll == 2  # 12 chunks
-    mixtral = moe_plan.mma_moe_config(32, 8, 14336, 4096, direct=False)  # M=16: 8 busy blocks
+    mixtral = shared_plan.mma_moe_config(32, 8, 14336, 4096, direct=False)  # M=16: 8 busy blocks
     assert mixtral.block_m == 8 and (mixtral.gemm1.wk, mixtral.gemm2.wk) == (4, 4)
-    deepseek = moe_plan.mma_moe_config(128, 256, 2048, 7168, direct=False)  # M=16: many blocks
+    deepseek = shared_plan.mma_moe_config(128, 256, 2048, 7168, direct=False)  # M=16: many blocks
     assert (deepseek.gemm1.wk, deepseek.gemm2.wk) == (2, 2)
     cpu = DeviceFacts.for_capability(None)
     plan = moe_plan.checkpoint_layout_moe_plan(1, 8, 128, 768, 2048, "nvfp4", cpu)
@@ -102,7 +103,7 @@ def test_moe_configs_keep_16_chunks_per_warp() -> None:
     for pairs in (1, 8, 32, 128, 1024):
         for experts in (8, 128, 256):
             for inter, hidden in ((768, 2048), (14336, 4096), (2048, 7168), (2880, 2880)):
-                cfg = moe_plan.mma_moe_config(
+                cfg = shared_plan.mma_moe_config(
                     pairs, experts, inter, hidden, direct=4 * pairs <= experts
                 )
                 for g, chunks in ((cfg.gemm1, hidden // 64), (cfg.gemm2, inter // 64)):

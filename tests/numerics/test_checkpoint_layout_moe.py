@@ -27,17 +27,24 @@ triton = pytest.importorskip("triton", reason="triton is not installed (optional
 from ref64 import rel_err  # noqa: E402
 from test_moe import make_experts, moe64, rand_x  # noqa: E402
 
-import quantdispatch.kernels.checkpoint_layout.moe as fm  # noqa: E402
 from quantdispatch.backends.base import CheckpointMeta, Layout, encode_meta  # noqa: E402
 from quantdispatch.errors import InputError, WeightFormatError  # noqa: E402
 from quantdispatch.kernels.checkpoint_layout import moe_plan  # noqa: E402
 from quantdispatch.kernels.checkpoint_layout.dequant import dequant_experts  # noqa: E402
 from quantdispatch.kernels.checkpoint_layout.moe import fused_moe  # noqa: E402
-from quantdispatch.kernels.checkpoint_layout.moe_align import max_blocks_for, moe_align  # noqa: E402
 from quantdispatch.kernels.checkpoint_layout.moe_plan import MoeConfig, MoeGemmConfig  # noqa: E402
+from quantdispatch.kernels.checkpoint_layout.moe_stacks import unpack_stack  # noqa: E402
 from quantdispatch.kernels.common import checks  # noqa: E402
 from quantdispatch.kernels.common.device_facts import DeviceFacts  # noqa: E402
-from quantdispatch.kernels.common.slabs import run_dequant_moe  # noqa: E402
+from quantdispatch.kernels.common.moe_activations import activation_args  # noqa: E402
+from quantdispatch.kernels.common.moe_align import max_blocks_for, moe_align  # noqa: E402
+from quantdispatch.kernels.common.moe_dequant import DequantExperts  # noqa: E402
+from quantdispatch.kernels.common.moe_plan import (  # noqa: E402
+    DequantMoeConfig,
+    MmaGemmConfig,
+    MmaMoeConfig,
+)
+from quantdispatch.kernels.common.moe_stages import ExpertWeights, MoeInputs, run_stages  # noqa: E402
 from quantdispatch.layers import QuantMoE  # noqa: E402
 
 if not checks.interpreting():
@@ -265,16 +272,16 @@ def test_bad_inputs():
 def run_dequant(ex, x, ids, w, activation="silu", params=(0.0, 0.0), b13=None, b2=None, **kw):
     """The dequantize path called directly (the heuristic only takes it on SM 9.0+ GPUs)."""
     w13, w2, block = stacked(ex, activation=activation, **kw)
-    c13, s13, g13, *_ = fm._unpack_weights(ex.fmt, w13, "w13", block)
-    c2, s2, g2, *_ = fm._unpack_weights(ex.fmt, w2, "w2", block)
-    spec = fm.get_activation(activation)
+    s13, s2 = unpack_stack(ex.fmt, w13, "w13", block), unpack_stack(ex.fmt, w2, "w2", block)
     out = torch.empty(x.shape, dtype=x.dtype)
-    run_dequant_moe(
-        x, ids, w, c13.shape[0],
-        lambda: dequant_experts(ex.fmt, c13, s13, g13, x.dtype),
-        lambda: dequant_experts(ex.fmt, c2, s2, g2, x.dtype),
-        b13, b2, spec.code, spec.gated, *params, out,
-    )  # fmt: skip
+    weights = ExpertWeights(
+        lambda dt: dequant_experts(ex.fmt, *s13[:3], dt),
+        lambda dt: dequant_experts(ex.fmt, *s2[:3], dt),
+        b13,
+        b2,
+    )
+    inp = MoeInputs(x, ids, w, s13.e, activation_args(activation, params))
+    run_stages(DequantExperts(weights), inp, out)
     return out
 
 
@@ -308,8 +315,6 @@ def test_dequant_grouped_mm_path_mxfp4_biases_swiglu_and_relu2():
 
 
 def test_forced_mma_config_off_an_sm80_gpu_says_why():
-    from quantdispatch.kernels.checkpoint_layout.moe_plan import MmaGemmConfig, MmaMoeConfig
-
     ex = make_experts("nvfp4", 2, 64, 64, seed=51)
     ids, w = routing(3, 2, 1, seed=52)
     cfg = MmaMoeConfig(1, MmaGemmConfig(), MmaGemmConfig(), direct=True)
@@ -321,6 +326,6 @@ def test_dequant_path_is_gpu_only_and_named_in_errors():
     ex = make_experts("nvfp4", 2, 64, 32, seed=48)
     ids, w = routing(3, 2, 1, seed=49)
     cfg = moe_plan.checkpoint_layout_moe_plan(8192, 2, 8, 14336, 4096, "nvfp4", CPU)
-    assert not isinstance(cfg, moe_plan.DequantMoeConfig)
+    assert not isinstance(cfg, DequantMoeConfig)
     with pytest.raises(InputError, match="grouped-GEMM config"):
-        run(ex, rand_x(3, 64, torch.bfloat16, 50), ids, w, config=moe_plan.DequantMoeConfig())
+        run(ex, rand_x(3, 64, torch.bfloat16, 50), ids, w, config=DequantMoeConfig())

@@ -25,13 +25,13 @@ from test_moe import make_experts, moe64, rand_x  # noqa: E402
 from quantdispatch.backends import get_backend  # noqa: E402
 from quantdispatch.backends.base import CheckpointMeta, Layout, Mma16x64Meta, encode_meta  # noqa: E402
 from quantdispatch.errors import InputError, WeightFormatError  # noqa: E402
-from quantdispatch.kernels.checkpoint_layout.moe_plan import (  # noqa: E402
+from quantdispatch.kernels.common import checks  # noqa: E402
+from quantdispatch.kernels.common.device_facts import DeviceFacts, device_facts  # noqa: E402
+from quantdispatch.kernels.common.moe_plan import (  # noqa: E402
     DequantMoeConfig,
     MmaMoeConfig,
     mma_moe_config,
 )
-from quantdispatch.kernels.common import checks  # noqa: E402
-from quantdispatch.kernels.common.device_facts import DeviceFacts, device_facts  # noqa: E402
 from quantdispatch.kernels.mma_layout import moe_gemm, moe_plan  # noqa: E402
 from quantdispatch.kernels.mma_layout.moe_gemm import mma_layout_moe  # noqa: E402
 from quantdispatch.kernels.mma_layout.moe_plan import (  # noqa: E402
@@ -187,16 +187,17 @@ def test_mma_path_sizes_its_buffers_by_the_layers_sizes(monkeypatch, direct):
     """The mma.sync kernels are PTX (GPU only), so what the host side hands them is checked here:
     the intermediate is [pairs or padded pairs, I] and the per-pair output [pairs, H] for both
     layouts. (A session read I off w13's shape, which the repacked words do not carry.)"""
-    import quantdispatch.kernels.checkpoint_layout.moe_mma as ck
+    from quantdispatch.kernels.common.moe_activations import activation_args
+    from quantdispatch.kernels.common.moe_mma import MmaExperts
+    from quantdispatch.kernels.common.moe_stages import ExpertWeights, MoeInputs, run_stages
 
     seen = {}
 
-    def fake_gemms(x, ids, sorted_ids, block_expert, num_blocks, tw, n_blocks, w13, w2, b13,
-                   b2, a, y, **kw):  # fmt: skip
-        seen["a"], seen["y"] = tuple(a.shape), tuple(y.shape)
-        y.zero_()
+    def fake_apply(self, inp, work):
+        seen["a"], seen["y"] = tuple(work.a.shape), tuple(work.y.shape)
+        work.y.zero_()
 
-    monkeypatch.setattr(ck, "mma_moe_gemms", fake_gemms)
+    monkeypatch.setattr(MmaExperts, "apply", fake_apply)
     e, hidden, inter, m, top_k = 4, 128, 192, 5, 2
     ex = make_experts("nvfp4", e, hidden, inter, seed=3)
     w13, w2, _ = stacked(ex)
@@ -206,7 +207,8 @@ def test_mma_path_sizes_its_buffers_by_the_layers_sizes(monkeypatch, direct):
     for a13, a2 in ((tuple(w13), tuple(w2)), (tuple(r13), tuple(r2))):
         out = torch.empty(m, hidden, dtype=torch.bfloat16)
         x = rand_x(m, hidden, torch.bfloat16, seed=2)
-        ck.run_mma_moe(x, ids, tw, a13, a2, None, None, 0, 0.0, 0.0, cfg, out, inter)
+        inp = MoeInputs(x, ids, tw, e, activation_args("silu"))
+        run_stages(MmaExperts(ExpertWeights(a13, a2, None, None), cfg, inter), inp, out)
         assert seen["a"][1] == inter and seen["y"] == (m * top_k, hidden)
         if direct:
             assert seen["a"][0] == m * top_k
@@ -238,7 +240,8 @@ def test_small_moe_launches_one_program_per_unit(monkeypatch):
     x = rand_x(m, hidden + 1, torch.bfloat16, seed=2)[:, 1:]  # rows 2 bytes off 16-byte alignment
     out = torch.empty(m, hidden, dtype=torch.bfloat16)
     cfg = SmallMoeConfig(2, 1, 8, 2)
-    small.small_moe(x, ids, tw, tuple(r13), tuple(r2), None, None, 0, 0.0, 0.0, cfg, out, inter)
+    layer = small.SmallMoe(tuple(r13), tuple(r2), None, None, 0, 0.0, 0.0, inter, top_k)
+    layer(x, ids, tw, cfg, out)
     (g1, k1), (g2, k2) = launches
     assert g1 == (m * top_k * inter // 16,) and (k1["W"], k1["num_warps"], k1["U"]) == (2, 2, 1)
     assert g2 == (m * hidden // 16,) and (k2["W"], k2["num_warps"], k2["U"]) == (8, 8, 2)
@@ -250,7 +253,8 @@ def test_small_moe_launches_one_program_per_unit(monkeypatch):
     assert not k1["PDL"] and not k2["PDL"] and "launch_pdl" not in k2 and k2["PF"] == 0
     launches.clear()  # a programmatic dependent down launch; prefetch capped at I's 3 chunks
     cfg = SmallMoeConfig(2, 1, 8, 2, pdl=True, prefetch=5)
-    small.small_moe(x, ids, tw, tuple(r13), tuple(r2), None, None, 0, 0.0, 0.0, cfg, out, inter)
+    layer = small.SmallMoe(tuple(r13), tuple(r2), None, None, 0, 0.0, 0.0, inter, top_k)
+    layer(x, ids, tw, cfg, out)
     (_, k1), (_, k2) = launches
     assert k1["PDL"] and "launch_pdl" not in k1 and k1["PF"] == 0  # gate/up: the trigger only
     assert k2["PDL"] and k2["launch_pdl"] is True and k2["PF"] == 3
@@ -322,7 +326,7 @@ def test_few_program_blocks_split_k_four_ways():
     """Repacked 8-pair blocks whose GEMM has few programs (the experts uniform routing touches x
     row tiles <= FEW_PROGRAMS) and 40+ chunks of K take a 4-way split, one chunk in flight:
     gpt-oss-20b (32 experts) at every 8-pair M; gpt-oss-120b only while its blocks are few."""
-    from quantdispatch.kernels.checkpoint_layout.moe_plan import FEW_PROGRAMS, expected_experts
+    from quantdispatch.kernels.common.moe_plan import FEW_PROGRAMS, expected_experts
 
     assert expected_experts(1, 32) == pytest.approx(1.0)
     assert expected_experts(32, 32) == pytest.approx(32 * (1 - (31 / 32) ** 32))

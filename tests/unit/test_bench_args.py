@@ -58,7 +58,7 @@ def test_moe_sweep_times_dequantize_from_256_tokens_per_expert():
     1024 tokens per expert, below the plan's threshold: the sweep must time both there."""
     from moe import sweep_configs
 
-    from quantdispatch.kernels.checkpoint_layout.moe_plan import DequantMoeConfig
+    from quantdispatch.kernels.common.moe_plan import DequantMoeConfig
 
     mixtral = (2, 8, 14336, 4096)  # top_k, E, I, H
     assert any(isinstance(c, DequantMoeConfig) for c in sweep_configs(2048, *mixtral))  # 512

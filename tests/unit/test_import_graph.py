@@ -1,5 +1,6 @@
 """The package's imports flow one way: no cycles, kernels import nothing from the layers above
-them, and no module grows past the house limit.
+them (nor the MoE maths of quantdispatch.moe), each layout folder under kernels/ imports only
+kernels/common/ and itself, and no module grows past the house limit.
 
 Imports are read from the source (ast), module level and inside functions alike; blocks under
 ``if TYPE_CHECKING:`` are skipped (they never run). ``from package import name`` counts as an
@@ -18,6 +19,7 @@ PACKAGE = "quantdispatch"
 
 #: What kernels/ must never import: the layers above it.
 KERNELS_MUST_NOT_IMPORT = (
+    "moe",
     "backends",
     "layers",
     "api",
@@ -26,6 +28,10 @@ KERNELS_MUST_NOT_IMPORT = (
     "cli",
     "integrations",
 )
+#: The layout folders under kernels/: each imports only kernels/common/, the regime table at the
+#: kernels root (data every layout's plan reads) and itself.
+KERNEL_LAYOUTS = ("checkpoint_layout", "mma_layout", "native")
+KERNELS_SHARED = ("kernels.common", "kernels.regimes")
 #: What backends/ must never import.
 BACKENDS_MUST_NOT_IMPORT = ("layers", "api", "cli", "integrations")
 
@@ -187,6 +193,41 @@ def test_kernels_import_nothing_from_the_layers_above():
     assert not offenders, "\n".join(offenders)
 
 
+def _kernel_offenders(layer: str, allowed: tuple[str, ...]) -> list[str]:
+    """Imports of ``kernels.<layer>`` modules into quantdispatch.kernels outside ``allowed``."""
+    own = f"{PACKAGE}.kernels.{layer}"
+    ok = (*(f"{PACKAGE}.{name}" for name in allowed), own)
+    return [
+        f"{module} imports {target}"
+        for module, targets in sorted(GRAPH.items())
+        if module == own or module.startswith(own + ".")
+        for target in sorted(targets)
+        if target.startswith(f"{PACKAGE}.kernels.")
+        and not any(target == a or target.startswith(a + ".") for a in ok)
+    ]
+
+
+def test_each_kernel_layout_imports_only_common_and_itself():
+    offenders = [o for layout in KERNEL_LAYOUTS for o in _kernel_offenders(layout, KERNELS_SHARED)]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_kernels_common_imports_no_layout():
+    offenders = _kernel_offenders("common", ("kernels.regimes",))
+    assert not offenders, "\n".join(offenders)
+
+
+def test_the_layout_rule_sees_a_cross_layout_import():
+    graph = dict(GRAPH)
+    bad = f"{PACKAGE}.kernels.mma_layout.moe_gemm"
+    GRAPH[bad] = GRAPH[bad] | {f"{PACKAGE}.kernels.checkpoint_layout.moe_gemm"}
+    try:
+        assert _kernel_offenders("mma_layout", KERNELS_SHARED)
+    finally:
+        GRAPH.clear()
+        GRAPH.update(graph)
+
+
 def test_backends_import_no_layers_api_or_cli():
     offenders = _offenders("backends", BACKENDS_MUST_NOT_IMPORT)
     assert not offenders, "\n".join(offenders)
@@ -244,6 +285,9 @@ NO_TRITON = (
     "quantdispatch.kernels.common.configs",
     "quantdispatch.kernels.common.device_facts",
     "quantdispatch.kernels.checkpoint_layout.moe_plan",
+    "quantdispatch.kernels.common.moe_activations",
+    "quantdispatch.kernels.common.moe_finalize",
+    "quantdispatch.kernels.common.moe_plan",
     "quantdispatch.kernels.mma_layout.moe_plan",
     "quantdispatch.kernels.mma_layout.layout",
     "quantdispatch.kernels.mma_layout.gemm_tiles",

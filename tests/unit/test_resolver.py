@@ -382,7 +382,7 @@ def test_triton_says_whether_the_gemm_takes_activations_by_tma(monkeypatch):
     request = Request.make("nvfp4", "linear", "bf16", "weight_only", n=4096, k=4096)
     profile = preset_profile("h200")
     for has in (True, False):
-        monkeypatch.setattr(device_facts, "_host_descriptors", lambda has=has: has)
+        monkeypatch.setattr(device_facts, "has_host_descriptors", lambda has=has: has)
         text = get_backend("triton").variant(request, profile)
         assert ("activation tiles by TMA" in text) == has
 

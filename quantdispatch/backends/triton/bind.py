@@ -196,11 +196,12 @@ def bind_moe(template: MoeCall) -> BoundMoe:
     if template.layout is Layout.MMA16X64:
         meta = template.meta
         assert isinstance(meta, Mma16x64Meta), meta
+        from quantdispatch.kernels.common.moe_stages import ExpertWeights
         from quantdispatch.kernels.mma_layout.moe_bound import MmaLayoutMoe
 
         layer = MmaLayoutMoe(
-            w13, w2, b13, b2, activation=act, params=params, packed_for=meta.packed_for,
-            pdl=pdl, facts=facts,
+            ExpertWeights(w13, w2, b13, b2), activation=act, params=params,
+            packed_for=meta.packed_for, pdl=pdl, facts=facts,
         )  # fmt: skip
 
         def mma(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,8 @@ from quantdispatch.errors import InputError, format_error
 from quantdispatch.kernels.checkpoint_layout.dequant import dequant_fp4_rows, dequant_fp8_rows
 from quantdispatch.kernels.checkpoint_layout.fp8 import fp8_weight_only_linear
 from quantdispatch.kernels.checkpoint_layout.linear import fp4_linear
-from quantdispatch.kernels.checkpoint_layout.moe import fused_moe, weights_aligned
+from quantdispatch.kernels.checkpoint_layout.moe import fused_moe
+from quantdispatch.kernels.checkpoint_layout.moe_stacks import weights_aligned
 from quantdispatch.kernels.common.device_facts import DeviceFacts, device_facts
 from quantdispatch.kernels.common.slabs import dequant_gemm
 from quantdispatch.kernels.mma_layout.dequant import mma_dequant_rows

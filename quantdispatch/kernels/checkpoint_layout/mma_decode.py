@@ -1,10 +1,10 @@
-"""The decode of the checkpoint-layout mma.sync kernels (:mod:`.moe_mma`) replayed in torch,
-for tests: the A register values the kernel builds from the checkpoint's bytes, and the columns
-its permuted activation registers hold.
+"""The decode of the checkpoint-layout mma.sync kernels (:mod:`..common.moe_mma`) replayed in
+torch, for tests: the A register values the kernel builds from the checkpoint's bytes, and the
+columns its permuted activation registers hold.
 
 The weight stays as the checkpoint stores it (packed [N, K/2] codes, E4M3 block scales
 [N, K/16]); the decode (:data:`..common.decode_tables.CHECKPOINT_TABLES`, PTX in
-:mod:`..common.ptx`) is described in :mod:`.moe_mma`.
+:mod:`..common.ptx`) is described in :mod:`..common.moe_mma`.
 """
 
 from __future__ import annotations

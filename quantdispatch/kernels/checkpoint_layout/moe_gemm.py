@@ -1,14 +1,12 @@
-"""Steps 2-4 of a MoE call on the checkpoint layout: the tl.dot grouped GEMMs and the top-k sum.
+"""The experts stage of a MoE call on the checkpoint layout with the tl.dot grouped GEMMs
+(:class:`TlDotExperts`; the stages around it: :mod:`..common.moe_stages`).
 
-2. **Gate/up GEMM** per (block, N tile): rows of x gathered by token, the packed weights of the
+* **Gate/up GEMM** per (block, N tile): rows of x gathered by token, the packed weights of the
    block's expert decoded in registers (integer-op decoders of :mod:`..common.decode`), two fp32
    accumulators (gate and up tiles), per-expert global scale / FP8 scale and bias in fp32, the
    activation fused, the intermediate stored in x.dtype in sorted order.
-3. **Down GEMM** per (block, N tile) on that intermediate; fp32 epilogue applies scale, bias and
+* **Down GEMM** per (block, N tile) on that intermediate; fp32 epilogue applies scale, bias and
    the pair's routing weight and writes one row per (token, slot) pair.
-4. **Reduce** (:func:`moe_reduce`, shared with the mma16x64 layout): out[t] = the fp32 sum of its
-   valid slots' rows (deterministic: no atomics), cast to x.dtype. Slots with ids outside
-   [0, E) are skipped, so their rows are never read.
 
 K and N need not be multiples of the tiles (masked K tail, clamped N rows). The launcher is
 :func:`.moe.fused_moe`.
@@ -20,7 +18,14 @@ import torch
 import triton
 import triton.language as tl
 
+from quantdispatch.kernels.checkpoint_layout.moe_plan import MoeConfig, MoeGemmConfig
+from quantdispatch.kernels.checkpoint_layout.moe_stacks import (
+    FORMAT_CODES,
+    GROUPS,
+    scale_strides,
+)
 from quantdispatch.kernels.common.activation import apply_activation
+from quantdispatch.kernels.common.checks import interpreting
 from quantdispatch.kernels.common.decode import (
     e2m1_pair_to_16bit,
     e2m1_pair_to_f32,
@@ -29,8 +34,9 @@ from quantdispatch.kernels.common.decode import (
     e8m0_to_f32_scaled,
 )
 from quantdispatch.kernels.common.launch import launch
+from quantdispatch.kernels.common.moe_stages import ExpertWeights, MoeExperts, MoeInputs, MoeWork
 
-__all__ = ["moe_gemm1_kernel", "moe_gemm2_kernel", "moe_reduce"]
+__all__ = ["TlDotExperts", "moe_gemm1_kernel", "moe_gemm2_kernel"]
 
 
 @triton.jit
@@ -277,30 +283,65 @@ def moe_gemm2_kernel(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n[None, :] < N))
 
 
-@triton.jit
-def _moe_reduce_kernel(y_ptr, ids_ptr, out_ptr, N, E, top_k, stride_ym, stride_om,
-                       TOPK_P: tl.constexpr, BN: tl.constexpr):  # fmt: skip
-    t = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    j = tl.arange(0, TOPK_P)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    jm = j < top_k
-    ids = tl.load(ids_ptr + t * top_k + j, mask=jm, other=-1)
-    ok = jm & (ids >= 0) & (ids < E)
-    rows = (t * top_k + j).to(tl.int64)
-    v = tl.load(y_ptr + rows[:, None] * stride_ym + offs_n[None, :],
-                mask=ok[:, None] & (offs_n[None, :] < N), other=0.0)  # fmt: skip
-    s = tl.sum(v.to(tl.float32), axis=0)
-    tl.store(out_ptr + t.to(tl.int64) * stride_om + offs_n, s.to(out_ptr.dtype.element_ty),
-             mask=offs_n < N)  # fmt: skip
+# --------------------------------------------------------------------------------------------
+# host side
 
 
-def moe_reduce(y: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, experts: int) -> None:
-    """out[t] = the sum of token t's valid slot rows of y (step 4)."""
-    m, hidden = out.shape
-    top_k = ids.shape[1]
-    bnr = min(1024, triton.next_power_of_2(hidden))
-    launch(_moe_reduce_kernel, (m, triton.cdiv(hidden, bnr)),
-        y, ids, out, hidden, experts, top_k, y.stride(0), out.stride(0),
-        TOPK_P=triton.next_power_of_2(max(top_k, 2)), BN=bnr, num_warps=4,
-    )  # fmt: skip
+class TlDotExperts(MoeExperts):
+    """The tl.dot gate/up and down kernels as the experts stage (:mod:`..common.moe_stages`),
+    over checked stacks (:func:`.moe_stacks.unpack_stack`, each an
+    :class:`.moe_stacks.ExpertStack`) with the plan's tiles. ``block_size``:
+    FP8 block scales' (rows, columns)."""
+
+    def __init__(
+        self,
+        fmt: str,
+        weights: ExpertWeights,
+        block_size: tuple[int, int] | None,
+        cfg: MoeConfig,
+        inter: int,
+    ) -> None:
+        self.fmt, self.weights, self.cfg = fmt, weights, cfg
+        self.inter, self.block_m, self.direct = inter, cfg.block_m, cfg.direct
+        self._bsn, self._bsk = block_size if fmt == "fp8" and block_size is not None else (1, 1)
+        self._group = GROUPS[fmt]
+        self._dot_f32 = interpreting()
+
+    def _block_k(self, c: MoeGemmConfig, kind: int) -> int:
+        bk = max(c.block_k, 2 * self._group if self.fmt != "fp8" else 16)
+        if kind == 2:  # a K step must not straddle two scale blocks
+            while self._bsk % bk:
+                bk //= 2
+        return bk
+
+    def _constexprs(self, x: torch.Tensor, kind: int, c: MoeGemmConfig, k: int) -> dict:
+        bk = self._block_k(c, kind)
+        return dict(
+            FMT=FORMAT_CODES[self.fmt], GROUP=self._group, SCALE_KIND=kind, BLOCK_SN=self._bsn,
+            BLOCK_SK=self._bsk, DIRECT=self.direct, EVEN_K=k % bk == 0, DOT_F32=self._dot_f32,
+            DEQ16=self.fmt == "nvfp4" and not self._dot_f32, BF16=x.dtype == torch.bfloat16,
+            BM=self.block_m, BN=c.block_n, BK=bk, num_warps=c.num_warps,
+            num_stages=c.num_stages,
+        )  # fmt: skip
+
+    def apply(self, inp: MoeInputs, work: MoeWork) -> None:
+        blocks, a, y = work.buffers()
+        x, ids, act, e, hidden, inter = inp.x, inp.ids, inp.act, inp.experts, inp.hidden, self.inter
+        rows = (blocks.sorted_ids, blocks.block_expert, blocks.num_blocks)
+        (c13, s13, g13, *_), (c2, s2, g2, *_), b13, b2 = self.weights
+        se13, sn13, sk13, kind13 = scale_strides(self.fmt, s13)
+        launch(moe_gemm1_kernel, (blocks.n_blocks, triton.cdiv(inter, self.cfg.gemm1.block_n)),
+            x, ids, *rows, c13, s13, g13 if g13 is not None else s13, b13 if b13 is not None else x,
+            a, inp.pairs, inter, hidden, e, inp.top_k, x.stride(0), c13.stride(0), c13.stride(1),
+            se13, sn13, sk13, b13.stride(0) if b13 is not None else 0, a.stride(0),
+            float(act.alpha), float(act.limit), GATED=act.gated, ACT=act.code,
+            HAS_BIAS=b13 is not None, **self._constexprs(x, kind13, self.cfg.gemm1, hidden),
+        )  # fmt: skip
+        se2, sn2, sk2, kind2 = scale_strides(self.fmt, s2)
+        launch(moe_gemm2_kernel, (blocks.n_blocks, triton.cdiv(hidden, self.cfg.gemm2.block_n)),
+            a, ids, *rows, inp.tw, c2, s2, g2 if g2 is not None else s2,
+            b2 if b2 is not None else x, y, inp.pairs, hidden, inter, e, a.stride(0),
+            c2.stride(0), c2.stride(1), se2, sn2, sk2, b2.stride(0) if b2 is not None else 0,
+            y.stride(0), HAS_BIAS=b2 is not None,
+            **self._constexprs(x, kind2, self.cfg.gemm2, inter),
+        )  # fmt: skip

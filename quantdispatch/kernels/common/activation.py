@@ -1,6 +1,6 @@
 """The MoE activations in fp32 as one ``@triton.jit`` helper: the gate/up epilogues of both
 layouts and the dequantize path's activation pass call it (codes and definitions:
-:mod:`quantdispatch.moe.activations`).
+:mod:`.moe_activations`; torch definitions: :mod:`quantdispatch.moe.activations`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ __all__ = ["apply_activation"]
 
 @triton.jit
 def apply_activation(g, u, alpha, limit, ACT: tl.constexpr):
-    """The activations of quantdispatch.moe.activations in fp32.
+    """The activations of :mod:`.moe_activations` in fp32.
 
     Codes: 0 silu, 1 gelu_tanh, 2 swiglu_oai, 3 relu2, 4 silu.
     """

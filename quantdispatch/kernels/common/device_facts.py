@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DeviceFacts", "device_facts"]
+__all__ = ["DeviceFacts", "device_facts", "has_host_descriptors"]
 
 #: Opt-in shared memory per block (bytes) by compute capability where torch does not report
 #: it: 163 KB on A100 / Orin, 227 KB on Hopper and datacenter Blackwell, 99 KB on the others
@@ -49,11 +49,6 @@ class DeviceFacts:
     rs_wgmma_hazard: bool = False
 
     @classmethod
-    def of(cls, device: torch.device) -> DeviceFacts:
-        """The facts of ``device`` (cached per device)."""
-        return device_facts(device)
-
-    @classmethod
     def for_capability(
         cls, capability: tuple[int, int] | None, sm_count: int | None = None
     ) -> DeviceFacts:
@@ -69,7 +64,7 @@ class DeviceFacts:
             shared_bytes=_SHARED_BY_CAPABILITY.get(capability, _SHARED_DEFAULT),
             compiled=True,
             grouped_mm=hopper and hasattr(torch, "_grouped_mm"),
-            tma=hopper and _host_descriptors(),
+            tma=hopper and has_host_descriptors(),
             dependent_launches=hopper and _grid_dependency_control(),
             rs_wgmma_hazard=_wgmma_hazard(capability),
         )
@@ -98,7 +93,7 @@ def device_facts(device: torch.device) -> DeviceFacts:
         shared_bytes=shared,
         compiled=compiled,
         grouped_mm=compiled and hopper and hasattr(torch, "_grouped_mm"),
-        tma=hopper and _host_descriptors(),
+        tma=hopper and has_host_descriptors(),
         dependent_launches=hopper and _grid_dependency_control(),
         rs_wgmma_hazard=_wgmma_hazard(capability),
     )
@@ -110,14 +105,6 @@ def _interpreting() -> bool:
     except ImportError:  # no triton: nothing is interpreted
         return False
     return interpreting()
-
-
-def _host_descriptors() -> bool:
-    try:
-        from quantdispatch.kernels.mma_layout.gemm_tiles import has_host_descriptors
-    except ImportError:
-        return False
-    return has_host_descriptors()
 
 
 def _grid_dependency_control() -> bool:
@@ -134,3 +121,14 @@ def _wgmma_hazard(capability: tuple[int, int]) -> bool:
     except ImportError:  # no triton: no kernels to guard
         return False
     return rs_wgmma_hazard(capability)
+
+
+@functools.cache
+def has_host_descriptors() -> bool:
+    """Whether the installed Triton makes TMA descriptors on the host (triton.tools.
+    tensor_descriptor, Triton 3.3+)."""
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+    except ImportError:
+        return False
+    return True

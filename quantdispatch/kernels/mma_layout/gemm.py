@@ -24,16 +24,16 @@ import torch
 import triton
 import triton.language as tl
 
-from quantdispatch.kernels.common.device_facts import DeviceFacts, device_facts
+from quantdispatch.kernels.common.device_facts import (
+    DeviceFacts,
+    device_facts,
+    has_host_descriptors,
+)
 from quantdispatch.kernels.common.launch import Launcher
 from quantdispatch.kernels.common.pdl import gdc_launch_dependents, gdc_wait
 from quantdispatch.kernels.common.wgmma_guard import settle
 from quantdispatch.kernels.mma_layout.activation_order import KappaOrder, kappa_order
-from quantdispatch.kernels.mma_layout.gemm_tiles import (
-    GemmTile,
-    has_host_descriptors,
-    mma_gemm_config,
-)
+from quantdispatch.kernels.mma_layout.gemm_tiles import GemmTile, mma_gemm_config
 from quantdispatch.kernels.mma_layout.layout import CHUNK_K, TILE_N, scale_pairs
 from quantdispatch.kernels.mma_layout.tile_decode import weight_tile
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
-from functools import cache
 
 from quantdispatch.kernels.mma_layout.layout import CHUNK_K
 
@@ -15,7 +14,6 @@ __all__ = [
     "LONG_K",
     "WIDE_N",
     "GemmTile",
-    "has_host_descriptors",
     "mma_gemm_config",
     "mma_gemm_supported",
     "parse_tile",
@@ -72,17 +70,6 @@ def mma_gemm_supported(n: int, k: int) -> bool:
     """Shapes the kernel takes: whole 64-row weight tiles (one warpgroup's wgmma rows) of the
     mma16x64 layout."""
     return n > 0 and k > 0 and n % 64 == 0 and k % CHUNK_K == 0
-
-
-@cache
-def has_host_descriptors() -> bool:
-    """Whether the installed Triton makes TMA descriptors on the host (triton.tools.
-    tensor_descriptor, Triton 3.3+)."""
-    try:
-        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 #: Which weights a tile row applies to, from the weight's width and depth (checked in row order).

@@ -11,26 +11,26 @@ import torch
 
 from quantdispatch.kernels.common import checks
 from quantdispatch.kernels.common.device_facts import DeviceFacts, device_facts
-from quantdispatch.kernels.mma_layout.moe_gemm import _check_stack, mma_layout_moe
+from quantdispatch.kernels.common.moe_activations import activation_args
+from quantdispatch.kernels.common.moe_stages import ExpertWeights
+from quantdispatch.kernels.mma_layout.moe_gemm import mma_layout_moe
 from quantdispatch.kernels.mma_layout.moe_pairs import SmallMoe
 from quantdispatch.kernels.mma_layout.moe_plan import SmallMoeConfig
-from quantdispatch.moe.activations import get_activation
+from quantdispatch.kernels.mma_layout.moe_stacks import check_stack
 
 __all__ = ["MmaLayoutMoe"]
 
 
 class MmaLayoutMoe:
-    """:func:`mma_layout_moe` over one layer's repacked stacks, checked once (the bound MoE
+    """:func:`mma_layout_moe` over one layer's repacked stacks and biases (``weights``), checked
+    once (the bound MoE
     path): a call checks the per-call tensors' shapes and runs the plan's regime, the single
     pairs on their bound launches (:class:`.moe_pairs.SmallMoe`), the others through
     :func:`mma_layout_moe` with the same config."""
 
     def __init__(
         self,
-        w13: Sequence[torch.Tensor],
-        w2: Sequence[torch.Tensor],
-        w13_bias: torch.Tensor | None,
-        w2_bias: torch.Tensor | None,
+        weights: ExpertWeights,
         *,
         activation: str,
         params: Sequence[float],
@@ -38,19 +38,17 @@ class MmaLayoutMoe:
         pdl: bool = True,
         facts: DeviceFacts | None = None,
     ) -> None:
-        spec = get_activation(activation)
-        _, _, self.hidden = _check_stack(w13, "w13")
-        _, _, self.inter = _check_stack(w2, "w2")
+        w13, w2, w13_bias, w2_bias = weights
+        act = activation_args(activation, params)
+        _, _, self.hidden = check_stack(w13, "w13")
+        _, _, self.inter = check_stack(w2, "w2")
         self.w13, self.w2, self.b13, self.b2 = tuple(w13), tuple(w2), w13_bias, w2_bias
         self.activation, self.params, self.packed_for = activation, tuple(params), packed_for
         self.pdl, self.facts = pdl, facts or device_facts(w13[0].device)
-        alpha, limit = 0.0, 0.0
-        if spec.name == "swiglu_oai":
-            alpha, limit = (tuple(params) or spec.default_params)[:2]
         self._small: dict[int, SmallMoe] = {}
-        self._small_args = (self.w13, self.w2, w13_bias, w2_bias, spec.code, alpha, limit,
+        self._small_args = (self.w13, self.w2, w13_bias, w2_bias, act.code, act.alpha, act.limit,
                             self.inter)  # fmt: skip
-        self._gated = spec.gated
+        self._gated = act.gated
 
     def __call__(
         self, x: torch.Tensor, ids: torch.Tensor, tw: torch.Tensor, config: object

@@ -1,6 +1,6 @@
 """NVFP4 and MXFP4 MoE experts in the ``mma16x64`` layout: every regime on one repacked copy.
 
-Why: the MoE kernels on the checkpoint layout (:mod:`..checkpoint_layout.moe_mma`,
+Why: the MoE kernels on the checkpoint layout (:mod:`..common.moe_mma`,
 :mod:`..checkpoint_layout.moe`) decode each weight with more instructions than the repacked
 linear kernels (15 vs 11 integer ops per 8 codes, activation permutes, byte-wise scales), and at
 few tokens per expert they are issue bound, so the same mma.sync design streams faster from the
@@ -9,13 +9,13 @@ repacked layout (docs/design/moe.md). With the tl.dot GEMM that decodes the repa
 copy). The regime is chosen in :mod:`.moe_plan`:
 
 * single (token, slot) pairs (4 x pairs <= E: decode): the mma.sync gate/up tiles of
-  :mod:`..checkpoint_layout.moe_mma` and a down kernel that also sums the top-k slots
+  :mod:`..common.moe_mma` and a down kernel that also sums the top-k slots
   (:mod:`.moe_pairs`: two launches instead of three);
 * few tokens per expert: the mma.sync gate/up + down kernels of
-  :mod:`..checkpoint_layout.moe_mma` in their REPACKED mode (gate and up tiles of a warp share
+  :mod:`..common.moe_mma` in their REPACKED mode (gate and up tiles of a warp share
   the activation fragments, activation fused) on 8-pair blocks;
 * mid: a grouped GEMM (:func:`_moe_gemm_kernel`): expert-sorted blocks of ``block_m`` pairs
-  (:func:`..checkpoint_layout.moe_align.moe_align`) times 64-row weight tiles, the weight decoded
+  (:func:`..common.moe_align.moe_align`) times 64-row weight tiles, the weight decoded
   into the wgmma A operand as in :mod:`.gemm` (swap AB: weight rows x tokens). Gate/up programs run
   the gate tile and the up tile on the same activation tile (one shared-memory tile feeds both dots)
   and fuse the activation; they write the intermediate with its columns already in the MMA K order,
@@ -30,6 +30,9 @@ fp32 [E]. MXFP4 (:func:`.moe_stacks.repack_experts_mx`): scales [E, N/16, K/64, 
 per group of 32 read by two lanes, and each expert's scales relative to its own largest (its
 global scale).
 The layout places codes for one 16-bit activation dtype (bf16 or fp16), fixed at repack.
+
+Every regime runs the stages of :mod:`..common.moe_stages`; :func:`mma_layout_moe` checks the
+stacks, asks the plan and picks the experts (the grouped GEMM's are :class:`GroupedGemmExperts`).
 """
 
 from __future__ import annotations
@@ -40,35 +43,37 @@ import torch
 import triton
 import triton.language as tl
 
-from quantdispatch.errors import InputError, WeightFormatError, format_error
-from quantdispatch.kernels.checkpoint_layout.moe_align import moe_align
-from quantdispatch.kernels.checkpoint_layout.moe_gemm import moe_reduce
-from quantdispatch.kernels.checkpoint_layout.moe_mma import run_mma_moe
-from quantdispatch.kernels.checkpoint_layout.moe_plan import (
-    DequantMoeConfig,
-    MmaMoeConfig,
-    grouped_mm_capable,
-)
+from quantdispatch.errors import InputError
 from quantdispatch.kernels.common import checks
 from quantdispatch.kernels.common.activation import apply_activation
-from quantdispatch.kernels.common.checks import check_moe_call, interpreting
+from quantdispatch.kernels.common.checks import interpreting
 from quantdispatch.kernels.common.device_facts import DeviceFacts, device_facts
 from quantdispatch.kernels.common.launch import launch
-from quantdispatch.kernels.common.slabs import run_dequant_moe
+from quantdispatch.kernels.common.moe_activations import ActivationArgs, activation_args
+from quantdispatch.kernels.common.moe_dequant import DequantExperts
+from quantdispatch.kernels.common.moe_mma import MmaExperts
+from quantdispatch.kernels.common.moe_plan import DequantMoeConfig, MmaMoeConfig, grouped_mm_capable
+from quantdispatch.kernels.common.moe_stages import (
+    ExpertWeights,
+    MoeExperts,
+    MoeInputs,
+    MoeWork,
+    prepare_inputs,
+    run_stages,
+)
 from quantdispatch.kernels.common.wgmma_guard import settle
 from quantdispatch.kernels.mma_layout.activation_order import kappa_order
-from quantdispatch.kernels.mma_layout.layout import CHUNK_K, TILE_N
-from quantdispatch.kernels.mma_layout.moe_pairs import small_moe
+from quantdispatch.kernels.mma_layout.layout import TILE_N
+from quantdispatch.kernels.mma_layout.moe_pairs import SmallMoeExperts
 from quantdispatch.kernels.mma_layout.moe_plan import (
     MoeGemmTile,
     SmallMoeConfig,
     mma_layout_moe_plan,
 )
-from quantdispatch.kernels.mma_layout.moe_stacks import dequant_experts
+from quantdispatch.kernels.mma_layout.moe_stacks import check_stack, dequant_experts, fail
 from quantdispatch.kernels.mma_layout.tile_decode import weight_tile
-from quantdispatch.moe.activations import get_activation
 
-__all__ = ["mma_layout_moe"]
+__all__ = ["GroupedGemmExperts", "checked_stacks", "gated_activation", "mma_layout_moe"]
 
 
 def _tile_warps(tile: MoeGemmTile, block_n: int) -> int:
@@ -195,39 +200,49 @@ def _moe_gemm_kernel(
         tl.store(out, y.to(out_ptr.dtype.element_ty), mask=m_ok[None, :])
 
 
-def _fail(what: str, rule: str, fix: str, exc: type[Exception] = WeightFormatError) -> None:
-    raise exc(format_error(f"mma16x64 MoE: {what}", rule, fix))
+class GroupedGemmExperts(MoeExperts):
+    """The grouped GEMM (:func:`_moe_gemm_kernel`) as the experts stage, over repacked stacks
+    checked by :func:`.moe_stacks.check_stack`, with the plan's tile."""
 
+    def __init__(
+        self, weights: ExpertWeights, tile: MoeGemmTile, inter: int, facts: DeviceFacts
+    ) -> None:
+        if not isinstance(tile, MoeGemmTile) or tile.block_m % 16 or tile.block_n % 64:
+            fail(f"config {tile!r}", "MoeGemmTile with block_m a multiple of 16, block_n of 64",
+                 "leave config=None", InputError)  # fmt: skip
+        self.tile, self.inter, self.block_m, self.facts = tile, inter, tile.block_m, facts
+        w13, w2, b13, b2 = weights
+        self._gemms = (self._weights(w13, b13, True), self._weights(w2, b2, False))
 
-def _check_stack(w: Sequence[torch.Tensor], which: str) -> tuple[int, int, int]:
-    """(E, N, K) of one stacked repacked weight, checked."""
-    if len(w) != 3:
-        _fail(f"{which} has {len(w)} tensors", "words, scales and global scales", "")
-    words, scales, gs = w
-    if words.dtype != torch.int32 or words.dim() != 5 or tuple(words.shape[3:]) != (32, 4):
-        _fail(
-            f"{which} words are {words.dtype} {tuple(words.shape)}",
-            "repacked expert words are int32 [E, N/16, K/64, 32, 4]",
-            "build them with moe_stacks.repack_experts (QuantMoE does)",
-        )
-    e, tiles, chunks = words.shape[:3]
-    pairs = scales.shape[3] if scales.dim() == 5 else 0
-    if (
-        scales.dtype != torch.uint8
-        or tuple(scales.shape) != (e, tiles, chunks, pairs, 2)
-        or (pairs not in (32, 16))
-    ):
-        _fail(
-            f"{which} scales are {scales.dtype} {tuple(scales.shape)}",
-            f"repacked expert scales are uint8 [{e}, {tiles}, {chunks}, 32, 2] (NVFP4) or "
-            f"[{e}, {tiles}, {chunks}, 16, 2] (MXFP4)",
-            "pass the scales repack_experts / repack_experts_mx returned with these words",
-        )
-    if gs.dtype != torch.float32 or tuple(gs.shape) != (e,):
-        _fail(f"{which} global scales are {gs.dtype} {tuple(gs.shape)}", f"float32 [{e}]", "")
-    if not (words.is_contiguous() and scales.is_contiguous()):
-        _fail(f"{which} is not contiguous", "repacked stacks are contiguous", "call .contiguous()")
-    return e, tiles * TILE_N, chunks * CHUNK_K
+    def _weights(self, w: Sequence[torch.Tensor], bias: torch.Tensor | None, gate_up: bool) -> dict:
+        """The launch arguments of one GEMM's weights (scale pairs as one 16-bit load)."""
+        words, scales, gs = w[0], w[1].view(torch.int16), w[2]
+        n = self.inter if gate_up else words.shape[1] * TILE_N
+        bn = self.tile.block_n if n % self.tile.block_n == 0 else 64
+        return dict(
+            w_ptr=words, s_ptr=scales, gs_ptr=gs, bias_ptr=bias if bias is not None else gs,
+            up_tiles=self.inter // TILE_N if gate_up else 0, stride_we=words.stride(0),
+            stride_se=scales.stride(0), stride_be=bias.stride(0) if bias is not None else 0,
+            CHUNKS=words.shape[2], BLOCK_N=bn, GATE_UP=gate_up, HAS_BIAS=bias is not None,
+            num_warps=_tile_warps(self.tile, bn), SPC=w[1].shape[3],
+        )  # fmt: skip
+
+    def apply(self, inp: MoeInputs, work: MoeWork) -> None:
+        blocks, a, y = work.buffers()
+        x, act, cfg, n_blocks = inp.x, inp.act, self.tile, blocks.n_blocks
+        common = dict(
+            sorted_ptr=blocks.sorted_ids, bexp_ptr=blocks.block_expert,
+            nvalid_ptr=blocks.num_blocks, tw_ptr=inp.tw, T=inp.pairs, top_k=inp.top_k,
+            n_blocks=n_blocks, alpha=float(act.alpha), limit=float(act.limit), BLOCK_M=cfg.block_m,
+            CK=cfg.chunks, ACT=act.code, BF16=x.dtype == torch.bfloat16,
+            DOT_F32=interpreting(), num_stages=cfg.stages,
+            SETTLE=self.facts.rs_wgmma_hazard and not interpreting(),  # the weight is wgmma's A
+        )  # fmt: skip
+        g13, g2 = self._gemms
+        launch(_moe_gemm_kernel, (n_blocks * (self.inter // g13["BLOCK_N"]),), x_ptr=kappa_order(x),
+               out_ptr=a, stride_xm=inp.hidden, stride_om=a.stride(0), **g13, **common)  # fmt: skip
+        launch(_moe_gemm_kernel, (n_blocks * (inp.hidden // g2["BLOCK_N"]),), x_ptr=a, out_ptr=y,
+               stride_xm=a.stride(0), stride_om=y.stride(0), **g2, **common)  # fmt: skip
 
 
 def mma_layout_moe(
@@ -251,109 +266,88 @@ def mma_layout_moe(
     choice (None: :func:`.moe_plan.mma_layout_moe_plan` here). ``pdl`` (default True): the plan
     may make the single-pair down kernel a programmatic dependent launch where the device has
     them (False: never). ``facts``: x's device (None: asked here)."""
-    spec = get_activation(activation)
-    if not spec.gated:
-        _fail(
+    act = gated_activation(activation, params)
+    e, inter, hidden = checked_stacks(x, w13, w2, packed_for)
+    stacks = (e, 2 * inter, hidden, w13[0], w2[0])
+    inp = prepare_inputs(x, topk_ids, topk_weights, act, stacks, w13_bias, w2_bias, whole_x=True)
+    out = checks.empty((inp.m, hidden), x.dtype, x.device)
+    if inp.m == 0:
+        return out
+    facts = facts or device_facts(x.device)
+    cfg = config or mma_layout_moe_plan(inp.m, inp.top_k, e, inter, hidden, facts, pdl=pdl)
+    weights = ExpertWeights(tuple(w13), tuple(w2), w13_bias, w2_bias)
+    return run_stages(_experts(cfg, weights, inter, facts, x), inp, out)
+
+
+def gated_activation(activation: str, params: Sequence[float]) -> ActivationArgs:
+    """The activation's kernel arguments; the repacked kernels run gated activations only."""
+    act = activation_args(activation, params)
+    if not act.gated:
+        fail(
             f"activation {activation!r}",
             "the repacked MoE kernels run gated activations",
             "keep the checkpoint layout (QuantMoE does for non-gated layers)",
             InputError,
         )
+    return act
+
+
+def checked_stacks(
+    x: torch.Tensor,
+    w13: Sequence[torch.Tensor],
+    w2: Sequence[torch.Tensor],
+    packed_for: torch.dtype,
+) -> tuple[int, int, int]:
+    """x and both repacked stacks checked against each other; returns (E, I, H)."""
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype != packed_for:
         got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
-        _fail(
+        fail(
             f"x is {got}",
             f"x is [M, H] in {packed_for} (the layout places codes for one 16-bit dtype)",
             f"pass {packed_for} activations",
             InputError,
         )
-    e, n13, hidden = _check_stack(w13, "w13")
-    e2, n2, inter = _check_stack(w2, "w2")
+    e, n13, hidden = check_stack(w13, "w13")
+    e2, n2, inter = check_stack(w2, "w2")
     if e2 != e or n13 != 2 * inter or n2 != hidden or x.shape[1] != hidden:
-        _fail(
+        fail(
             f"w13 is [E={e}, N={n13}, K={hidden}], w2 [E={e2}, N={n2}, K={inter}], x "
             f"{tuple(x.shape)}",
             "w13 is [E, 2I, H], w2 [E, H, I] and x [M, H]",
             "pass the weights that belong to this layer",
         )
-    m = x.shape[0]
-    top_k = check_moe_call(x, topk_ids, topk_weights, e, n13, n2, w13_bias, w2_bias, w13[0], w2[0])
-    out = checks.empty((m, hidden), x.dtype, x.device)
-    if m == 0:
-        return out
-    x = x if x.is_contiguous() else x.contiguous()
-    ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
-    tw = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
-    alpha, limit = 0.0, 0.0
-    if spec.name == "swiglu_oai":
-        alpha, limit = (tuple(params) or spec.default_params)[:2]
-    facts = facts or device_facts(x.device)
-    cfg = config or mma_layout_moe_plan(m, top_k, e, inter, hidden, facts, pdl=pdl)
-    pairs = m * top_k
+    return e, inter, hidden
+
+
+def _experts(
+    cfg: object, weights: ExpertWeights, inter: int, facts: DeviceFacts, x: torch.Tensor
+) -> MoeExperts:
+    """The experts of the config's kernel family, after checking the config suits this call."""
+    w13, w2, b13, b2 = weights
     if isinstance(cfg, DequantMoeConfig):
         if not grouped_mm_capable(facts):
-            _fail(f"a dequantize config on {x.device}", "needs torch._grouped_mm on SM 9.0+",
-                  "leave config=None", InputError)  # fmt: skip
-        run_dequant_moe(
-            x, ids, tw, e,
-            lambda: dequant_experts(*w13, x.dtype), lambda: dequant_experts(*w2, x.dtype),
-            w13_bias, w2_bias, spec.code, True, alpha, limit, out,
-        )  # fmt: skip
-        return out
+            fail(f"a dequantize config on {x.device}", "needs torch._grouped_mm on SM 9.0+",
+                 "leave config=None", InputError)  # fmt: skip
+        return DequantExperts(
+            ExpertWeights(
+                lambda dt: dequant_experts(*w13, dt), lambda dt: dequant_experts(*w2, dt), b13, b2
+            )
+        )
     if isinstance(cfg, SmallMoeConfig):
-        if interpreting() or x.device.type != "cuda":
-            _fail(f"config {cfg.label()} off a CUDA GPU", "the single-pair kernels are PTX",
-                  "use a GEMM config (MoeGemmTile) under the interpreter", InputError)  # fmt: skip
+        _on_gpu(x, f"config {cfg.label()}", "the single-pair kernels are PTX")
         if cfg.pdl and not facts.dependent_launches:
-            _fail(f"config {cfg.label()} on {x.device}",
-                  "a programmatic dependent launch needs SM 9.0+ and Triton's grid dependency "
-                  "control", "use pdl=False", InputError)  # fmt: skip
-        small_moe(x, ids, tw, tuple(w13), tuple(w2), w13_bias, w2_bias, spec.code,  # type: ignore[arg-type]
-                  alpha, limit, cfg, out, inter)  # fmt: skip
-        return out
+            fail(f"config {cfg.label()} on {x.device}",
+                 "a programmatic dependent launch needs SM 9.0+ and Triton's grid dependency "
+                 "control", "use pdl=False", InputError)  # fmt: skip
+        return SmallMoeExperts(weights, cfg, inter)
     if isinstance(cfg, MmaMoeConfig):
-        if interpreting() or x.device.type != "cuda":
-            _fail("an mma.sync config off a CUDA GPU", "the mma kernels are PTX",
-                  "use a GEMM config (MoeGemmTile) under the interpreter", InputError)  # fmt: skip
-        run_mma_moe(x, ids, tw, tuple(w13), tuple(w2), w13_bias, w2_bias, spec.code,  # type: ignore[arg-type]
-                 alpha, limit, cfg, out, inter)  # fmt: skip
-        return out
-    if not isinstance(cfg, MoeGemmTile) or cfg.block_m % 16 or cfg.block_n % 64:
-        _fail(f"config {cfg!r}", "MoeGemmTile with block_m a multiple of 16, block_n of 64",
-              "leave config=None", InputError)  # fmt: skip
-    bm = cfg.block_m
-    sorted_ids, block_expert, num_blocks = moe_align(ids, e, bm)
-    n_blocks = block_expert.shape[0]
-    a = checks.empty((n_blocks * bm, inter), x.dtype, x.device)
-    y = checks.empty((pairs, hidden), x.dtype, x.device)
-    common = dict(
-        sorted_ptr=sorted_ids, bexp_ptr=block_expert, nvalid_ptr=num_blocks, tw_ptr=tw,
-        T=pairs, top_k=top_k, n_blocks=n_blocks, alpha=float(alpha), limit=float(limit),
-        BLOCK_M=bm, CK=cfg.chunks, ACT=spec.code, BF16=x.dtype == torch.bfloat16,
-        DOT_F32=interpreting(), num_stages=cfg.stages,
-        SETTLE=facts.rs_wgmma_hazard and not interpreting(),  # the weight is wgmma's A
-        SPC=w13[1].shape[3],  # 32 NVFP4, 16 MXFP4 scale pairs per tile and chunk
-    )  # fmt: skip
-    bn13 = cfg.block_n if inter % cfg.block_n == 0 else 64
-    w, s, g = w13[0], w13[1].view(torch.int16), w13[2]  # scale pairs as one 16-bit load
-    launch(_moe_gemm_kernel, (n_blocks * (inter // bn13),),
-        x_ptr=kappa_order(x), w_ptr=w, s_ptr=s, gs_ptr=g,
-        bias_ptr=w13_bias if w13_bias is not None else g, out_ptr=a, up_tiles=inter // TILE_N,
-        stride_xm=hidden, stride_we=w.stride(0), stride_se=s.stride(0),
-        stride_be=w13_bias.stride(0) if w13_bias is not None else 0, stride_om=a.stride(0),
-        CHUNKS=hidden // CHUNK_K, BLOCK_N=bn13, GATE_UP=True, HAS_BIAS=w13_bias is not None,
-        num_warps=_tile_warps(cfg, bn13), **common,
-    )  # fmt: skip
-    bn2 = cfg.block_n if hidden % cfg.block_n == 0 else 64
-    w, s, g = w2[0], w2[1].view(torch.int16), w2[2]
-    launch(_moe_gemm_kernel, (n_blocks * (hidden // bn2),),
-        x_ptr=a, w_ptr=w, s_ptr=s, gs_ptr=g,
-        bias_ptr=w2_bias if w2_bias is not None else g, out_ptr=y, up_tiles=0,
-        stride_xm=a.stride(0), stride_we=w.stride(0), stride_se=s.stride(0),
-        stride_be=w2_bias.stride(0) if w2_bias is not None else 0, stride_om=y.stride(0),
-        CHUNKS=inter // CHUNK_K, BLOCK_N=bn2, GATE_UP=False, HAS_BIAS=w2_bias is not None,
-        num_warps=_tile_warps(cfg, bn2), **common,
-    )  # fmt: skip
-    moe_reduce(y, ids, out, e)
-    return out
+        _on_gpu(x, "an mma.sync config", "the mma kernels are PTX")
+        return MmaExperts(weights, cfg, inter)
+    return GroupedGemmExperts(weights, cfg, inter, facts)  # type: ignore[arg-type]
 
+
+def _on_gpu(x: torch.Tensor, what: str, rule: str) -> None:
+    """The PTX kernels run on a CUDA GPU, compiled (not under the interpreter)."""
+    if interpreting() or x.device.type != "cuda":
+        fail(f"{what} off a CUDA GPU", rule,
+             "use a GEMM config (MoeGemmTile) under the interpreter", InputError)  # fmt: skip

@@ -7,7 +7,7 @@ the streaming floor (benchmarks/results/stream-small-h200-*.md). This module dro
 launch:
 
 * gate/up programs, one per (pair, 16-row tile of I): the mma.sync gate and up tiles of
-  :mod:`..checkpoint_layout.moe_mma` (REPACKED mode) on the pair's token, K split over the warps,
+  :mod:`..common.moe_mma` (REPACKED mode) on the pair's token, K split over the warps,
   activation fused, 16 intermediate values stored to a small scratch ``a`` [pairs, I];
 * down programs, one per (token, 16-row tile of H): each warp takes one of the token's slots
   (a fixed expert, so its loads stream like the per-pair kernel's), ``min(top_k, warps)``
@@ -39,11 +39,12 @@ import triton.language as tl
 from quantdispatch.kernels.common import checks
 from quantdispatch.kernels.common.activation import apply_activation
 from quantdispatch.kernels.common.launch import Launcher
+from quantdispatch.kernels.common.moe_stages import ExpertWeights, MoeExperts, MoeInputs, MoeWork
 from quantdispatch.kernels.common.pdl import gdc_launch_dependents, gdc_wait
 from quantdispatch.kernels.common.ptx import chunk_mma, k_reduce, load_w, load_x
 from quantdispatch.kernels.mma_layout.moe_plan import SmallMoeConfig, small_units
 
-__all__ = ["SmallMoe", "small_moe"]
+__all__ = ["SmallMoe", "SmallMoeExperts"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -293,7 +294,7 @@ def _small_moe_kernel(
 
 
 class SmallMoe:
-    """:func:`small_moe` over one layer's repacked stacks with its launches bound once per
+    """The single-pair kernels over one layer's repacked stacks with its launches bound once per
     config and dtype (the bound MoE path): a call allocates the intermediate and launches the
     gate/up and down kernels with the per-call tensors only."""
 
@@ -362,23 +363,18 @@ _SMALL_VARYING = ("x_ptr", "ids_ptr", "tw_ptr", "a_ptr", "out_ptr", "stride_xm",
                   "stride_om")  # fmt: skip
 
 
-def small_moe(
-    x: torch.Tensor,
-    ids: torch.Tensor,
-    tw: torch.Tensor,
-    w13: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    w2: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    b13: torch.Tensor | None,
-    b2: torch.Tensor | None,
-    act_code: int,
-    alpha: float,
-    limit: float,
-    cfg: SmallMoeConfig,
-    out: torch.Tensor,
-    inter: int,
-) -> None:
-    """out [M, H] = the routed experts of x (checked by the caller: repacked stacks, x [M, H]
-    16-bit and contiguous, ids [M, top_k] and tw float32 [M, top_k] contiguous), the same
-    contract as :func:`..checkpoint_layout.moe_mma.run_mma_moe`. A layer binds
-    :class:`SmallMoe` once instead."""
-    SmallMoe(w13, w2, b13, b2, act_code, alpha, limit, inter, ids.shape[1])(x, ids, tw, cfg, out)
+class SmallMoeExperts(MoeExperts):
+    """The single-pair kernels as the experts stage of :mod:`..common.moe_stages`: they read
+    ``topk_ids`` themselves and the down kernel sums the slots into ``out`` (no align, no
+    reduce stage). Its launches are bound per call; a layer binds :class:`SmallMoe` once
+    instead (:class:`.moe_bound.MmaLayoutMoe`)."""
+
+    whole_call = True
+
+    def __init__(self, weights: ExpertWeights, cfg: SmallMoeConfig, inter: int) -> None:
+        self.weights, self.cfg, self.inter = weights, cfg, inter
+
+    def apply(self, inp: MoeInputs, work: MoeWork) -> None:
+        (w13, w2, b13, b2), act = self.weights, inp.act
+        small = SmallMoe(w13, w2, b13, b2, act.code, act.alpha, act.limit, self.inter, inp.top_k)
+        small(inp.x, inp.ids, inp.tw, self.cfg, work.out)

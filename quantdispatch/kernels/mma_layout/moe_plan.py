@@ -1,7 +1,7 @@
 """The regime of a MoE call on repacked (mma16x64) experts, from the static sizes only (graphs
 and compile see no data dependence): single (token, slot) pairs (:class:`SmallMoeConfig`, the
 kernels of :mod:`.moe_pairs`), the mma.sync kernels on 8-pair blocks or single pairs
-(:class:`..checkpoint_layout.moe_plan.MmaMoeConfig`), the grouped GEMM (:class:`MoeGemmTile`,
+(:class:`..common.moe_plan.MmaMoeConfig`), the grouped GEMM (:class:`MoeGemmTile`,
 :mod:`.moe_gemm`), or dequantize + ``torch._grouped_mm``, by the row
 :data:`..regimes.MMA_LAYOUT_MOE`; and the words doctor prints for each. No triton import at
 module level.
@@ -12,13 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from quantdispatch.kernels.checkpoint_layout.moe_plan import (
+from quantdispatch.kernels.common.device_facts import DeviceFacts
+from quantdispatch.kernels.common.moe_plan import (
     DequantMoeConfig,
     MmaMoeConfig,
     dequant_buffer_bytes,
     mma_moe_config,
 )
-from quantdispatch.kernels.common.device_facts import DeviceFacts
 from quantdispatch.kernels.mma_layout.layout import CHUNK_K, TILE_N
 from quantdispatch.kernels.regimes import MMA_LAYOUT_MOE, Family
 
@@ -150,7 +150,7 @@ def small_moe_config(
     m: int, top_k: int, inter: int, hidden: int, warps: int, unroll: int, pdl: bool = False
 ) -> SmallMoeConfig:
     """Gate/up: ``warps`` x ``unroll`` (the per-pair kernel's tuning for the same programs,
-    :func:`..checkpoint_layout.moe_plan.mma_moe_config`), or 8 x 1 for grids of at most
+    :func:`..common.moe_plan.mma_moe_config`), or 8 x 1 for grids of at most
     GATE_UP_WIDE_MAX_PROGRAMS. Down: the fewest of 4 / 8 / 16 warps per program that give the
     grid DOWN_MIN_WARPS warps, two chunks in flight. Gate/up 8 x 1 pays where the grid is small
     (bigger grids keep the tuning); with ``pdl`` only from GATE_UP_WIDE_MIN_CHUNKS_PDL chunks of

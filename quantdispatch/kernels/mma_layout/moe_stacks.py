@@ -9,13 +9,23 @@ Stacked tensors: ``words`` int32 [E, N/16, K/64, 32, 4], ``scales`` uint8 [E, N/
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
+from quantdispatch.errors import WeightFormatError, format_error
 from quantdispatch.kernels.common import checks
 from quantdispatch.kernels.mma_layout.dequant import mma_dequant_rows
 from quantdispatch.kernels.mma_layout.layout import CHUNK_K, TILE_N, repack, repack_mx, unpack
 
-__all__ = ["dequant_experts", "repack_experts", "repack_experts_mx", "unpack_experts"]
+__all__ = [
+    "check_stack",
+    "dequant_experts",
+    "fail",
+    "repack_experts",
+    "repack_experts_mx",
+    "unpack_experts",
+]
 
 
 def _stack_buffers(packed: torch.Tensor, pairs: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,3 +84,38 @@ def dequant_experts(
     for i in range(e):
         mma_dequant_rows(words[i], scales[i], gs[i], 0, n, out[i])
     return out
+
+
+def fail(what: str, rule: str, fix: str, exc: type[Exception] = WeightFormatError) -> None:
+    raise exc(format_error(f"mma16x64 MoE: {what}", rule, fix))
+
+
+def check_stack(w: Sequence[torch.Tensor], which: str) -> tuple[int, int, int]:
+    """(E, N, K) of one stacked repacked weight, checked."""
+    if len(w) != 3:
+        fail(f"{which} has {len(w)} tensors", "words, scales and global scales", "")
+    words, scales, gs = w
+    if words.dtype != torch.int32 or words.dim() != 5 or tuple(words.shape[3:]) != (32, 4):
+        fail(
+            f"{which} words are {words.dtype} {tuple(words.shape)}",
+            "repacked expert words are int32 [E, N/16, K/64, 32, 4]",
+            "build them with moe_stacks.repack_experts (QuantMoE does)",
+        )
+    e, tiles, chunks = words.shape[:3]
+    pairs = scales.shape[3] if scales.dim() == 5 else 0
+    if (
+        scales.dtype != torch.uint8
+        or tuple(scales.shape) != (e, tiles, chunks, pairs, 2)
+        or (pairs not in (32, 16))
+    ):
+        fail(
+            f"{which} scales are {scales.dtype} {tuple(scales.shape)}",
+            f"repacked expert scales are uint8 [{e}, {tiles}, {chunks}, 32, 2] (NVFP4) or "
+            f"[{e}, {tiles}, {chunks}, 16, 2] (MXFP4)",
+            "pass the scales repack_experts / repack_experts_mx returned with these words",
+        )
+    if gs.dtype != torch.float32 or tuple(gs.shape) != (e,):
+        fail(f"{which} global scales are {gs.dtype} {tuple(gs.shape)}", f"float32 [{e}]", "")
+    if not (words.is_contiguous() and scales.is_contiguous()):
+        fail(f"{which} is not contiguous", "repacked stacks are contiguous", "call .contiguous()")
+    return e, tiles * TILE_N, chunks * CHUNK_K

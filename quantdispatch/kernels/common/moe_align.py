@@ -1,4 +1,5 @@
-"""Step 1 of a MoE call: (token, slot) pairs grouped by expert, each group padded to whole blocks.
+"""The align stage of a MoE call: (token, slot) pairs grouped by expert, each group padded to
+whole blocks (the tl.dot, mma.sync and grouped-GEMM experts of both layouts read them).
 
 The M * top_k pairs are grouped by expert and each expert's group is padded to a multiple of
 ``block_m``, written into a worst-case-sized buffer (``max_blocks * block_m`` entries, pads hold
@@ -12,6 +13,8 @@ all. Shapes depend only on (M, top_k, E, block_m); no host synchronization.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -19,7 +22,7 @@ import triton.language as tl
 from quantdispatch.kernels.common import checks
 from quantdispatch.kernels.common.launch import launch
 
-__all__ = ["max_blocks_for", "moe_align"]
+__all__ = ["BlockRouting", "max_blocks_for", "moe_align", "route_blocks"]
 
 
 @triton.jit
@@ -158,3 +161,29 @@ def moe_align(
             ids, part[1], sorted_ids, pairs, num_experts, CH=ch, E_PAD=e_pad
         )
     return sorted_ids, block_expert, num_blocks
+
+
+@dataclass(frozen=True)
+class BlockRouting:
+    """The align stage's result for one call: ``n_blocks`` blocks of ``block_m`` pair slots.
+    Sorted: ``sorted_ids`` / ``block_expert`` / ``num_blocks`` of :func:`moe_align`. ``direct``:
+    one block per (token, slot) pair (``block_m`` 1), the expert read from ``topk_ids``, which
+    the three fields then hold (the direct kernels never read them)."""
+
+    sorted_ids: torch.Tensor
+    block_expert: torch.Tensor
+    num_blocks: torch.Tensor
+    n_blocks: int
+    block_m: int
+    direct: bool
+
+
+def route_blocks(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int, direct: bool
+) -> BlockRouting:
+    """The pairs of ``topk_ids`` [M, top_k] in blocks for the expert GEMMs: one per pair when
+    ``direct`` (no launch), else expert-sorted blocks of ``block_m`` (:func:`moe_align`)."""
+    if direct:
+        return BlockRouting(topk_ids, topk_ids, topk_ids, topk_ids.numel(), 1, True)
+    sorted_ids, block_expert, num_blocks = moe_align(topk_ids, num_experts, block_m)
+    return BlockRouting(sorted_ids, block_expert, num_blocks, block_expert.shape[0], block_m, False)

@@ -1,43 +1,44 @@
-"""NVFP4 on tensor cores for small M, straight from the checkpoint layout: linear and MoE.
+"""NVFP4 on tensor cores for small M, on the checkpoint layout or the mma16x64 one: linear, MoE.
 
 Why: with few rows per weight (decode, small batches, few tokens per expert) a GEMM streams the
-weight once, and the tl.dot kernels of :mod:`.linear` / :mod:`.moe_gemm` decode too slowly
-to stream at the bandwidth limit (see :mod:`..mma_layout.gemv`). This module runs the
-``mma.sync`` + PTX-decode design of :mod:`..mma_layout.gemv` on the tensors *as the checkpoint
-stores
-them* (packed [N, K/2] codes, E4M3 block scales [N, K/16], stacked per expert for MoE), so the
-same weight also feeds the tl.dot and dequantize kernels that are faster once many rows share
-it: nothing is repacked, no byte is added, state dicts stay the checkpoint's.
+weight once, and the tl.dot kernels of :mod:`..checkpoint_layout.linear` /
+:mod:`..checkpoint_layout.moe_gemm` decode too slowly to stream at the bandwidth limit (see
+:mod:`..mma_layout.gemv`). This module runs the ``mma.sync`` + PTX-decode design of
+:mod:`..mma_layout.gemv` on the tensors *as the checkpoint stores them* (packed [N, K/2] codes,
+E4M3 block scales [N, K/16], stacked per expert for MoE), so the same weight also feeds the
+tl.dot and dequantize kernels that are faster once many rows share it: nothing is repacked, no
+byte is added, state dicts stay the checkpoint's.
 
 Per lane ``l = 4g + t`` of a warp, one 64-column K chunk of a 16-row tile is two 8-byte loads
 (rows g and g+8, codes of columns ``16t .. 16t+15``) and two scale bytes (group ``4c + t``).
 A 32-bit word holds the codes of 8 consecutive columns, low nibble first; nibbles ``i`` and
 ``i + 4`` sit exactly 16 bits apart, so one pair of rotations (sign, magnitude) moves both into
-the two halves of a 16-bit pair at once (:data:`..common.decode_tables.CHECKPOINT_TABLES`: 15
-integer ops per word,
-against 11 for the repacked layout). That pairs columns ``(i, i + 4)`` in one register, so MMA
-step ``j`` of a lane takes the lane's columns ``o + {0, 4}`` (A register 0/1) and ``o + {1, 5}``
-(register 2/3) with ``o = 8 (j // 2) + 2 (j % 2)``; the activations are permuted the same way
-in registers (``prmt``, two per step) after the usual two 16-byte loads. Block scales become
-the 16-bit multiplier with the integer multiply-add of :mod:`..mma_layout.layout` (E4M3 normal
-codes
-``b`` give ``u = b + 16``, subnormals come from an 8-entry byte table, a zero scale gives 0).
+the two halves of a 16-bit pair at once (:data:`.decode_tables.CHECKPOINT_TABLES`: 15 integer
+ops per word, against 11 for the repacked layout). That pairs columns ``(i, i + 4)`` in one
+register, so MMA step ``j`` of a lane takes the lane's columns ``o + {0, 4}`` (A register 0/1)
+and ``o + {1, 5}`` (register 2/3) with ``o = 8 (j // 2) + 2 (j % 2)``; the activations are
+permuted the same way in registers (``prmt``, two per step) after the usual two 16-byte loads.
+Block scales become the 16-bit multiplier with the integer multiply-add of
+:mod:`..mma_layout.layout` (E4M3 normal codes ``b`` give ``u = b + 16``, subnormals come from
+an 8-entry byte table, a zero scale gives 0).
 
-Where it runs: :func:`.moe.fused_moe` takes it for NVFP4 experts in the checkpoint layout
-with few tokens per expert. ``QuantMoE`` on an SM 8.0+ GPU repacks the experts of the layers
-this kernel serves (:mod:`..mma_layout.moe_stacks`) and runs the same kernel in its REPACKED
-mode: the repacked decode is faster per weight (docs/design/moe.md), since this decode costs
-more instructions (15 vs 11 per word, activation permutes, byte-wise scale loads) and the
-kernel is issue bound. The PTX of both decodes is in :mod:`..common.ptx`; its torch replay for
-tests in :mod:`.mma_decode`. The checkpoint mode stays for direct callers of ``fused_moe`` and
-as the benchmarks' comparison column (both MoE modes tested). The package never launches the
-LINEAR mode: only the probes do (``benchmarks/probes/ckpt_mma_linear.py``; ``mma_sweep.py
---ckpt`` checks it against float64 before timing it).
+Where it runs: :func:`..checkpoint_layout.moe.fused_moe` takes it for NVFP4 experts in the
+checkpoint layout with few tokens per expert. ``QuantMoE`` on an SM 8.0+ GPU repacks the experts
+of the layers this kernel serves (:mod:`..mma_layout.moe_stacks`) and runs the same kernel in
+its REPACKED mode (:func:`..mma_layout.moe_gemm.mma_layout_moe`): the repacked decode is faster
+per weight (docs/design/moe.md), since this decode costs more instructions (15 vs 11 per word,
+activation permutes, byte-wise scale loads) and the kernel is issue bound. The PTX of both
+decodes is in :mod:`.ptx`; its torch replay for tests in :mod:`..checkpoint_layout.mma_decode`.
+The checkpoint mode stays for direct callers of ``fused_moe`` and as the benchmarks' comparison
+column (both MoE modes tested). The package never launches the LINEAR mode: only the probes do
+(``benchmarks/probes/ckpt_mma_linear.py``; ``mma_sweep.py --ckpt`` checks it against float64
+before timing it).
 
 One kernel, three modes: LINEAR (rows are tokens, ``y = x W^T * global scale + bias``);
 MoE gate/up (gate tile and up tile of one warp share the activation fragments, the activation
 is fused); MoE down (routing weight applied, one row per (token, slot) pair).
-:mod:`.moe_align` and :mod:`.moe_gemm` supply the MoE alignment and the final reduction.
+:class:`MmaExperts` is the MoE experts stage of both layouts; the align and reduce stages
+around it are :mod:`.moe_stages`.
 """
 
 from __future__ import annotations
@@ -46,15 +47,13 @@ import torch
 import triton
 import triton.language as tl
 
-from quantdispatch.kernels.checkpoint_layout.moe_align import moe_align
-from quantdispatch.kernels.checkpoint_layout.moe_gemm import moe_reduce
-from quantdispatch.kernels.checkpoint_layout.moe_plan import MmaGemmConfig, MmaMoeConfig
-from quantdispatch.kernels.common import checks
 from quantdispatch.kernels.common.activation import apply_activation
 from quantdispatch.kernels.common.launch import launch
+from quantdispatch.kernels.common.moe_plan import MmaGemmConfig, MmaMoeConfig
+from quantdispatch.kernels.common.moe_stages import ExpertWeights, MoeExperts, MoeInputs, MoeWork
 from quantdispatch.kernels.common.ptx import chunk_mma, k_reduce, load_chunk, load_x, x_perm
 
-__all__ = ["checkpoint_mma_kernel", "mma_moe_gemms", "run_mma_moe"]
+__all__ = ["MmaExperts", "checkpoint_mma_kernel"]
 
 
 @triton.jit
@@ -262,105 +261,54 @@ def _launch(cfg: MmaGemmConfig, blocks: int, tiles: int, **kw: object) -> None:
     )
 
 
-def mma_moe_gemms(
-    x: torch.Tensor,
-    ids: torch.Tensor,
-    sorted_ids: torch.Tensor,
-    block_expert: torch.Tensor,
-    num_blocks: torch.Tensor,
-    tw: torch.Tensor,
-    n_blocks: int,
-    w13: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    w2: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    b13: torch.Tensor | None,
-    b2: torch.Tensor | None,
-    a: torch.Tensor,
-    y: torch.Tensor,
-    *,
-    top_k: int,
-    act_code: int,
-    alpha: float,
-    limit: float,
-    cfg: MmaMoeConfig,
-) -> None:
-    """Gate/up into ``a`` then down into ``y`` (one row per pair); see the module docstring.
+class MmaExperts(MoeExperts):
+    """The mma.sync gate/up and down kernels as the experts stage, for both layouts: the stacks
+    = (packed uint8 [E, N, K/2], E4M3 codes uint8 [E, N, K/16], global scales fp32 [E]),
+    or in the mma16x64 layout (int32 words [E, N/16, K/64, 32, 4], uint8 scales [E, N/16,
+    K/64, 32 or 16, 2], global scales; :mod:`..mma_layout.moe_stacks`), checked by the caller,
+    shapes by :func:`.moe_plan.mma_moe_supported`. ``inter`` (I) is passed, not read off w13:
+    the two layouts shape their code tensors differently."""
 
-    ``w13`` / ``w2`` = (packed uint8 [E, N, K/2], E4M3 codes uint8 [E, N, K/16], global scales fp32
-    [E]), or in the mma16x64 layout (int32 words [E, N/16, K/64, 32, 4], uint8 scales [E, N/16,
-    K/64, 32, 2], global scales; :mod:`..mma_layout.moe_stacks`); checked by the caller, shapes by
-    :func:`.moe_plan.mma_moe_supported`."""
-    c13, s13, g13 = w13
-    c2, s2, g2 = w2
-    repacked = c13.dtype == torch.int32
-    if repacked:  # strides in words and in scale pairs (int16)
-        s13, s2 = s13.view(torch.int16), s2.view(torch.int16)
-        e, n13, hidden = c13.shape[0], c13.shape[1] * 16, c13.shape[2] * 64
-        rows13 = rows2 = sn13 = sn2 = 0
-    else:
-        e, n13, hidden = c13.shape[0], c13.shape[1], c13.shape[2] * 2
-        rows13, rows2, sn13, sn2 = c13.stride(1), c2.stride(1), s13.stride(1), s2.stride(1)
-    inter = n13 // 2
-    pairs = ids.numel()
-    bf16 = x.dtype == torch.bfloat16
-    common = dict(
-        ids_ptr=ids, sorted_ptr=sorted_ids, bexp_ptr=block_expert, nvalid_ptr=num_blocks,
-        tw_ptr=tw, T=pairs, E=e, top_k=top_k, alpha=float(alpha), limit=float(limit),
-        ACT=act_code, DIRECT=cfg.direct, LINEAR=False, NT=cfg.nt, BF16=bf16, REPACKED=repacked,
-        SPC=s13.shape[3] if repacked else 32,
-    )  # fmt: skip
-    _launch(
-        cfg.gemm1, n_blocks, inter // 16,
-        x_ptr=x, w_ptr=c13, s_ptr=s13, gs_ptr=g13, bias_ptr=b13 if b13 is not None else g13,
-        out_ptr=a, up_off=inter, stride_xm=x.stride(0), stride_we=c13.stride(0),
-        stride_wn=rows13, stride_se=s13.stride(0), stride_sn=sn13,
-        stride_be=b13.stride(0) if b13 is not None else 0, stride_om=a.stride(0),
-        CHUNKS=hidden // 64, GATE_UP=True, HAS_BIAS=b13 is not None, **common,
-    )  # fmt: skip
-    _launch(
-        cfg.gemm2, n_blocks, hidden // 16,
-        x_ptr=a, w_ptr=c2, s_ptr=s2, gs_ptr=g2, bias_ptr=b2 if b2 is not None else g2,
-        out_ptr=y, up_off=0, stride_xm=a.stride(0), stride_we=c2.stride(0),
-        stride_wn=rows2, stride_se=s2.stride(0), stride_sn=sn2,
-        stride_be=b2.stride(0) if b2 is not None else 0, stride_om=y.stride(0),
-        CHUNKS=inter // 64, GATE_UP=False, HAS_BIAS=b2 is not None, **common,
-    )  # fmt: skip
+    def __init__(self, weights: ExpertWeights, cfg: MmaMoeConfig, inter: int) -> None:
+        (c13, s13, g13), (c2, s2, g2), b13, b2 = weights
+        repacked = c13.dtype == torch.int32
+        if repacked:  # strides in words and in scale pairs (int16)
+            s13, s2 = s13.view(torch.int16), s2.view(torch.int16)
+            hidden = c13.shape[2] * 64
+            rows13 = rows2 = sn13 = sn2 = 0
+        else:
+            hidden = c13.shape[2] * 2
+            rows13, rows2, sn13, sn2 = c13.stride(1), c2.stride(1), s13.stride(1), s2.stride(1)
+        self.cfg, self.inter, self.block_m, self.direct = cfg, inter, cfg.block_m, cfg.direct
+        self._common = dict(E=c13.shape[0], DIRECT=cfg.direct, LINEAR=False, NT=cfg.nt,
+                            REPACKED=repacked, SPC=s13.shape[3] if repacked else 32)  # fmt: skip
+        self._gemm1 = dict(
+            w_ptr=c13, s_ptr=s13, gs_ptr=g13, bias_ptr=b13 if b13 is not None else g13,
+            up_off=inter, stride_we=c13.stride(0), stride_wn=rows13, stride_se=s13.stride(0),
+            stride_sn=sn13, stride_be=b13.stride(0) if b13 is not None else 0,
+            CHUNKS=hidden // 64, GATE_UP=True, HAS_BIAS=b13 is not None,
+        )  # fmt: skip
+        self._gemm2 = dict(
+            w_ptr=c2, s_ptr=s2, gs_ptr=g2, bias_ptr=b2 if b2 is not None else g2, up_off=0,
+            stride_we=c2.stride(0), stride_wn=rows2, stride_se=s2.stride(0), stride_sn=sn2,
+            stride_be=b2.stride(0) if b2 is not None else 0, CHUNKS=inter // 64,
+            GATE_UP=False, HAS_BIAS=b2 is not None,
+        )  # fmt: skip
+        self._hidden = hidden
 
-
-def run_mma_moe(
-    x: torch.Tensor,
-    ids: torch.Tensor,
-    tw: torch.Tensor,
-    w13: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
-    w2: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
-    b13: torch.Tensor | None,
-    b2: torch.Tensor | None,
-    act_code: int,
-    alpha: float,
-    limit: float,
-    cfg: MmaMoeConfig,
-    out: torch.Tensor,
-    inter: int,
-) -> None:
-    """Steps 1-4 with the mma.sync gate/up and down kernels of this module.
-    ``inter`` (I) is passed, not read off w13: the checkpoint and the repacked layouts shape
-    their code tensors differently."""
-    m, hidden = x.shape
-    top_k = ids.shape[1]
-    pairs = m * top_k
-    e = w13[0].shape[0]
-    if x.stride(0) % 8 or x.data_ptr() % 16:  # 16-byte activation loads
-        x = x.clone(memory_format=torch.contiguous_format)
-    if cfg.direct:
-        n_blocks = pairs
-        a = checks.empty((pairs, inter), x.dtype, x.device)
-        sorted_ids = block_expert = num_blocks = ids  # unused by the direct kernels
-    else:
-        sorted_ids, block_expert, num_blocks = moe_align(ids, e, cfg.block_m)
-        n_blocks = block_expert.shape[0]
-        a = checks.empty((n_blocks * cfg.block_m, inter), x.dtype, x.device)
-    y = checks.empty((pairs, hidden), x.dtype, x.device)
-    mma_moe_gemms(
-        x, ids, sorted_ids, block_expert, num_blocks, tw, n_blocks, w13, w2, b13, b2, a, y,
-        top_k=top_k, act_code=act_code, alpha=alpha, limit=limit, cfg=cfg,
-    )  # fmt: skip
-    moe_reduce(y, ids, out, e)
+    def apply(self, inp: MoeInputs, work: MoeWork) -> None:
+        """Gate/up into ``a`` then down into ``y`` (one row per pair)."""
+        blocks, a, y = work.buffers()
+        x, act = inp.x, inp.act
+        if x.stride(0) % 8 or x.data_ptr() % 16:  # 16-byte activation loads
+            x = x.clone(memory_format=torch.contiguous_format)
+        common = dict(
+            self._common, ids_ptr=inp.ids, sorted_ptr=blocks.sorted_ids,
+            bexp_ptr=blocks.block_expert, nvalid_ptr=blocks.num_blocks, tw_ptr=inp.tw,
+            T=inp.pairs, top_k=inp.top_k, alpha=float(act.alpha), limit=float(act.limit),
+            ACT=act.code, BF16=x.dtype == torch.bfloat16,
+        )  # fmt: skip
+        _launch(self.cfg.gemm1, blocks.n_blocks, self.inter // 16, x_ptr=x, out_ptr=a,
+                stride_xm=x.stride(0), stride_om=a.stride(0), **self._gemm1, **common)  # fmt: skip
+        _launch(self.cfg.gemm2, blocks.n_blocks, self._hidden // 16, x_ptr=a, out_ptr=y,
+                stride_xm=a.stride(0), stride_om=y.stride(0), **self._gemm2, **common)  # fmt: skip
