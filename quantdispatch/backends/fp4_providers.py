@@ -23,12 +23,15 @@ imported and libraries loaded when a weight is prepared.
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
 import threading
 from dataclasses import dataclass
 
 import torch
 
+from quantdispatch.device.providers import Version, parse_version, range_text
+from quantdispatch.device.providers import (
+    installed_version as _dist_version,  # this module's name: tests stand in fake versions
+)
 from quantdispatch.errors import BackendUnavailableError, format_error
 
 __all__ = [
@@ -52,20 +55,18 @@ class Fp4Binding:
 
     provider: str
     distribution: str
-    min_version: tuple[int, int, int]
-    below_version: tuple[int, int, int]
+    min_version: Version
+    below_version: Version
     gemm: str
     quantizer: str
     """"provider": its own NVFP4 quantizer; "quantdispatch": ours (Triton on GPUs)."""
     source: str
 
-    def covers(self, version: tuple[int, int, int]) -> bool:
+    def covers(self, version: Version) -> bool:
         return self.min_version <= version < self.below_version
 
     def range_text(self) -> str:
-        lo = ".".join(map(str, self.min_version))
-        hi = ".".join(map(str, self.below_version))
-        return f">={lo},<{hi}"
+        return range_text(self.min_version, self.below_version)
 
 
 BINDINGS: tuple[Fp4Binding, ...] = (
@@ -113,19 +114,6 @@ class Fp4ProviderStatus:
         if self.usable:
             return f"{self.name} {self.version} ({self.binding.gemm})"  # type: ignore[union-attr]
         return f"{self.name}: {self.reason}"
-
-
-def parse_version(text: str | None) -> tuple[int, int, int] | None:
-    from quantdispatch.backends.marlin_providers import parse_version as parse
-
-    return parse(text) if text else None
-
-
-def _dist_version(distribution: str) -> str | None:
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def _installed_version(binding: Fp4Binding) -> str | None:
