@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from quantdispatch import __version__
+from quantdispatch.capability import SM90_PLUS
 from quantdispatch.cli.phrases import WIDTH, gist, prefixed, shorten
 from quantdispatch.cli.report import Answer, Row, Shard
 from quantdispatch.errors import BackendUnavailableError, QuantDispatchError
@@ -153,9 +154,7 @@ def marlin_lines() -> list[str]:
 
 def pdl_applies(profile) -> bool:
     """Dependent launches exist on SM 9.0+ GPUs (real or simulated)."""
-    return (
-        profile.kind == "cuda" and profile.capability is not None and profile.capability >= (9, 0)
-    )
+    return profile.kind == "cuda" and profile.capability in SM90_PLUS
 
 
 def _facts(row: Row) -> tuple:

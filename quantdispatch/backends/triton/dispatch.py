@@ -18,6 +18,7 @@ from quantdispatch.backends.base import (
     LayoutMeta,
     Mma16x64Meta,
 )
+from quantdispatch.capability import SM80_PLUS
 from quantdispatch.kernels.common.device_facts import DeviceFacts, device_facts
 from quantdispatch.kernels.regimes import (
     Family,
@@ -75,8 +76,7 @@ def linear_layout(
 
     if (
         fmt in FP4
-        and capability is not None
-        and capability >= (8, 0)
+        and capability in SM80_PLUS
         and mma_supported_shape(n, k)
         and act_dtype in _16_BIT
     ):

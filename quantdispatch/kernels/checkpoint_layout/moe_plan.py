@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
+from quantdispatch.capability import SM80_PLUS
 from quantdispatch.kernels.regimes import CHECKPOINT_MOE, Family
 
 if TYPE_CHECKING:
@@ -103,8 +104,7 @@ def mma_moe_supported(
     """SM 8.0+ and every GEMM in whole 16-row tiles and 64-column chunks."""
     return (
         gated
-        and capability is not None
-        and capability >= (8, 0)
+        and capability in SM80_PLUS
         and inter % 64 == 0
         and hidden % 64 == 0
     )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from quantdispatch.capability import SM80_PLUS
 from quantdispatch.errors import InputError, WeightFormatError, format_error
 from quantdispatch.kernels.common.device_facts import device_facts
 from quantdispatch.kernels.common.interpreter import interpreting
@@ -79,7 +80,7 @@ def check_activation(x: torch.Tensor, k: int, where: str) -> torch.Tensor:
     if x.device.type == "cuda" and x.dtype == torch.bfloat16:
         facts = device_facts(x.device)
         name, cap = facts.name, facts.capability or (0, 0)
-        if cap < (8, 0):
+        if cap not in SM80_PLUS:
             raise InputError(
                 format_error(
                     f"{where}: bfloat16 activations on {name} (SM{cap[0]}{cap[1]})",

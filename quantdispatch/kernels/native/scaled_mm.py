@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from quantdispatch.capability import SM89_PLUS
 from quantdispatch.errors import (
     BackendUnavailableError,
     InputError,
@@ -133,7 +134,7 @@ def fp8_scaled_mm_linear(
         )
     facts = device_facts(x.device)
     name, cap = facts.name, facts.capability or (0, 0)
-    if cap < (8, 9):
+    if cap not in SM89_PLUS:
         raise BackendUnavailableError(
             format_error(
                 f"{_WHERE}: {name} is SM{cap[0]}{cap[1]}",
