@@ -18,6 +18,7 @@ from quantdispatch import select
 from quantdispatch.checkpoints import QuantConfig, load_quant_config
 from quantdispatch.errors import QuantDispatchError
 from quantdispatch.integrations.transformers.checkpoint import read_config, read_headers
+from quantdispatch.kernels.regimes import m_span
 
 __all__ = ["describe_model", "render_description"]
 
@@ -89,12 +90,6 @@ def _kernel_ranges(decision: Any, top_k: int | None, op: str) -> list[dict[str, 
         else:
             out.append({"m_min": r.first_m, "m_max": r.last_m, "family": r.family})
     return out
-
-
-def _span(first: int, last: int | None) -> str:
-    if last is None:
-        return "any M" if first == 1 else f"M >= {first}"
-    return f"M = {first}" if first == last else f"M {first}..{last}"
 
 
 def describe_model(
@@ -236,7 +231,7 @@ def render_description(d: Mapping[str, Any], *, verbose: bool = False) -> str:
             f" -> {r['backend']}: {reason}"
         )
         if r.get("kernels"):
-            spans = (f"{_span(k['m_min'], k['m_max'])}: {k['family']}" for k in r["kernels"])
+            spans = (f"{m_span(k['m_min'], k['m_max'])}: {k['family']}" for k in r["kernels"])
             lines.append("      " + "; ".join(spans))
         if verbose:
             lines += [f"      not {c['backend']}: {c['reason']}" for c in r["rejected"]]
