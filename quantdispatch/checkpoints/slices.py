@@ -20,6 +20,7 @@ import torch
 from quantdispatch.checkpoints.config import LayerQuant
 from quantdispatch.checkpoints.reader import _children, read_linear
 from quantdispatch.errors import CheckpointError, format_error
+from quantdispatch.formats import FP4_FORMATS
 
 __all__ = ["LayerSlice", "LinearGeometry", "linear_geometry", "read_slice", "tensor_info"]
 
@@ -228,7 +229,7 @@ class LayerSlice(Mapping[str, torch.Tensor]):
         g = self._geo
         if name in ("bias", "_bias"):
             return (1, 0, 1)
-        if g.format in ("nvfp4", "mxfp4"):
+        if g.format in FP4_FORMATS:
             if name in ("weight", "weight_packed"):
                 return (1, 2, 2)
             if name in ("weight_scale", "_scales", "_blocks"):

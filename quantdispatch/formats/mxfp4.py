@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from quantdispatch.errors import ConfigurationError
+from quantdispatch.format_facts import FP4_GROUP_SIZES
 from quantdispatch.formats.e2m1 import (
     _check_float_matrix,
     _check_rows,
@@ -40,7 +41,7 @@ __all__ = [
     "rebase_mx_scales_for_fp16",
 ]
 
-MXFP4_GROUP_SIZE = 32
+MXFP4_GROUP_SIZE: int = FP4_GROUP_SIZES["mxfp4"]
 E8M0_BIAS = 127
 E8M0_NAN = 255
 # OCP MX: the shared exponent is floor(log2(block_amax)) - emax_elem, and E2M1's largest

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from quantdispatch.errors import ConfigurationError, InputError
+from quantdispatch.format_facts import FP4_GROUP_SIZES
 from quantdispatch.formats.e2m1 import (
     E2M1_MAX,
     _check_float_matrix,
@@ -53,7 +54,7 @@ __all__ = [
     "quantize_nvfp4",
 ]
 
-NVFP4_GROUP_SIZE = 16
+NVFP4_GROUP_SIZE: int = FP4_GROUP_SIZES["nvfp4"]
 E4M3_MAX = 448.0
 E4M3_MIN_SUBNORMAL = 2.0**-9
 

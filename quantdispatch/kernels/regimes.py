@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from quantdispatch.capability import ANY_DEVICE, SM9X, SM89_PLUS, SM90, CapabilitySet
+from quantdispatch.format_facts import FP4_FORMATS
 
 __all__ = [
     "CHECKPOINT_MOE",
@@ -189,7 +190,7 @@ class LinearRegime:
         return tuple(out)
 
 
-_FP4 = ("nvfp4", "mxfp4")
+_FP4 = FP4_FORMATS
 _DEQUANT_WHY = "tensor-core bound: weight slabs dequantized to 16-bit, then cuBLAS"
 
 #: The linear rows, tried in order (:func:`linear_regime`): a row for a specific SM set comes

@@ -19,6 +19,7 @@ from quantdispatch.backends.base import (
     Mma16x64Meta,
 )
 from quantdispatch.capability import SM80_PLUS
+from quantdispatch.formats import FP4_FORMATS
 from quantdispatch.kernels.common.device_facts import DeviceFacts, device_facts
 from quantdispatch.kernels.regimes import (
     Family,
@@ -46,7 +47,7 @@ __all__ = [
     "moe_ranges",
 ]
 
-FP4 = ("nvfp4", "mxfp4")
+FP4 = FP4_FORMATS
 _16_BIT = (torch.bfloat16, torch.float16)
 #: The last M the MoE ranges scan (the last range goes on beyond it).
 MOE_SCAN_MAX_M = 1 << 16

@@ -10,6 +10,7 @@ import torch
 
 from quantdispatch.capability import SM80_PLUS
 from quantdispatch.errors import InputError, WeightFormatError, format_error
+from quantdispatch.formats import SCALE_GROUP_SIZES
 from quantdispatch.kernels.common.device_facts import device_facts
 from quantdispatch.kernels.common.interpreter import interpreting
 
@@ -29,7 +30,7 @@ __all__ = [
 ]
 
 #: Elements per block scale, by the scale format of an FP4 weight (NVFP4 e4m3, MXFP4 e8m0).
-SCALE_GROUP = {"e4m3": 16, "e8m0": 32}
+SCALE_GROUP = SCALE_GROUP_SIZES
 
 
 def empty_output(m: int, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -33,6 +33,7 @@ import torch
 
 from quantdispatch.capability import SM89_PLUS, SM90
 from quantdispatch.errors import BackendUnavailableError, InputError, format_error
+from quantdispatch.formats import FP4_FORMATS
 from quantdispatch.formats import fp8_prefill as rule
 from quantdispatch.kernels.common.checks import check_native_call
 from quantdispatch.kernels.native import fp8_handoff
@@ -113,7 +114,7 @@ def prefill_reasons(
     ``cuda_version``: torch's CUDA build (None: this torch's)."""
     cuda = cuda_version if cuda_version is not None else _cuda_version()
     out = []
-    if fmt not in ("nvfp4", "mxfp4"):
+    if fmt not in FP4_FORMATS:
         out.append(f"FP8 prefill re-encodes NVFP4 / MXFP4 weights, not {fmt}")
     if capability not in SM89_PLUS:
         out.append(f"FP8 tensor cores need SM 8.9+ (device: {capability})")
