@@ -360,30 +360,8 @@ def global_scale_to_compressed_tensors(global_scale: torch.Tensor | float) -> to
     return out
 
 
-def merge_nvfp4_shards(shards: Sequence[Nvfp4Weight]) -> Nvfp4Weight:
-    """Concatenate shards along N (fused q/k/v, gate/up) under ONE global scale.
-
-    The common global scale is the max of the shards' global scales, so no rescaled block
-    scale can exceed 448. Each other shard's block scales are multiplied by
-    r = its_global / common (<= 1, in float32) and re-rounded to e4m3; the E2M1 codes are
-    untouched. That re-rounding is the only change, with these bounds for a rescaled block
-    scale v = block_scale * r (exact value) and its stored e4m3 value v':
-
-    * v >= 2**-6 (e4m3 normal range): |v' - v| <= 2**-4 * v, so every element of the block
-      changes by at most 2**-4 relative. Exact when r is a power of two.
-    * 2**-9 <= v < 2**-6 (subnormal): |v' - v| <= 2**-10 absolute (half a subnormal step).
-      Exact when r is a power of two and v is a multiple of 2**-9.
-    * 0 < v < 2**-9: clamped to 2**-9 (never flushed to zero, which would erase the block):
-      |v' - v| < 2**-9.
-
-    In all cases |v' - v| <= max(2**-4 * v, 2**-9), so an element changes by at most
-    6 * max(2**-4 * v, 2**-9) * common; the subnormal terms are below 2**-9 / 448 (~4.4e-6)
-    of the merged tensor's largest representable magnitude 6 * 448 * common.
-
-    input_scale: the max of the shards' input scales when all have one (the shards read the
-    same activation, so the largest calibrated range is the one that cannot overflow), None
-    when none has one. A mix raises: it would silently turn part of a W4A4 layer into W4A16.
-    """
+def _check_shards(shards: Sequence[Nvfp4Weight]) -> list[bool]:
+    """Refuse what merge_nvfp4_shards cannot merge; return which shards carry an input scale."""
     if isinstance(shards, Nvfp4Weight) or not isinstance(shards, Sequence) or len(shards) == 0:
         _fail(
             f"merge_nvfp4_shards got {type(shards).__name__}"
@@ -422,9 +400,14 @@ def merge_nvfp4_shards(shards: Sequence[Nvfp4Weight]) -> Nvfp4Weight:
             "a fused layer is either W4A4 (every shard has an input scale) or weight-only",
             "load the input_scale of every shard, or drop all of them for weight-only use",
         )
-    if len(shards) == 1:
-        return first
+    return has_input
 
+
+def _common_global_scale(
+    shards: Sequence[Nvfp4Weight],
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The shards' largest global scale and every shard's block scales rescaled to it."""
+    first = shards[0]
     gs_values = [float(s.global_scale) for s in shards]
     common_value = max(gs_values)
     common = torch.tensor(common_value, dtype=torch.float32, device=first.packed.device)
@@ -437,7 +420,37 @@ def merge_nvfp4_shards(shards: Sequence[Nvfp4Weight]) -> Nvfp4Weight:
         v = s.block_scale.to(torch.float32) * ratio
         v = torch.where(v > 0, v.clamp(E4M3_MIN_SUBNORMAL, E4M3_MAX), v)
         scales.append(v.to(torch.float8_e4m3fn))
+    return common, scales
 
+
+def merge_nvfp4_shards(shards: Sequence[Nvfp4Weight]) -> Nvfp4Weight:
+    """Concatenate shards along N (fused q/k/v, gate/up) under ONE global scale.
+
+    The common global scale is the max of the shards' global scales, so no rescaled block
+    scale can exceed 448. Each other shard's block scales are multiplied by
+    r = its_global / common (<= 1, in float32) and re-rounded to e4m3; the E2M1 codes are
+    untouched. That re-rounding is the only change, with these bounds for a rescaled block
+    scale v = block_scale * r (exact value) and its stored e4m3 value v':
+
+    * v >= 2**-6 (e4m3 normal range): |v' - v| <= 2**-4 * v, so every element of the block
+      changes by at most 2**-4 relative. Exact when r is a power of two.
+    * 2**-9 <= v < 2**-6 (subnormal): |v' - v| <= 2**-10 absolute (half a subnormal step).
+      Exact when r is a power of two and v is a multiple of 2**-9.
+    * 0 < v < 2**-9: clamped to 2**-9 (never flushed to zero, which would erase the block):
+      |v' - v| < 2**-9.
+
+    In all cases |v' - v| <= max(2**-4 * v, 2**-9), so an element changes by at most
+    6 * max(2**-4 * v, 2**-9) * common; the subnormal terms are below 2**-9 / 448 (~4.4e-6)
+    of the merged tensor's largest representable magnitude 6 * 448 * common.
+
+    input_scale: the max of the shards' input scales when all have one (the shards read the
+    same activation, so the largest calibrated range is the one that cannot overflow), None
+    when none has one. A mix raises: it would silently turn part of a W4A4 layer into W4A16.
+    """
+    has_input = _check_shards(shards)
+    if len(shards) == 1:
+        return shards[0]
+    common, scales = _common_global_scale(shards)
     input_scale = None
     if all(has_input):
         input_scale = torch.stack([s.input_scale for s in shards]).amax()  # type: ignore[misc]
