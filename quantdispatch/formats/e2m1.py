@@ -205,6 +205,53 @@ def _require_device(t: torch.Tensor, field: str, device: torch.device, ref: str)
         )
 
 
+def _check_packed(
+    value: object, owner: str, fmt: str, group: int, dtype_fix: str
+) -> tuple[torch.Tensor, int, int]:
+    """An FP4 weight's packed codes: uint8 [N, K/2], not empty, K a multiple of ``group``.
+    Returns (packed, N, K)."""
+    packed = _require_tensor(value, f"{owner}.packed", torch.uint8, dtype_fix)
+    _require_ndim(packed, f"{owner}.packed", 2, "[N, K/2] bytes")
+    n, half_k = packed.shape
+    k = 2 * half_k
+    if n == 0 or k == 0:
+        _fail(
+            f"{owner}.packed has shape {(n, half_k)}",
+            f"a weight needs at least one row and one group of {group}",
+            "skip empty layers",
+        )
+    if k % group != 0:
+        _fail(
+            f"{owner}.packed has shape {(n, half_k)}, so K = {k}",
+            f"{fmt} needs K to be a multiple of {group}",
+            f"pad K with zero columns to {-(-k // group) * group} before quantizing",
+        )
+    return packed, n, k
+
+
+def _check_scale_grid(
+    bs: torch.Tensor, owner: str, fmt: str, n: int, k: int, group: int, fixes: tuple[str, str]
+) -> None:
+    """An FP4 weight's block scales are [N, K/group]; ``fixes``: what to do about a wrong row
+    count, a wrong group count."""
+    field = f"{owner}.block_scale"
+    _require_ndim(bs, field, 2, f"[N, K/{group}]")
+    if bs.shape[0] != n:
+        _fail(
+            f"{field} has {bs.shape[0]} rows but packed has N = {n}",
+            "there is one row of block scales per output feature",
+            fixes[0],
+        )
+    if bs.shape[1] != k // group:
+        scale = "e4m3" if fmt == "NVFP4" else "E8M0"
+        _fail(
+            f"{field} has {bs.shape[1]} groups per row but packed implies "
+            f"K = {k}, i.e. {k // group} groups of {group}",
+            f"{fmt} has one {scale} scale per {group} consecutive elements along K",
+            fixes[1],
+        )
+
+
 def _positive_scalar(
     value: object,
     field: str,

@@ -15,13 +15,14 @@ from quantdispatch.errors import ConfigurationError
 from quantdispatch.format_facts import FP4_GROUP_SIZES
 from quantdispatch.formats.e2m1 import (
     _check_float_matrix,
+    _check_packed,
     _check_rows,
+    _check_scale_grid,
     _compute_dtype,
     _fail,
     _has_values,
     _nbytes,
     _require_device,
-    _require_ndim,
     _require_tensor,
     decode_e2m1,
     encode_e2m1,
@@ -49,6 +50,12 @@ E8M0_NAN = 255
 _E2M1_EMAX = 2
 
 
+_MX_SCALE_FIXES = (
+    "pass the scales that belong to this weight (same TP shard / same expert)",
+    "check that the scales are not swizzled/padded and belong to this weight",
+)
+
+
 @dataclass(frozen=True, eq=False)
 class Mxfp4Weight:
     """A validated MXFP4 weight: packed codes [N, K/2] and E8M0 exponent bytes [N, K/32].
@@ -61,27 +68,13 @@ class Mxfp4Weight:
     block_scale: torch.Tensor
 
     def __post_init__(self) -> None:
-        packed = _require_tensor(
+        packed, n, k = _check_packed(
             self.packed,
-            "Mxfp4Weight.packed",
-            torch.uint8,
+            "Mxfp4Weight",
+            "MXFP4",
+            MXFP4_GROUP_SIZE,
             "pass the packed codes as torch.uint8 [N, K/2] (gpt-oss *_blocks flattened to 2-D)",
         )
-        _require_ndim(packed, "Mxfp4Weight.packed", 2, "[N, K/2] bytes")
-        n, half_k = packed.shape
-        k = 2 * half_k
-        if n == 0 or k == 0:
-            _fail(
-                f"Mxfp4Weight.packed has shape {(n, half_k)}",
-                "a weight needs at least one row and one group of 32",
-                "skip empty layers",
-            )
-        if k % MXFP4_GROUP_SIZE != 0:
-            _fail(
-                f"Mxfp4Weight.packed has shape {(n, half_k)}, so K = {k}",
-                f"MXFP4 needs K to be a multiple of {MXFP4_GROUP_SIZE}",
-                f"pad K with zero columns to {-(-k // 32) * 32} before quantizing",
-            )
         bs = self.block_scale
         if isinstance(bs, torch.Tensor) and bs.dtype == torch.float8_e8m0fnu:
             bs = bs.view(torch.uint8)
@@ -92,20 +85,7 @@ class Mxfp4Weight:
             torch.uint8,
             "pass the E8M0 exponents as torch.uint8 (or torch.float8_e8m0fnu) [N, K/32]",
         )
-        _require_ndim(bs, "Mxfp4Weight.block_scale", 2, "[N, K/32]")
-        if bs.shape[0] != n:
-            _fail(
-                f"Mxfp4Weight.block_scale has {bs.shape[0]} rows but packed has N = {n}",
-                "there is one row of block scales per output feature",
-                "pass the scales that belong to this weight (same TP shard / same expert)",
-            )
-        if bs.shape[1] != k // MXFP4_GROUP_SIZE:
-            _fail(
-                f"Mxfp4Weight.block_scale has {bs.shape[1]} groups per row but packed implies "
-                f"K = {k}, i.e. {k // MXFP4_GROUP_SIZE} groups of {MXFP4_GROUP_SIZE}",
-                "MXFP4 has one E8M0 scale per 32 consecutive elements along K",
-                "check that the scales are not swizzled/padded and belong to this weight",
-            )
+        _check_scale_grid(bs, "Mxfp4Weight", "MXFP4", n, k, MXFP4_GROUP_SIZE, _MX_SCALE_FIXES)
         _require_device(bs, "Mxfp4Weight.block_scale", packed.device, "packed")
         nan = bs == E8M0_NAN
         if _has_values(bs) and bool(nan.any()):

@@ -22,14 +22,15 @@ from quantdispatch.format_facts import FP4_GROUP_SIZES
 from quantdispatch.formats.e2m1 import (
     E2M1_MAX,
     _check_float_matrix,
+    _check_packed,
     _check_rows,
+    _check_scale_grid,
     _compute_dtype,
     _fail,
     _has_values,
     _nbytes,
     _positive_scalar,
     _require_device,
-    _require_ndim,
     _require_tensor,
     decode_e2m1,
     encode_e2m1,
@@ -85,6 +86,13 @@ def _check_e4m3_scales(bs: torch.Tensor, field: str) -> None:
         )
 
 
+_NV_SCALE_FIXES = (
+    "pass the block scales that belong to this weight (same TP shard / same expert)",
+    "check that the scales are not swizzled/padded (un-swizzle them to [N, K/16]) "
+    "and belong to this weight",
+)
+
+
 @dataclass(frozen=True, eq=False)
 class Nvfp4Weight:
     """A validated NVFP4 weight: packed codes, e4m3 block scales, per-tensor multiplier(s).
@@ -99,27 +107,13 @@ class Nvfp4Weight:
     input_scale: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        packed = _require_tensor(
+        packed, n, k = _check_packed(
             self.packed,
-            "Nvfp4Weight.packed",
-            torch.uint8,
+            "Nvfp4Weight",
+            "NVFP4",
+            NVFP4_GROUP_SIZE,
             "pass the packed codes as torch.uint8 [N, K/2] (view int8 storage as uint8)",
         )
-        _require_ndim(packed, "Nvfp4Weight.packed", 2, "[N, K/2] bytes")
-        n, half_k = packed.shape
-        k = 2 * half_k
-        if n == 0 or k == 0:
-            _fail(
-                f"Nvfp4Weight.packed has shape {(n, half_k)}",
-                "a weight needs at least one row and one group of 16",
-                "skip empty layers",
-            )
-        if k % NVFP4_GROUP_SIZE != 0:
-            _fail(
-                f"Nvfp4Weight.packed has shape {(n, half_k)}, so K = {k}",
-                f"NVFP4 needs K to be a multiple of {NVFP4_GROUP_SIZE}",
-                f"pad K with zero columns to {-(-k // 16) * 16} before quantizing",
-            )
         bs = _require_tensor(
             self.block_scale,
             "Nvfp4Weight.block_scale",
@@ -128,21 +122,7 @@ class Nvfp4Weight:
             "compressed-tensors weight_scale); a uint8 copy of the bytes needs "
             ".view(torch.float8_e4m3fn)",
         )
-        _require_ndim(bs, "Nvfp4Weight.block_scale", 2, "[N, K/16]")
-        if bs.shape[0] != n:
-            _fail(
-                f"Nvfp4Weight.block_scale has {bs.shape[0]} rows but packed has N = {n}",
-                "there is one row of block scales per output feature",
-                "pass the block scales that belong to this weight (same TP shard / same expert)",
-            )
-        if bs.shape[1] != k // NVFP4_GROUP_SIZE:
-            _fail(
-                f"Nvfp4Weight.block_scale has {bs.shape[1]} groups per row but packed implies "
-                f"K = {k}, i.e. {k // NVFP4_GROUP_SIZE} groups of {NVFP4_GROUP_SIZE}",
-                "NVFP4 has one e4m3 scale per 16 consecutive elements along K",
-                "check that the scales are not swizzled/padded (un-swizzle them to [N, K/16]) "
-                "and belong to this weight",
-            )
+        _check_scale_grid(bs, "Nvfp4Weight", "NVFP4", n, k, NVFP4_GROUP_SIZE, _NV_SCALE_FIXES)
         device = packed.device
         _require_device(bs, "Nvfp4Weight.block_scale", device, "packed")
         _check_e4m3_scales(bs, "Nvfp4Weight.block_scale")
