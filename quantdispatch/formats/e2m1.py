@@ -348,6 +348,42 @@ def _compute_dtype(dtype: object, fn: str) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _dequantize_args(
+    w: object, cls: type, fn: str, dtype: object, rows: object
+) -> tuple[torch.dtype, slice]:
+    """What every reference dequantizer checks first: ``w`` is a ``cls``, the output dtype is a
+    float dtype, ``rows`` a slice. Returns (compute dtype, rows slice)."""
+    if not isinstance(w, cls):
+        _fail(
+            f"{fn} got a {type(w).__name__}",
+            f"it dequantizes an {cls.__name__}",
+            f"build one with {cls.__name__}(...) or {fn.replace('dequantize_', 'quantize_')}(...)",
+            ConfigurationError,
+        )
+    return _compute_dtype(dtype, fn), _check_rows(rows, w.out_features, fn)  # type: ignore[attr-defined]
+
+
+class PackedFp4:
+    """N, K and shape of a weight held as packed E2M1 codes ``packed`` [N, K/2]."""
+
+    packed: torch.Tensor
+
+    @property
+    def out_features(self) -> int:
+        """N, the number of rows."""
+        return int(self.packed.shape[0])
+
+    @property
+    def in_features(self) -> int:
+        """K, the reduction dimension (two codes per byte)."""
+        return int(self.packed.shape[1]) * 2
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(N, K) of the dense weight this represents."""
+        return (self.out_features, self.in_features)
+
+
 def _check_float_matrix(weight: object, fn: str, group: int, group_name: str) -> torch.Tensor:
     """Check a quantizer input: finite float [N, K] with K a multiple of ``group``."""
     if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():

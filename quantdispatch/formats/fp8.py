@@ -19,8 +19,7 @@ import torch
 from quantdispatch.errors import ConfigurationError, WeightFormatError
 from quantdispatch.formats.e2m1 import (
     _check_float_matrix,
-    _check_rows,
-    _compute_dtype,
+    _dequantize_args,
     _fail,
     _has_values,
     _nbytes,
@@ -301,15 +300,7 @@ def dequantize_fp8(
     One float32 multiply (e4m3 * scale) per element, so the result is correctly rounded before
     the final cast; float64 when asked. ``rows`` works with every scale layout.
     """
-    if not isinstance(w, Fp8Weight):
-        _fail(
-            f"dequantize_fp8 got a {type(w).__name__}",
-            "it dequantizes an Fp8Weight",
-            "build one with Fp8Weight(...) or quantize_fp8(...)",
-            ConfigurationError,
-        )
-    cd = _compute_dtype(dtype, "dequantize_fp8")
-    sl = _check_rows(rows, w.out_features, "dequantize_fp8")
+    cd, sl = _dequantize_args(w, Fp8Weight, "dequantize_fp8", dtype, rows)
     q = w.weight[sl].to(cd)
     if w.block_size is not None:
         row_idx = torch.arange(w.out_features, device=w.weight.device)[sl]

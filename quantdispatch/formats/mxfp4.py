@@ -11,14 +11,13 @@ from dataclasses import dataclass
 
 import torch
 
-from quantdispatch.errors import ConfigurationError
 from quantdispatch.format_facts import FP4_GROUP_SIZES
 from quantdispatch.formats.e2m1 import (
+    PackedFp4,
     _check_float_matrix,
     _check_packed,
-    _check_rows,
     _check_scale_grid,
-    _compute_dtype,
+    _dequantize_args,
     _fail,
     _has_values,
     _nbytes,
@@ -57,7 +56,7 @@ _MX_SCALE_FIXES = (
 
 
 @dataclass(frozen=True, eq=False)
-class Mxfp4Weight:
+class Mxfp4Weight(PackedFp4):
     """A validated MXFP4 weight: packed codes [N, K/2] and E8M0 exponent bytes [N, K/32].
 
     ``block_scale`` may be given as torch.float8_e8m0fnu; it is stored as its uint8 bits so
@@ -96,21 +95,6 @@ class Mxfp4Weight:
                 "E8M0 255 is NaN; valid exponents are 0..254 (2**-127 .. 2**127)",
                 "the checkpoint is corrupt or the scales are not E8M0 bytes: re-export it",
             )
-
-    @property
-    def out_features(self) -> int:
-        """N, the number of rows."""
-        return int(self.packed.shape[0])
-
-    @property
-    def in_features(self) -> int:
-        """K, the reduction dimension (two codes per byte)."""
-        return int(self.packed.shape[1]) * 2
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        """(N, K) of the dense weight this represents."""
-        return (self.out_features, self.in_features)
 
     def nbytes(self) -> int:
         """Bytes held by all tensors."""
@@ -167,15 +151,7 @@ def dequantize_mxfp4(
     Exact in float32 (power-of-two scales), except that blocks with exponents above 2**125
     overflow float32 (never seen in real checkpoints): ask for float64 if you have them.
     """
-    if not isinstance(w, Mxfp4Weight):
-        _fail(
-            f"dequantize_mxfp4 got a {type(w).__name__}",
-            "it dequantizes an Mxfp4Weight",
-            "build one with Mxfp4Weight(...) or quantize_mxfp4(...)",
-            ConfigurationError,
-        )
-    cd = _compute_dtype(dtype, "dequantize_mxfp4")
-    sl = _check_rows(rows, w.out_features, "dequantize_mxfp4")
+    cd, sl = _dequantize_args(w, Mxfp4Weight, "dequantize_mxfp4", dtype, rows)
     packed = w.packed[sl]
     n = packed.shape[0]
     vals = decode_e2m1(packed, cd).reshape(n, -1, MXFP4_GROUP_SIZE)

@@ -21,11 +21,11 @@ from quantdispatch.errors import ConfigurationError, InputError
 from quantdispatch.format_facts import FP4_GROUP_SIZES
 from quantdispatch.formats.e2m1 import (
     E2M1_MAX,
+    PackedFp4,
     _check_float_matrix,
     _check_packed,
-    _check_rows,
     _check_scale_grid,
-    _compute_dtype,
+    _dequantize_args,
     _fail,
     _has_values,
     _nbytes,
@@ -94,7 +94,7 @@ _NV_SCALE_FIXES = (
 
 
 @dataclass(frozen=True, eq=False)
-class Nvfp4Weight:
+class Nvfp4Weight(PackedFp4):
     """A validated NVFP4 weight: packed codes, e4m3 block scales, per-tensor multiplier(s).
 
     ``input_scale`` is present only for W4A4 checkpoints (static FP4 activations); a W4A16
@@ -136,21 +136,6 @@ class Nvfp4Weight:
                 self.input_scale, "Nvfp4Weight.input_scale", strict_dtype=True, device=device
             )
             object.__setattr__(self, "input_scale", s.to(device))
-
-    @property
-    def out_features(self) -> int:
-        """N, the number of rows."""
-        return int(self.packed.shape[0])
-
-    @property
-    def in_features(self) -> int:
-        """K, the reduction dimension (two codes per byte)."""
-        return int(self.packed.shape[1]) * 2
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        """(N, K) of the dense weight this represents."""
-        return (self.out_features, self.in_features)
 
     def nbytes(self) -> int:
         """Bytes held by all tensors (what a layer keeps resident)."""
@@ -250,15 +235,7 @@ def dequantize_nvfp4(
     global_scale: the first product is exact, so the result is the correctly rounded exact
     value before the final cast. ``rows`` lets callers bound the memory of the dense copy.
     """
-    if not isinstance(w, Nvfp4Weight):
-        _fail(
-            f"dequantize_nvfp4 got a {type(w).__name__}",
-            "it dequantizes an Nvfp4Weight",
-            "build one with Nvfp4Weight(...) or quantize_nvfp4(...)",
-            ConfigurationError,
-        )
-    cd = _compute_dtype(dtype, "dequantize_nvfp4")
-    sl = _check_rows(rows, w.out_features, "dequantize_nvfp4")
+    cd, sl = _dequantize_args(w, Nvfp4Weight, "dequantize_nvfp4", dtype, rows)
     packed = w.packed[sl]
     bs = w.block_scale[sl]
     n = packed.shape[0]
