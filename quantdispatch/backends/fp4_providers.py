@@ -23,12 +23,11 @@ imported and libraries loaded when a weight is prepared.
 from __future__ import annotations
 
 import importlib
-import threading
 from dataclasses import dataclass
 
 import torch
 
-from quantdispatch.device.providers import Version, parse_version, range_text
+from quantdispatch.device.providers import Detections, Version, parse_version, range_text
 from quantdispatch.device.providers import (
     installed_version as _dist_version,  # this module's name: tests stand in fake versions
 )
@@ -145,17 +144,12 @@ def _detect(binding: Fp4Binding) -> Fp4ProviderStatus:
     return Fp4ProviderStatus(name, version, binding)
 
 
-_lock = threading.Lock()
-_cache: dict[str, Fp4ProviderStatus] = {}
+_detections: Detections[Fp4ProviderStatus] = Detections()
 
 
 def statuses() -> tuple[Fp4ProviderStatus, ...]:
     """Every binding's provider, detected once per process (``reset`` forgets)."""
-    with _lock:
-        for b in BINDINGS:
-            if b.provider not in _cache:
-                _cache[b.provider] = _detect(b)
-        return tuple(_cache[b.provider] for b in BINDINGS)
+    return _detections.all(BINDINGS, lambda b: b.provider, _detect)
 
 
 def active() -> Fp4ProviderStatus | None:
@@ -165,8 +159,7 @@ def active() -> Fp4ProviderStatus | None:
 
 def reset() -> None:
     """Forget detections (tests; a process that installs a provider)."""
-    with _lock:
-        _cache.clear()
+    _detections.forget()
 
 
 def _unavailable(status: Fp4ProviderStatus, what: str, fix: str) -> BackendUnavailableError:

@@ -19,14 +19,19 @@ Engines, and machines that carry the library without the package, register it ex
 from __future__ import annotations
 
 import importlib.util
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from quantdispatch.backends.marlin_table import CONTRACTS, REFUSED, SCHEMA_ARGS, Contract, Schema
-from quantdispatch.device.providers import SGL_KERNEL, VLLM, Provider, parse_version
+from quantdispatch.device.providers import (
+    SGL_KERNEL,
+    VLLM,
+    Detections,
+    Provider,
+    parse_version,
+)
 from quantdispatch.device.providers import (
     installed_version as _dist_version,  # this module's name: tests stand in fake versions
 )
@@ -103,10 +108,9 @@ class ProviderStatus:
         return f"{self.name} {ver}: {self.reason}"
 
 
-_lock = threading.Lock()
+_detections: Detections[ProviderStatus] = Detections()
 _registered: dict[str, tuple[str, str, str | None]] = {}
 """provider -> (version, source, library path)."""
-_cache: dict[str, ProviderStatus] = {}
 
 
 def _package_dir(module: str) -> Path | None:
@@ -196,11 +200,7 @@ def _detect(spec: Provider) -> ProviderStatus:
 
 def statuses() -> tuple[ProviderStatus, ...]:
     """Every known provider, detected once per process (``reset`` forgets)."""
-    with _lock:
-        for spec in PROVIDERS:
-            if spec.name not in _cache:
-                _cache[spec.name] = _detect(spec)
-        return tuple(_cache[s.name] for s in PROVIDERS)
+    return _detections.all(PROVIDERS, lambda spec: spec.name, _detect)
 
 
 def active() -> ProviderStatus | None:
@@ -264,9 +264,9 @@ def register(provider: str, version: str, *, source: str = "register", path=None
                 "pass the provider's release, e.g. version='0.33.0'",
             )
         )
-    with _lock:
+    with _detections.lock:
         _registered[provider] = (str(version), source, None if path is None else str(path))
-        _cache.pop(provider, None)
+        _detections.forget(provider)
 
 
 def load_library(path: str | Path, *, provider: str = "vllm", version: str) -> ProviderStatus:
@@ -295,6 +295,6 @@ def load_library(path: str | Path, *, provider: str = "vllm", version: str) -> P
 
 def reset() -> None:
     """Forget registrations and detections (tests; a process that swaps providers)."""
-    with _lock:
+    with _detections.lock:
         _registered.clear()
-        _cache.clear()
+        _detections.forget()

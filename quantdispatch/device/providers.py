@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import importlib.metadata
 import re
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 __all__ = [
     "FLASHINFER",
@@ -19,6 +22,7 @@ __all__ = [
     "SGL_KERNEL",
     "TRITON",
     "VLLM",
+    "Detections",
     "Provider",
     "Version",
     "installed_version",
@@ -87,3 +91,37 @@ def range_text(min_version: Version, below_version: Version) -> str:
     lo = ".".join(map(str, min_version))
     hi = ".".join(map(str, below_version))
     return f">={lo},<{hi}"
+
+
+_Item = TypeVar("_Item")
+_Status = TypeVar("_Status")
+
+
+class Detections(Generic[_Status]):
+    """What a backend found of its providers, each detected once per process, by name.
+    ``lock`` (re-entrant) also guards what the backend records beside them (registrations)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self._found: dict[str, _Status] = {}
+
+    def all(
+        self,
+        items: Sequence[_Item],
+        name: Callable[[_Item], str],
+        detect: Callable[[_Item], _Status],
+    ) -> tuple[_Status, ...]:
+        """Each item's status, detected on first ask."""
+        with self.lock:
+            for item in items:
+                if name(item) not in self._found:
+                    self._found[name(item)] = detect(item)
+            return tuple(self._found[name(item)] for item in items)
+
+    def forget(self, name: str | None = None) -> None:
+        """Detect ``name`` (None: every provider) again on the next ask."""
+        with self.lock:
+            if name is None:
+                self._found.clear()
+            else:
+                self._found.pop(name, None)
