@@ -144,7 +144,7 @@ def verify_fp8(
         _refuse_simulation()
         profile = device_profile(None)
     device = device if device is not None else _device_of(profile)
-    names = [get_format(f).name for f in formats] if formats else ["nvfp4", "mxfp4"]
+    names = [get_format(f).name for f in formats] if formats else list(FP4_FORMATS)
     results: list[VerifyResult] = []
     skipped: list[str] = []
     gen = torch.Generator().manual_seed(30)

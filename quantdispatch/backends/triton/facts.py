@@ -14,6 +14,7 @@ from quantdispatch.backends.triton import dispatch
 from quantdispatch.backends.triton import fp8_compute as _fp8
 from quantdispatch.capability import ANY_DEVICE, SM9X, SM80_PLUS, SM90_PLUS, CapabilitySet
 from quantdispatch.errors import ConfigurationError, format_error
+from quantdispatch.formats import FP4_GROUP_SIZES
 from quantdispatch.kernels.regimes import (
     LINEAR_REGIMES,
     MMA_LAYOUT_MOE,
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
 
 __all__ = ["TritonFacts"]
 
-_GROUP = {"nvfp4": 16, "mxfp4": 32}
+_GROUP = FP4_GROUP_SIZES
 #: The mma16x64 layout's granules: 16-row tiles, 64-column chunks (kernels/mma_layout/layout.py).
 MMA_TILE_ROWS, MMA_CHUNK_COLS = 16, 64
 
