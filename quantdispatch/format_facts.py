@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+_Scheme = Literal["weight_act", "weight_only"]
+
 __all__ = [
     "FACTS",
     "FP4_FORMATS",
@@ -16,9 +18,6 @@ __all__ = [
     "SCALE_GROUP_SIZES",
     "FormatFacts",
 ]
-
-
-_Scheme = Literal["weight_act", "weight_only"]
 
 
 @dataclass(frozen=True)

@@ -27,9 +27,12 @@ from dataclasses import dataclass
 
 import torch
 
-from quantdispatch.device.providers import Detections, Version, parse_version, range_text
 from quantdispatch.device.providers import (
-    installed_version as _dist_version,  # this module's name: tests stand in fake versions
+    Detections,
+    Version,
+    installed_version,
+    parse_version,
+    range_text,
 )
 from quantdispatch.errors import BackendUnavailableError, format_error
 
@@ -113,6 +116,10 @@ class Fp4ProviderStatus:
         if self.usable:
             return f"{self.name} {self.version} ({self.binding.gemm})"  # type: ignore[union-attr]
         return f"{self.name}: {self.reason}"
+
+
+#: A package's installed version (this module's own name for it: tests stand in fake versions).
+_dist_version = installed_version
 
 
 def _installed_version(binding: Fp4Binding) -> str | None:

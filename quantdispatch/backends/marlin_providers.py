@@ -30,10 +30,8 @@ from quantdispatch.device.providers import (
     VLLM,
     Detections,
     Provider,
+    installed_version,
     parse_version,
-)
-from quantdispatch.device.providers import (
-    installed_version as _dist_version,  # this module's name: tests stand in fake versions
 )
 from quantdispatch.errors import BackendUnavailableError, ConfigurationError, format_error
 
@@ -111,6 +109,10 @@ class ProviderStatus:
 _detections: Detections[ProviderStatus] = Detections()
 _registered: dict[str, tuple[str, str, str | None]] = {}
 """provider -> (version, source, library path)."""
+
+
+#: A package's installed version (this module's own name for it: tests stand in fake versions).
+_dist_version = installed_version
 
 
 def _package_dir(module: str) -> Path | None:
