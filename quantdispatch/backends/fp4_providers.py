@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from quantdispatch.device.providers import (
+    KNOWN,
     Detections,
     Version,
     installed_version,
@@ -56,7 +57,7 @@ class Fp4Binding:
     """One provider's version range and how the adapter calls it."""
 
     provider: str
-    distribution: str
+    """A name of the provider registry (``quantdispatch.device.providers.KNOWN``)."""
     min_version: Version
     below_version: Version
     gemm: str
@@ -74,7 +75,6 @@ class Fp4Binding:
 BINDINGS: tuple[Fp4Binding, ...] = (
     Fp4Binding(
         "sgl-kernel",
-        "sgl-kernel",
         (0, 3, 21),
         (0, 4, 0),
         "sgl_kernel.cutlass_scaled_fp4_mm",
@@ -82,7 +82,6 @@ BINDINGS: tuple[Fp4Binding, ...] = (
         "sgl-kernel 0.3.21 wheel: sgl_kernel/gemm.py, op schema and cubins of sm100/common_ops",
     ),
     Fp4Binding(
-        "vllm",
         "vllm",
         (0, 33, 0),
         (0, 34, 0),
@@ -131,7 +130,7 @@ def _installed_version(binding: Fp4Binding) -> str | None:
             if status.name == "vllm" and status.installed:
                 return status.version
         return None
-    return _dist_version(binding.distribution)
+    return _dist_version(KNOWN[binding.provider].distribution)
 
 
 def _detect(binding: Fp4Binding) -> Fp4ProviderStatus:
