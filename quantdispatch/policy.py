@@ -152,9 +152,7 @@ def _fp8_compute(data: dict[str, Any], source: str) -> str | None:
         ) from None
 
 
-def _format_entries(
-    fmt: str, table: object, source: str, backends: list[str]
-) -> list[PolicyEntry]:
+def _format_entries(fmt: str, table: object, source: str, backends: list[str]) -> list[PolicyEntry]:
     """The entries of one ``[format]`` table: op = [backends]."""
     ops = [o.value for o in Op]
     if not isinstance(table, dict):

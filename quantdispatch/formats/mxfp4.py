@@ -12,17 +12,9 @@ from dataclasses import dataclass
 import torch
 
 from quantdispatch.format_facts import FP4_GROUP_SIZES
+from quantdispatch.formats import checks
 from quantdispatch.formats.e2m1 import (
     PackedFp4,
-    _check_float_matrix,
-    _check_packed,
-    _check_scale_grid,
-    _dequantize_args,
-    _fail,
-    _has_values,
-    _nbytes,
-    _require_device,
-    _require_tensor,
     decode_e2m1,
     encode_e2m1,
     pack_e2m1,
@@ -67,7 +59,7 @@ class Mxfp4Weight(PackedFp4):
     block_scale: torch.Tensor
 
     def __post_init__(self) -> None:
-        packed, n, k = _check_packed(
+        packed, n, k = checks.check_packed(
             self.packed,
             "Mxfp4Weight",
             "MXFP4",
@@ -78,18 +70,18 @@ class Mxfp4Weight(PackedFp4):
         if isinstance(bs, torch.Tensor) and bs.dtype == torch.float8_e8m0fnu:
             bs = bs.view(torch.uint8)
             object.__setattr__(self, "block_scale", bs)
-        bs = _require_tensor(
+        bs = checks.require_tensor(
             bs,
             "Mxfp4Weight.block_scale",
             torch.uint8,
             "pass the E8M0 exponents as torch.uint8 (or torch.float8_e8m0fnu) [N, K/32]",
         )
-        _check_scale_grid(bs, "Mxfp4Weight", "MXFP4", n, k, MXFP4_GROUP_SIZE, _MX_SCALE_FIXES)
-        _require_device(bs, "Mxfp4Weight.block_scale", packed.device, "packed")
+        checks.check_scale_grid(bs, "Mxfp4Weight", "MXFP4", n, k, MXFP4_GROUP_SIZE, _MX_SCALE_FIXES)
+        checks.require_device(bs, "Mxfp4Weight.block_scale", packed.device, "packed")
         nan = bs == E8M0_NAN
-        if _has_values(bs) and bool(nan.any()):
+        if checks.has_values(bs) and bool(nan.any()):
             first = tuple(nan.nonzero()[0].tolist())
-            _fail(
+            checks.fail(
                 f"Mxfp4Weight.block_scale contains {int(nan.sum())} byte(s) equal to 255 "
                 f"(first at index {first})",
                 "E8M0 255 is NaN; valid exponents are 0..254 (2**-127 .. 2**127)",
@@ -98,7 +90,7 @@ class Mxfp4Weight(PackedFp4):
 
     def nbytes(self) -> int:
         """Bytes held by all tensors."""
-        return _nbytes(self.packed, self.block_scale)
+        return checks.nbytes(self.packed, self.block_scale)
 
     def to(self, device: torch.device | str) -> Mxfp4Weight:
         """Move every tensor to ``device``."""
@@ -129,7 +121,7 @@ def quantize_mxfp4(weight: torch.Tensor) -> Mxfp4Weight:
     saturate to 6, so the per-element error is <= 2**e for |W| <= 6 * 2**e (half the widest
     step) and < 2 * 2**e above it, i.e. up to 25% of the block max: that is the format.
     """
-    w = _check_float_matrix(weight, "quantize_mxfp4", MXFP4_GROUP_SIZE, "MXFP4")
+    w = checks.check_float_matrix(weight, "quantize_mxfp4", MXFP4_GROUP_SIZE, "MXFP4")
     n, k = w.shape
     wf = w.detach().to(torch.float32)
     blocks = wf.reshape(n, k // MXFP4_GROUP_SIZE, MXFP4_GROUP_SIZE)
@@ -151,7 +143,7 @@ def dequantize_mxfp4(
     Exact in float32 (power-of-two scales), except that blocks with exponents above 2**125
     overflow float32 (never seen in real checkpoints): ask for float64 if you have them.
     """
-    cd, sl = _dequantize_args(w, Mxfp4Weight, "dequantize_mxfp4", dtype, rows)
+    cd, sl = checks.dequantize_args(w, Mxfp4Weight, "dequantize_mxfp4", dtype, rows)
     packed = w.packed[sl]
     n = packed.shape[0]
     vals = decode_e2m1(packed, cd).reshape(n, -1, MXFP4_GROUP_SIZE)

@@ -19,19 +19,10 @@ import torch
 
 from quantdispatch.errors import ConfigurationError, InputError
 from quantdispatch.format_facts import FP4_GROUP_SIZES
+from quantdispatch.formats import checks
 from quantdispatch.formats.e2m1 import (
     E2M1_MAX,
     PackedFp4,
-    _check_float_matrix,
-    _check_packed,
-    _check_scale_grid,
-    _dequantize_args,
-    _fail,
-    _has_values,
-    _nbytes,
-    _positive_scalar,
-    _require_device,
-    _require_tensor,
     decode_e2m1,
     encode_e2m1,
     pack_e2m1,
@@ -62,14 +53,14 @@ E4M3_MIN_SUBNORMAL = 2.0**-9
 
 def _check_e4m3_scales(bs: torch.Tensor, field: str) -> None:
     """Reject NaN (e4m3fn has no inf) and negative block scales, reading the bits directly."""
-    if not _has_values(bs):
+    if not checks.has_values(bs):
         return
     bits = bs.view(torch.uint8)
     mag = bits & 0x7F
     nan = mag == 0x7F
     if bool(nan.any()):
         first = tuple(nan.nonzero()[0].tolist())
-        _fail(
+        checks.fail(
             f"{field} contains {int(nan.sum())} NaN value(s) (first at index {first})",
             "a block scale must be a finite e4m3 value >= 0",
             "the checkpoint is corrupt or was written with another dtype: re-export it, or "
@@ -79,7 +70,7 @@ def _check_e4m3_scales(bs: torch.Tensor, field: str) -> None:
     if bool(neg.any()):
         first = tuple(neg.nonzero()[0].tolist())
         value = float(bs[first].float())
-        _fail(
+        checks.fail(
             f"{field} contains {int(neg.sum())} negative value(s) (first {value} at {first})",
             "block scales are magnitudes: >= 0 (the sign lives in the E2M1 codes)",
             "re-quantize the weight; a negative scale means the producer is broken",
@@ -107,14 +98,14 @@ class Nvfp4Weight(PackedFp4):
     input_scale: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        packed, n, k = _check_packed(
+        packed, n, k = checks.check_packed(
             self.packed,
             "Nvfp4Weight",
             "NVFP4",
             NVFP4_GROUP_SIZE,
             "pass the packed codes as torch.uint8 [N, K/2] (view int8 storage as uint8)",
         )
-        bs = _require_tensor(
+        bs = checks.require_tensor(
             self.block_scale,
             "Nvfp4Weight.block_scale",
             torch.float8_e4m3fn,
@@ -122,24 +113,24 @@ class Nvfp4Weight(PackedFp4):
             "compressed-tensors weight_scale); a uint8 copy of the bytes needs "
             ".view(torch.float8_e4m3fn)",
         )
-        _check_scale_grid(bs, "Nvfp4Weight", "NVFP4", n, k, NVFP4_GROUP_SIZE, _NV_SCALE_FIXES)
+        checks.check_scale_grid(bs, "Nvfp4Weight", "NVFP4", n, k, NVFP4_GROUP_SIZE, _NV_SCALE_FIXES)
         device = packed.device
-        _require_device(bs, "Nvfp4Weight.block_scale", device, "packed")
+        checks.require_device(bs, "Nvfp4Weight.block_scale", device, "packed")
         _check_e4m3_scales(bs, "Nvfp4Weight.block_scale")
 
-        gs = _positive_scalar(
+        gs = checks.positive_scalar(
             self.global_scale, "Nvfp4Weight.global_scale", strict_dtype=True, device=device
         )
         object.__setattr__(self, "global_scale", gs.to(device))
         if self.input_scale is not None:
-            s = _positive_scalar(
+            s = checks.positive_scalar(
                 self.input_scale, "Nvfp4Weight.input_scale", strict_dtype=True, device=device
             )
             object.__setattr__(self, "input_scale", s.to(device))
 
     def nbytes(self) -> int:
         """Bytes held by all tensors (what a layer keeps resident)."""
-        return _nbytes(self.packed, self.block_scale, self.global_scale, self.input_scale)
+        return checks.nbytes(self.packed, self.block_scale, self.global_scale, self.input_scale)
 
     def to(self, device: torch.device | str) -> Nvfp4Weight:
         """Move every tensor to ``device`` (validated again on arrival)."""
@@ -200,7 +191,7 @@ def quantize_nvfp4(
     unless a supplied ``global_scale`` is so small that a block scale was clamped at 448.
     ``with_input_scale`` (multiplier convention) marks the result as a W4A4 weight.
     """
-    w = _check_float_matrix(weight, "quantize_nvfp4", NVFP4_GROUP_SIZE, "NVFP4")
+    w = checks.check_float_matrix(weight, "quantize_nvfp4", NVFP4_GROUP_SIZE, "NVFP4")
     n, k = w.shape
     wf = w.detach().to(torch.float32)
     if global_scale is None:
@@ -209,15 +200,15 @@ def quantize_nvfp4(
         gs = torch.where(amax == 0, torch.ones_like(gs), gs)
         gs = gs.clamp(min=torch.finfo(torch.float32).tiny)
     else:
-        gs = _positive_scalar(global_scale, "global_scale", strict_dtype=False).to(w.device)
+        gs = checks.positive_scalar(global_scale, "global_scale", strict_dtype=False).to(w.device)
     blocks = wf.reshape(n, k // NVFP4_GROUP_SIZE, NVFP4_GROUP_SIZE)
     bs = _block_scales_e4m3(blocks.abs().amax(dim=-1), gs)
     codes = _encode_blocks(blocks, bs, gs).reshape(n, k)
     input_scale = None
     if with_input_scale is not None:
-        input_scale = _positive_scalar(with_input_scale, "with_input_scale", strict_dtype=False).to(
-            w.device
-        )
+        input_scale = checks.positive_scalar(
+            with_input_scale, "with_input_scale", strict_dtype=False
+        ).to(w.device)
     return Nvfp4Weight(
         packed=pack_e2m1(codes),
         block_scale=bs,
@@ -235,7 +226,7 @@ def dequantize_nvfp4(
     global_scale: the first product is exact, so the result is the correctly rounded exact
     value before the final cast. ``rows`` lets callers bound the memory of the dense copy.
     """
-    cd, sl = _dequantize_args(w, Nvfp4Weight, "dequantize_nvfp4", dtype, rows)
+    cd, sl = checks.dequantize_args(w, Nvfp4Weight, "dequantize_nvfp4", dtype, rows)
     packed = w.packed[sl]
     bs = w.block_scale[sl]
     n = packed.shape[0]
@@ -255,7 +246,7 @@ def fake_quantize_nvfp4_activations(x: torch.Tensor, input_scale: torch.Tensor) 
     """
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.ndim < 1:
         got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
-        _fail(
+        checks.fail(
             f"fake_quantize_nvfp4_activations got x = {got}",
             "x must be a floating-point tensor [..., K]",
             "pass the activations in their 16/32-bit float dtype",
@@ -263,20 +254,20 @@ def fake_quantize_nvfp4_activations(x: torch.Tensor, input_scale: torch.Tensor) 
         )
     k = x.shape[-1]
     if k % NVFP4_GROUP_SIZE != 0:
-        _fail(
+        checks.fail(
             f"x has K = {k} features in its last dimension",
             f"NVFP4 activations are scaled per {NVFP4_GROUP_SIZE} elements along K",
             f"pad K to {-(-k // 16) * 16} with zeros (the weight must be padded the same way)",
             InputError,
         )
     if not bool(torch.isfinite(x).all()):
-        _fail(
+        checks.fail(
             f"x contains {int((~torch.isfinite(x)).sum())} NaN/inf value(s)",
             "only finite activations can be quantized",
             "find the layer that produced them",
             InputError,
         )
-    s = _positive_scalar(input_scale, "input_scale", strict_dtype=False).to(x.device)
+    s = checks.positive_scalar(input_scale, "input_scale", strict_dtype=False).to(x.device)
     x2 = x.detach().reshape(-1, k)
     if x2.dtype not in ACT_DTYPES:
         x2 = x2.to(torch.float32)
@@ -291,10 +282,10 @@ def global_scale_from_compressed_tensors(weight_global_scale: torch.Tensor) -> t
     division 1/x (double rounding is innocuous at 53 >= 2*24+2 bits), i.e. what
     compressed-tensors' own ModelOpt converter computes. Works for ``input_global_scale`` too.
     """
-    ct = _positive_scalar(weight_global_scale, "weight_global_scale", strict_dtype=False)
+    ct = checks.positive_scalar(weight_global_scale, "weight_global_scale", strict_dtype=False)
     out = (1.0 / weight_global_scale.detach().reshape(()).to(torch.float64)).to(torch.float32)
     if not (math.isfinite(float(out)) and float(out) > 0):
-        _fail(
+        checks.fail(
             f"weight_global_scale {float(ct)!r} has no float32 reciprocal (gives {float(out)})",
             "the multiplier 1/weight_global_scale must be a finite, non-zero float32",
             "check the checkpoint convention: this value looks like a multiplier already",
@@ -304,10 +295,10 @@ def global_scale_from_compressed_tensors(weight_global_scale: torch.Tensor) -> t
 
 def global_scale_to_compressed_tensors(global_scale: torch.Tensor | float) -> torch.Tensor:
     """Our multiplier -> compressed-tensors ``weight_global_scale``: [1]-shaped float32 1/x."""
-    gs = _positive_scalar(global_scale, "global_scale", strict_dtype=False)
+    gs = checks.positive_scalar(global_scale, "global_scale", strict_dtype=False)
     out = (1.0 / gs.to(torch.float64)).to(torch.float32).reshape(1)
     if not (math.isfinite(float(out)) and float(out) > 0):
-        _fail(
+        checks.fail(
             f"global_scale {float(gs)!r} has no float32 reciprocal (gives {float(out[0])})",
             "compressed-tensors stores 1/global_scale as a finite, non-zero float32",
             "check that global_scale is the multiplier (amax / 2688), not already a reciprocal",
@@ -320,7 +311,7 @@ def global_scale_to_compressed_tensors(global_scale: torch.Tensor | float) -> to
 def _check_shards(shards: Sequence[Nvfp4Weight]) -> list[bool]:
     """Refuse what merge_nvfp4_shards cannot merge; return which shards carry an input scale."""
     if isinstance(shards, Nvfp4Weight) or not isinstance(shards, Sequence) or len(shards) == 0:
-        _fail(
+        checks.fail(
             f"merge_nvfp4_shards got {type(shards).__name__}"
             + (" of length 0" if isinstance(shards, Sequence) else ""),
             "it takes a non-empty sequence of Nvfp4Weight shards, in output order",
@@ -329,7 +320,7 @@ def _check_shards(shards: Sequence[Nvfp4Weight]) -> list[bool]:
         )
     for i, s in enumerate(shards):
         if not isinstance(s, Nvfp4Weight):
-            _fail(
+            checks.fail(
                 f"shards[{i}] is a {type(s).__name__}",
                 "every shard must be an Nvfp4Weight",
                 "convert each checkpoint shard to Nvfp4Weight first",
@@ -338,20 +329,20 @@ def _check_shards(shards: Sequence[Nvfp4Weight]) -> list[bool]:
     first = shards[0]
     for i, s in enumerate(shards[1:], start=1):
         if s.in_features != first.in_features:
-            _fail(
+            checks.fail(
                 f"shards[{i}] has K = {s.in_features} but shards[0] has K = {first.in_features}",
                 "shards fused along N must share the input features K",
                 "merge only projections that read the same input (q/k/v, gate/up)",
             )
         if s.packed.device != first.packed.device:
-            _fail(
+            checks.fail(
                 f"shards[{i}] is on {s.packed.device} but shards[0] is on {first.packed.device}",
                 "shards must be on one device to be merged",
                 "move them with .to(device) first",
             )
     has_input = [s.input_scale is not None for s in shards]
     if any(has_input) and not all(has_input):
-        _fail(
+        checks.fail(
             f"only shards {[i for i, h in enumerate(has_input) if h]} of {len(shards)} carry "
             "an input_scale",
             "a fused layer is either W4A4 (every shard has an input scale) or weight-only",

@@ -102,12 +102,7 @@ def mma_moe_supported(
     inter: int, hidden: int, gated: bool, capability: tuple[int, int] | None
 ) -> bool:
     """SM 8.0+ and every GEMM in whole 16-row tiles and 64-column chunks."""
-    return (
-        gated
-        and capability in SM80_PLUS
-        and inter % 64 == 0
-        and hidden % 64 == 0
-    )
+    return gated and capability in SM80_PLUS and inter % 64 == 0 and hidden % 64 == 0
 
 
 def _gemm_config(blocks: int, tiles: int, chunks: int) -> MmaGemmConfig:
