@@ -10,6 +10,7 @@ from typing import NoReturn
 import torch
 
 from quantdispatch.errors import ConfigurationError, WeightFormatError, format_error
+from quantdispatch.format_facts import FP4_GROUP_SIZES
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -54,11 +55,15 @@ def require_device(t: torch.Tensor, field: str, device: torch.device, ref: str) 
         )
 
 
-def check_packed(
-    value: object, owner: str, fmt: str, group: int, dtype_fix: str
-) -> tuple[torch.Tensor, int, int]:
-    """An FP4 weight's packed codes: uint8 [N, K/2], not empty, K a multiple of ``group``.
-    Returns (packed, N, K)."""
+def _fp4(fmt: str) -> tuple[str, str, int]:
+    """(container name, display name, group size) of FP4 format ``fmt``."""
+    return f"{fmt.capitalize()}Weight", fmt.upper(), FP4_GROUP_SIZES[fmt]
+
+
+def check_packed(value: object, fmt: str, dtype_fix: str) -> tuple[torch.Tensor, int, int]:
+    """The packed codes of an ``fmt`` weight: uint8 [N, K/2], not empty, K a whole number of
+    scale groups. Returns (packed, N, K)."""
+    owner, label, group = _fp4(fmt)
     packed = require_tensor(value, f"{owner}.packed", torch.uint8, dtype_fix)
     require_ndim(packed, f"{owner}.packed", 2, "[N, K/2] bytes")
     n, half_k = packed.shape
@@ -72,17 +77,16 @@ def check_packed(
     if k % group != 0:
         fail(
             f"{owner}.packed has shape {(n, half_k)}, so K = {k}",
-            f"{fmt} needs K to be a multiple of {group}",
+            f"{label} needs K to be a multiple of {group}",
             f"pad K with zero columns to {-(-k // group) * group} before quantizing",
         )
     return packed, n, k
 
 
-def check_scale_grid(
-    bs: torch.Tensor, owner: str, fmt: str, n: int, k: int, group: int, fixes: tuple[str, str]
-) -> None:
-    """An FP4 weight's block scales are [N, K/group]; ``fixes``: what to do about a wrong row
-    count, a wrong group count."""
+def check_scale_grid(bs: torch.Tensor, fmt: str, n: int, k: int, fixes: tuple[str, str]) -> None:
+    """The block scales of an ``fmt`` weight are [N, K/group]; ``fixes``: what to do about a
+    wrong row count, a wrong group count."""
+    owner, label, group = _fp4(fmt)
     field = f"{owner}.block_scale"
     require_ndim(bs, field, 2, f"[N, K/{group}]")
     if bs.shape[0] != n:
@@ -92,11 +96,11 @@ def check_scale_grid(
             fixes[0],
         )
     if bs.shape[1] != k // group:
-        scale = "e4m3" if fmt == "NVFP4" else "E8M0"
+        scale = "e4m3" if fmt == "nvfp4" else "E8M0"
         fail(
             f"{field} has {bs.shape[1]} groups per row but packed implies "
             f"K = {k}, i.e. {k // group} groups of {group}",
-            f"{fmt} has one {scale} scale per {group} consecutive elements along K",
+            f"{label} has one {scale} scale per {group} consecutive elements along K",
             fixes[1],
         )
 

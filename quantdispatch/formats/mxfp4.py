@@ -61,9 +61,7 @@ class Mxfp4Weight(PackedFp4):
     def __post_init__(self) -> None:
         packed, n, k = checks.check_packed(
             self.packed,
-            "Mxfp4Weight",
-            "MXFP4",
-            MXFP4_GROUP_SIZE,
+            "mxfp4",
             "pass the packed codes as torch.uint8 [N, K/2] (gpt-oss *_blocks flattened to 2-D)",
         )
         bs = self.block_scale
@@ -76,7 +74,7 @@ class Mxfp4Weight(PackedFp4):
             torch.uint8,
             "pass the E8M0 exponents as torch.uint8 (or torch.float8_e8m0fnu) [N, K/32]",
         )
-        checks.check_scale_grid(bs, "Mxfp4Weight", "MXFP4", n, k, MXFP4_GROUP_SIZE, _MX_SCALE_FIXES)
+        checks.check_scale_grid(bs, "mxfp4", n, k, _MX_SCALE_FIXES)
         checks.require_device(bs, "Mxfp4Weight.block_scale", packed.device, "packed")
         nan = bs == E8M0_NAN
         if checks.has_values(bs) and bool(nan.any()):

@@ -100,9 +100,7 @@ class Nvfp4Weight(PackedFp4):
     def __post_init__(self) -> None:
         packed, n, k = checks.check_packed(
             self.packed,
-            "Nvfp4Weight",
-            "NVFP4",
-            NVFP4_GROUP_SIZE,
+            "nvfp4",
             "pass the packed codes as torch.uint8 [N, K/2] (view int8 storage as uint8)",
         )
         bs = checks.require_tensor(
@@ -113,7 +111,7 @@ class Nvfp4Weight(PackedFp4):
             "compressed-tensors weight_scale); a uint8 copy of the bytes needs "
             ".view(torch.float8_e4m3fn)",
         )
-        checks.check_scale_grid(bs, "Nvfp4Weight", "NVFP4", n, k, NVFP4_GROUP_SIZE, _NV_SCALE_FIXES)
+        checks.check_scale_grid(bs, "nvfp4", n, k, _NV_SCALE_FIXES)
         device = packed.device
         checks.require_device(bs, "Nvfp4Weight.block_scale", device, "packed")
         _check_e4m3_scales(bs, "Nvfp4Weight.block_scale")
