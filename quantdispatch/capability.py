@@ -1,8 +1,11 @@
-"""Compute-capability facts as explicit sets, never a bare ``>= 100``.
+"""Compute-capability facts as named sets, never a bare ``>= (10, 0)``.
 
 "Blackwell" is not one target: kernels built for sm100a do not run on sm120 (RTX 50xx, RTX PRO
 6000, DGX Spark GB10), and a check like ``capability >= 100`` sends those GPUs to the wrong
-kernels. Peers have shipped exactly that bug; these sets keep the two families apart.
+kernels. Peers have shipped exactly that bug; these sets keep the two families apart. Every
+capability test in the package is ``cc in SOME_SET`` with a set from here (the unit test
+``test_capability_sets`` refuses bare tuple comparisons elsewhere); ``None`` (a CPU) is in no
+set but :data:`ANY_DEVICE`.
 """
 
 from __future__ import annotations
@@ -10,10 +13,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = [
+    "ANY_DEVICE",
     "CUTLASS_NVFP4",
     "CUTLASS_NVFP4_UNVERIFIED",
     "FP4_MMA",
     "FP8_MMA",
+    "SM9X",
+    "SM80_PLUS",
+    "SM89_PLUS",
+    "SM90",
+    "SM90_PLUS",
     "SM100_FAMILY",
     "SM120_FAMILY",
     "TORCH_NVFP4_MIN_CUDA",
@@ -31,16 +40,54 @@ def fmt_sm(cc: tuple[int, int]) -> str:
 
 @dataclass(frozen=True)
 class CapabilitySet:
-    """A named set of compute capabilities, e.g. the sm100 family."""
+    """A named set of compute capabilities: listed ``members``, every capability from
+    ``at_least`` on (later GPUs included), the whole ``majors`` generations, and with
+    ``any_device`` everything, a CPU (None) too."""
 
     name: str
-    members: frozenset[tuple[int, int]]
+    members: frozenset[tuple[int, int]] = frozenset()
+    at_least: tuple[int, int] | None = None
+    majors: frozenset[int] = frozenset()
+    any_device: bool = False
 
     def __contains__(self, cc: object) -> bool:
-        return cc in self.members
+        if self.any_device:
+            return True
+        if not isinstance(cc, (tuple, list)) or len(cc) != 2:
+            return False
+        cc = (cc[0], cc[1])
+        return (
+            cc in self.members
+            or cc[0] in self.majors
+            or (self.at_least is not None and cc >= self.at_least)
+        )
 
     def describe(self) -> str:
-        return f"{self.name} ({', '.join(fmt_sm(c) for c in sorted(self.members))})"
+        if self.any_device:
+            return self.name
+        parts = [fmt_sm(c) for c in sorted(self.members)]
+        parts += [f"{m}.x" for m in sorted(self.majors)]
+        parts += [] if self.at_least is None else [f"{fmt_sm(self.at_least)}+"]
+        return f"{self.name} ({', '.join(parts)})"
+
+
+#: Every device, the CPU included (regime rows that apply wherever their layout runs).
+ANY_DEVICE = CapabilitySet("any", any_device=True)
+
+#: Ampere on: bf16 tensor cores, bf16 mma.sync, 16-bit ``cp.async``.
+SM80_PLUS = CapabilitySet("SM 8.0+", at_least=(8, 0))
+
+#: Ada on: the FP8 conversion instruction and FP8 tensor cores (torch._scaled_mm's own check).
+SM89_PLUS = CapabilitySet("SM 8.9+", at_least=(8, 9))
+
+#: Hopper on: TMA descriptors, torch._grouped_mm, programmatic dependent launches.
+SM90_PLUS = CapabilitySet("SM 9.0+", at_least=(9, 0))
+
+#: The wgmma generation (Hopper).
+SM9X = CapabilitySet("SM 9.x", majors=frozenset({9}))
+
+#: H100 / H200: torch's block-scaled FP8 GEMMs.
+SM90 = CapabilitySet("SM 9.0", frozenset({(9, 0)}))
 
 
 #: Datacenter Blackwell and Thor: B200/GB200 (10.0), B300/GB300 (10.3), Jetson Thor (11.0,

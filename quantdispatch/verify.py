@@ -30,6 +30,7 @@ from quantdispatch.checking import (
     rel_error,
 )
 from quantdispatch.errors import BackendUnavailableError, format_error
+from quantdispatch.formats import FP4_FORMATS
 
 __all__ = ["FP8_SECTION", "VerifyResult", "verify", "verify_fp8"]
 
@@ -143,12 +144,12 @@ def verify_fp8(
         _refuse_simulation()
         profile = device_profile(None)
     device = device if device is not None else _device_of(profile)
-    names = [get_format(f).name for f in formats] if formats else ["nvfp4", "mxfp4"]
+    names = [get_format(f).name for f in formats] if formats else list(FP4_FORMATS)
     results: list[VerifyResult] = []
     skipped: list[str] = []
     gen = torch.Generator().manual_seed(30)
     n, k = FP8_NK
-    for fmt in [f for f in names if f in ("nvfp4", "mxfp4")]:
+    for fmt in [f for f in names if f in FP4_FORMATS]:
         for act_name, act in ACT_DTYPES.items():
             request = Request.make(fmt, "linear", act, Scheme.WEIGHT_ONLY, n=n, k=k)
             why = get_backend("triton").explain_unsupported(request, profile)  # type: ignore[arg-type]

@@ -31,6 +31,7 @@ from quantdispatch.backends.prepared import (
 )
 from quantdispatch.capability import fmt_sm
 from quantdispatch.errors import BackendUnavailableError, format_error
+from quantdispatch.kernels.regimes import m_span
 from quantdispatch.request import Op, Request, Scheme
 
 if TYPE_CHECKING:
@@ -90,11 +91,7 @@ class KernelRange:
         return m >= self.first_m and (self.last_m is None or m <= self.last_m)
 
     def span(self) -> str:
-        if self.last_m is None:
-            return "any M" if self.first_m == 1 else f"M >= {self.first_m}"
-        if self.first_m == self.last_m:
-            return f"M = {self.first_m}"
-        return f"M {self.first_m}..{self.last_m}"
+        return m_span(self.first_m, self.last_m)
 
     def to_dict(self) -> dict[str, object]:
         return {

@@ -23,12 +23,18 @@ imported and libraries loaded when a weight is prepared.
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
-import threading
 from dataclasses import dataclass
 
 import torch
 
+from quantdispatch.device.providers import (
+    KNOWN,
+    Detections,
+    Version,
+    installed_version,
+    parse_version,
+    range_text,
+)
 from quantdispatch.errors import BackendUnavailableError, format_error
 
 __all__ = [
@@ -51,26 +57,23 @@ class Fp4Binding:
     """One provider's version range and how the adapter calls it."""
 
     provider: str
-    distribution: str
-    min_version: tuple[int, int, int]
-    below_version: tuple[int, int, int]
+    """A name of the provider registry (``quantdispatch.device.providers.KNOWN``)."""
+    min_version: Version
+    below_version: Version
     gemm: str
     quantizer: str
     """"provider": its own NVFP4 quantizer; "quantdispatch": ours (Triton on GPUs)."""
     source: str
 
-    def covers(self, version: tuple[int, int, int]) -> bool:
+    def covers(self, version: Version) -> bool:
         return self.min_version <= version < self.below_version
 
     def range_text(self) -> str:
-        lo = ".".join(map(str, self.min_version))
-        hi = ".".join(map(str, self.below_version))
-        return f">={lo},<{hi}"
+        return range_text(self.min_version, self.below_version)
 
 
 BINDINGS: tuple[Fp4Binding, ...] = (
     Fp4Binding(
-        "sgl-kernel",
         "sgl-kernel",
         (0, 3, 21),
         (0, 4, 0),
@@ -79,7 +82,6 @@ BINDINGS: tuple[Fp4Binding, ...] = (
         "sgl-kernel 0.3.21 wheel: sgl_kernel/gemm.py, op schema and cubins of sm100/common_ops",
     ),
     Fp4Binding(
-        "vllm",
         "vllm",
         (0, 33, 0),
         (0, 34, 0),
@@ -115,17 +117,8 @@ class Fp4ProviderStatus:
         return f"{self.name}: {self.reason}"
 
 
-def parse_version(text: str | None) -> tuple[int, int, int] | None:
-    from quantdispatch.backends.marlin_providers import parse_version as parse
-
-    return parse(text) if text else None
-
-
-def _dist_version(distribution: str) -> str | None:
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+#: A package's installed version (this module's own name for it: tests stand in fake versions).
+_dist_version = installed_version
 
 
 def _installed_version(binding: Fp4Binding) -> str | None:
@@ -137,7 +130,7 @@ def _installed_version(binding: Fp4Binding) -> str | None:
             if status.name == "vllm" and status.installed:
                 return status.version
         return None
-    return _dist_version(binding.distribution)
+    return _dist_version(KNOWN[binding.provider].distribution)
 
 
 def _detect(binding: Fp4Binding) -> Fp4ProviderStatus:
@@ -157,17 +150,12 @@ def _detect(binding: Fp4Binding) -> Fp4ProviderStatus:
     return Fp4ProviderStatus(name, version, binding)
 
 
-_lock = threading.Lock()
-_cache: dict[str, Fp4ProviderStatus] = {}
+_detections: Detections[Fp4ProviderStatus] = Detections()
 
 
 def statuses() -> tuple[Fp4ProviderStatus, ...]:
     """Every binding's provider, detected once per process (``reset`` forgets)."""
-    with _lock:
-        for b in BINDINGS:
-            if b.provider not in _cache:
-                _cache[b.provider] = _detect(b)
-        return tuple(_cache[b.provider] for b in BINDINGS)
+    return _detections.all(BINDINGS, lambda b: b.provider, _detect)
 
 
 def active() -> Fp4ProviderStatus | None:
@@ -177,8 +165,7 @@ def active() -> Fp4ProviderStatus | None:
 
 def reset() -> None:
     """Forget detections (tests; a process that installs a provider)."""
-    with _lock:
-        _cache.clear()
+    _detections.forget()
 
 
 def _unavailable(status: Fp4ProviderStatus, what: str, fix: str) -> BackendUnavailableError:

@@ -38,6 +38,7 @@ from quantdispatch.backends.marlin_contract import (
     prepare_linear,
 )
 from quantdispatch.errors import BackendUnavailableError, InputError, format_error
+from quantdispatch.formats import FP4_GROUP_SIZES
 from quantdispatch.request import Op, Request
 
 if TYPE_CHECKING:
@@ -45,7 +46,7 @@ if TYPE_CHECKING:
 
 __all__ = ["MarlinBackend"]
 
-_GROUP = {"nvfp4": 16, "mxfp4": 32}
+_GROUP = FP4_GROUP_SIZES
 
 
 def _contract_index(key: str) -> int:

@@ -18,16 +18,21 @@ Engines, and machines that carry the library without the package, register it ex
 
 from __future__ import annotations
 
-import importlib.metadata
 import importlib.util
-import re
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from quantdispatch.backends.marlin_table import CONTRACTS, REFUSED, SCHEMA_ARGS, Contract, Schema
+from quantdispatch.device.providers import (
+    SGL_KERNEL,
+    VLLM,
+    Detections,
+    Provider,
+    installed_version,
+    parse_version,
+)
 from quantdispatch.errors import BackendUnavailableError, ConfigurationError, format_error
 
 __all__ = [
@@ -46,25 +51,16 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class _ProviderSpec:
-    name: str
-    distribution: str
-    module: str
-    install_hint: str
+#: The Marlin providers, in the order ``active`` prefers them.
+PROVIDERS: tuple[Provider, ...] = (VLLM, SGL_KERNEL)
 
-
-PROVIDERS: tuple[_ProviderSpec, ...] = (
-    _ProviderSpec(
-        "vllm",
-        "vllm",
-        "vllm",
-        "pip install 'vllm>=0.30,<0.34', or register its compiled library with "
-        "quantdispatch.backends.marlin_providers.load_library(path, provider='vllm', "
-        "version=...)",
-    ),
-    _ProviderSpec("sgl-kernel", "sgl-kernel", "sgl_kernel", "pip install sgl-kernel"),
-)
+#: How to get each one (what a "not installed" reason says).
+_INSTALL = {
+    "vllm": "pip install 'vllm>=0.30,<0.34', or register its compiled library with "
+    "quantdispatch.backends.marlin_providers.load_library(path, provider='vllm', "
+    "version=...)",
+    "sgl-kernel": "pip install sgl-kernel",
+}
 
 
 @dataclass(frozen=True)
@@ -110,24 +106,13 @@ class ProviderStatus:
         return f"{self.name} {ver}: {self.reason}"
 
 
-_lock = threading.Lock()
+_detections: Detections[ProviderStatus] = Detections()
 _registered: dict[str, tuple[str, str, str | None]] = {}
 """provider -> (version, source, library path)."""
-_cache: dict[str, ProviderStatus] = {}
 
 
-def parse_version(text: str) -> tuple[int, int, int] | None:
-    m = re.match(r"^\s*v?(\d+)\.(\d+)(?:\.(\d+))?", str(text))
-    if m is None:
-        return None
-    return (int(m.group(1)), int(m.group(2)), int(m.group(3) or 0))
-
-
-def _dist_version(distribution: str) -> str | None:
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+#: A package's installed version (this module's own name for it: tests stand in fake versions).
+_dist_version = installed_version
 
 
 def _package_dir(module: str) -> Path | None:
@@ -167,7 +152,7 @@ def schema_mismatch(contract: Contract, role: str) -> str | None:
 
 
 def _row_for(name: str, version: str | None) -> tuple[Contract | None, str | None]:
-    parsed = parse_version(version) if version else None
+    parsed = parse_version(version)
     if parsed is None:
         return None, f"version {version!r} cannot be read; the contract table is per version"
     for row in CONTRACTS:
@@ -180,7 +165,7 @@ def _row_for(name: str, version: str | None) -> tuple[Contract | None, str | Non
     return None, f"version {version} is outside the contract table (verified ranges: {ranges})"
 
 
-def _detect(spec: _ProviderSpec) -> ProviderStatus:
+def _detect(spec: Provider) -> ProviderStatus:
     reg = _registered.get(spec.name)
     if reg is not None:
         version, source, path = reg
@@ -194,7 +179,8 @@ def _detect(spec: _ProviderSpec) -> ProviderStatus:
         return ProviderStatus(spec.name, version, True, row, why, source, lib_dir)
     version = _dist_version(spec.distribution)
     if version is None:
-        return ProviderStatus(spec.name, None, False, None, f"not installed ({spec.install_hint})")
+        why = f"not installed ({_INSTALL[spec.name]})"
+        return ProviderStatus(spec.name, None, False, None, why)
     row, why = _row_for(spec.name, version)
     if row is None:
         return ProviderStatus(spec.name, version, True, None, why)
@@ -216,11 +202,7 @@ def _detect(spec: _ProviderSpec) -> ProviderStatus:
 
 def statuses() -> tuple[ProviderStatus, ...]:
     """Every known provider, detected once per process (``reset`` forgets)."""
-    with _lock:
-        for spec in PROVIDERS:
-            if spec.name not in _cache:
-                _cache[spec.name] = _detect(spec)
-        return tuple(_cache[s.name] for s in PROVIDERS)
+    return _detections.all(PROVIDERS, lambda spec: spec.name, _detect)
 
 
 def active() -> ProviderStatus | None:
@@ -284,9 +266,9 @@ def register(provider: str, version: str, *, source: str = "register", path=None
                 "pass the provider's release, e.g. version='0.33.0'",
             )
         )
-    with _lock:
+    with _detections.lock:
         _registered[provider] = (str(version), source, None if path is None else str(path))
-        _cache.pop(provider, None)
+        _detections.forget(provider)
 
 
 def load_library(path: str | Path, *, provider: str = "vllm", version: str) -> ProviderStatus:
@@ -315,6 +297,6 @@ def load_library(path: str | Path, *, provider: str = "vllm", version: str) -> P
 
 def reset() -> None:
     """Forget registrations and detections (tests; a process that swaps providers)."""
-    with _lock:
+    with _detections.lock:
         _registered.clear()
-        _cache.clear()
+        _detections.forget()

@@ -14,6 +14,8 @@ from enum import Enum
 
 import torch
 
+from quantdispatch.device.providers import range_text
+
 __all__ = ["CONTRACTS", "REFUSED", "SCHEMA_ARGS", "Contract", "Schema"]
 
 
@@ -83,9 +85,7 @@ class Contract:
         return self.min_version <= version < self.below_version
 
     def range_text(self) -> str:
-        lo = ".".join(map(str, self.min_version))
-        hi = ".".join(map(str, self.below_version))
-        return f"{self.provider} >={lo},<{hi}"
+        return f"{self.provider} {range_text(self.min_version, self.below_version)}"
 
     def op(self, role: str):  # -> torch._ops.OpOverloadPacket
         ns, name = self.ops[role]

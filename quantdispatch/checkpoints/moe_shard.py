@@ -40,6 +40,7 @@ from quantdispatch.errors import (
     WeightFormatError,
     format_error,
 )
+from quantdispatch.formats import FP4_GROUP_SIZES
 from quantdispatch.request import Scheme
 
 __all__ = [
@@ -49,7 +50,7 @@ __all__ = [
     "read_moe_shard",
 ]
 
-_GROUP = {"nvfp4": 16, "mxfp4": 32}
+_GROUP = FP4_GROUP_SIZES
 
 
 def _fail(what: str, rule: str, fix: str) -> CheckpointError:

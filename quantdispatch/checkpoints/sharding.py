@@ -13,15 +13,25 @@ from __future__ import annotations
 from typing import Literal
 
 from quantdispatch.checkpoints.reader import QuantWeight
-from quantdispatch.errors import ConfigurationError, WeightFormatError, format_error
-from quantdispatch.formats import Fp8Weight, Mxfp4Weight, Nvfp4Weight
+from quantdispatch.checkpoints.split_plan import split_range
+from quantdispatch.errors import ConfigurationError, format_error
+from quantdispatch.formats import (
+    MXFP4_GROUP_SIZE,
+    NVFP4_GROUP_SIZE,
+    Fp8Weight,
+    Mxfp4Weight,
+    Nvfp4Weight,
+)
 
 __all__ = ["shard_bounds", "shard_weight"]
 
 
-def shard_bounds(size: int, rank: int, world_size: int, unit: int = 1) -> tuple[int, int]:
+def shard_bounds(
+    size: int, rank: int, world_size: int, unit: int = 1, *, partial_last: bool = False
+) -> tuple[int, int]:
     """[start, stop) of ``rank``'s share of ``size`` elements, in whole ``unit``s (as even as
-    possible, earlier ranks take the remainder)."""
+    possible, earlier ranks take the remainder; ``partial_last``: the last unit may be short):
+    :func:`~.split_plan.split_range` under the rank / world_size names of :func:`shard_weight`."""
     if world_size < 1 or not 0 <= rank < world_size:
         raise ConfigurationError(
             format_error(
@@ -30,23 +40,7 @@ def shard_bounds(size: int, rank: int, world_size: int, unit: int = 1) -> tuple[
                 "pass this process's tensor-parallel rank and size",
             )
         )
-    if size % unit != 0:
-        raise WeightFormatError(
-            format_error(f"size {size} is not a multiple of {unit}", "shards hold whole units", "")
-        )
-    units = size // unit
-    if units < world_size:
-        raise WeightFormatError(
-            format_error(
-                f"{units} unit(s) of {unit} cannot be split over {world_size} ranks",
-                "every rank needs at least one scale group / block / row",
-                "use fewer tensor-parallel ranks for this layer, or replicate it",
-            )
-        )
-    base, extra = divmod(units, world_size)
-    start = rank * base + min(rank, extra)
-    stop = start + base + (1 if rank < extra else 0)
-    return start * unit, stop * unit
+    return split_range(size, rank, world_size, unit, partial_last=partial_last)
 
 
 def shard_weight(
@@ -60,7 +54,7 @@ def shard_weight(
     n, k = weight.shape
     if isinstance(weight, Fp8Weight):
         return _shard_fp8(weight, dim, rank, world_size)
-    group = 16 if isinstance(weight, Nvfp4Weight) else 32
+    group = NVFP4_GROUP_SIZE if isinstance(weight, Nvfp4Weight) else MXFP4_GROUP_SIZE
     if dim == "n":
         a, b = shard_bounds(n, rank, world_size)
         rows = slice(a, b)
@@ -87,8 +81,8 @@ def _shard_fp8(weight: Fp8Weight, dim: str, rank: int, world_size: int) -> Fp8We
         bn, bk = weight.block_size  # type: ignore[misc]
         size, unit = (n, bn) if dim == "n" else (k, bk)
         # whole blocks per rank; the last block may be partial
-        first, last = shard_bounds(-(-size // unit), rank, world_size)
-        a, b = first * unit, min(last * unit, size)
+        a, b = shard_bounds(size, rank, world_size, unit, partial_last=True)
+        first, last = a // unit, -(-b // unit)
         if dim == "n":
             w, scale = weight.weight[a:b], weight.scale[first:last]
         else:

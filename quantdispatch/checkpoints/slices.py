@@ -20,6 +20,7 @@ import torch
 from quantdispatch.checkpoints.config import LayerQuant
 from quantdispatch.checkpoints.reader import _children, read_linear
 from quantdispatch.errors import CheckpointError, format_error
+from quantdispatch.formats import FP4_FORMATS
 
 __all__ = ["LayerSlice", "LinearGeometry", "linear_geometry", "read_slice", "tensor_info"]
 
@@ -167,7 +168,34 @@ def _fp8_geometry(names, info, n, k, quant, own) -> LinearGeometry | None:
     return None
 
 
-class LayerSlice(Mapping[str, torch.Tensor]):
+class KeyView(Mapping[str, torch.Tensor]):
+    """The tensors of a state dict under ``keys`` (in that order), each read by :meth:`_get`:
+    readers scan these keys, not the whole checkpoint."""
+
+    def __init__(self, base: Mapping[str, torch.Tensor], keys: Iterable[str]) -> None:
+        self._base = base
+        self._keys = list(keys)
+        self._set = frozenset(self._keys)
+
+    def _get(self, key: str) -> torch.Tensor:
+        return self._base[key]
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key not in self._set:
+            raise KeyError(key)
+        return self._get(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._set
+
+
+class LayerSlice(KeyView):
     """The tensors of the layer at ``prefix`` cut to ``rows`` (ranges of output rows, in
     order, concatenated) and / or ``cols`` (one range of input columns), read on access.
 
@@ -185,14 +213,13 @@ class LayerSlice(Mapping[str, torch.Tensor]):
         cols: tuple[int, int] | None = None,
         bias: bool = True,
     ) -> None:
-        self._base, self._prefix, self._geo = base, prefix, geometry
+        self._prefix, self._geo = prefix, geometry
         self._rows = None if rows is None else [(int(a), int(b)) for a, b in rows]
         self._cols = None if cols is None else (int(cols[0]), int(cols[1]))
         keys = list(geometry.keys)
         if not bias:
             keys = [k for k in keys if self._name(k) not in ("bias", "_bias")]
-        self._keys = keys
-        self._set = set(keys)
+        super().__init__(base, keys)
         self._cache: dict[str, torch.Tensor] = {}
         g = geometry
         for a, b in self._rows or []:
@@ -228,7 +255,7 @@ class LayerSlice(Mapping[str, torch.Tensor]):
         g = self._geo
         if name in ("bias", "_bias"):
             return (1, 0, 1)
-        if g.format in ("nvfp4", "mxfp4"):
+        if g.format in FP4_FORMATS:
             if name in ("weight", "weight_packed"):
                 return (1, 2, 2)
             if name in ("weight_scale", "_scales", "_blocks"):
@@ -272,18 +299,7 @@ class LayerSlice(Mapping[str, torch.Tensor]):
             parts.append(self._base[key] if whole else read_slice(self._base, key, index))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def __getitem__(self, key: str) -> torch.Tensor:
-        if key not in self._set:
-            raise KeyError(key)
+    def _get(self, key: str) -> torch.Tensor:
         if key not in self._cache:
             self._cache[key] = self._read(key)
         return self._cache[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._keys)
-
-    def __len__(self) -> int:
-        return len(self._keys)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._set

@@ -37,11 +37,12 @@ from quantdispatch.errors import (
     WeightFormatError,
     format_error,
 )
+from quantdispatch.formats import FP4_GROUP_SIZES
 
 __all__ = ["linear_shard_shapes", "read_dense_shard", "read_linear_shard", "read_linear_split"]
 
 #: Elements along K per scale group of each FP4 format.
-_GROUP = {"nvfp4": 16, "mxfp4": 32}
+_GROUP = FP4_GROUP_SIZES
 
 
 def _normalize(prefix: str) -> str:

@@ -184,8 +184,7 @@ def _verbose_ranges(a: Answer, row: Row, indent: str) -> list[str]:
     out = []
     for r in a.ranges:
         lo, hi = r.first_m, r.last_m
-        span = f"M >= {lo}" if hi is None else (f"M = {lo}" if lo == hi else f"M {lo}..{hi}")
-        span = "any M" if (lo, hi) == (1, None) else span
+        span = r.span()
         words = f"{r.family} ({r.detail})" if r.detail else r.family
         if row.experts and row.top_k:  # 6 significant digits: 1023.88, not 1.02e+03
             share = row.top_k / row.experts

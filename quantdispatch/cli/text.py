@@ -4,10 +4,11 @@ quantdispatch.cli.doctor, prints every word)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from quantdispatch import __version__
+from quantdispatch.capability import SM90_PLUS
 from quantdispatch.cli.phrases import WIDTH, gist, prefixed, shorten
 from quantdispatch.cli.report import Answer, Row, Shard
 from quantdispatch.errors import BackendUnavailableError, QuantDispatchError
@@ -153,9 +154,7 @@ def marlin_lines() -> list[str]:
 
 def pdl_applies(profile) -> bool:
     """Dependent launches exist on SM 9.0+ GPUs (real or simulated)."""
-    return (
-        profile.kind == "cuda" and profile.capability is not None and profile.capability >= (9, 0)
-    )
+    return profile.kind == "cuda" and profile.capability in SM90_PLUS
 
 
 def _facts(row: Row) -> tuple:
@@ -214,29 +213,23 @@ def _label(row: Row, dts: list[str]) -> str:
     return f"{row.fmt} {row.op}{layer}{scheme} {'/'.join(dts)}"
 
 
-def _span(first: int, last: int | None) -> str:
-    if last is None:
-        return "any M" if first == 1 else f"M >= {first}"
-    if first == last:
-        return f"M = {first}"
-    return f"M <= {last}" if first == 1 else f"M {first}..{last}"
-
-
 def _range_parts(a: Answer) -> list[str]:
     """The kernel families by M, neighbouring ranges of one family merged (a backend that
     names no family of its own: its one-line description)."""
+    from quantdispatch.backends.base import KernelRange
+
     if a.ranges_error:
         return [shorten(a.ranges_error)]
-    merged: list[list] = []
+    merged: list[KernelRange] = []
     for r in a.ranges:
         family = r.family
         if a.decision is not None and family == a.decision.backend and r.detail:
             family = shorten(r.detail, 60)
-        if merged and merged[-1][2] == family:
-            merged[-1][1] = r.last_m
+        if merged and merged[-1].family == family:
+            merged[-1] = replace(merged[-1], last_m=r.last_m)
         else:
-            merged.append([r.first_m, r.last_m, family])
-    return [f"{_span(lo, hi)}: {family}" for lo, hi, family in merged]
+            merged.append(KernelRange(r.first_m, r.last_m, family))
+    return [f"{r.span()}: {r.family}" for r in merged]
 
 
 def _fit(head: str, parts: list[str], indent: str = "  ") -> list[str]:

@@ -9,47 +9,19 @@ from __future__ import annotations
 
 import functools
 import importlib
-import importlib.metadata
 import platform
 
-from pydantic import BaseModel, ConfigDict
-
 from quantdispatch.device.profile import DeviceProfile, ProfileSources, ProviderInfo, Source
+from quantdispatch.device.providers import PROBED, Provider, installed_version
 
 __all__ = ["PROVIDERS", "cpu_profile", "probe_providers", "torch_cuda_version", "torch_version"]
 
 
-class _ProviderSpec(BaseModel):
-    model_config = ConfigDict(frozen=True)
-    name: str
-    module: str
-    distribution: str
-    install_hint: str
+#: The providers the profile probes (the registry's PROBED; ``quantdispatch.device.PROVIDERS``).
+PROVIDERS: tuple[Provider, ...] = PROBED
 
 
-PROVIDERS: tuple[_ProviderSpec, ...] = (
-    _ProviderSpec(
-        name="triton",
-        module="triton",
-        distribution="triton",
-        install_hint="pip install 'quantdispatch[triton]'",
-    ),
-    _ProviderSpec(
-        name="sgl-kernel",
-        module="sgl_kernel",
-        distribution="sgl-kernel",
-        install_hint="pip install 'quantdispatch[sgl]' (its wheels pin a torch/CUDA pair)",
-    ),
-    _ProviderSpec(
-        name="flashinfer",
-        module="flashinfer",
-        distribution="flashinfer-python",
-        install_hint="pip install flashinfer-python",
-    ),
-)
-
-
-def _probe_provider(spec: _ProviderSpec) -> ProviderInfo:
+def _probe_provider(spec: Provider) -> ProviderInfo:
     try:
         mod = importlib.import_module(spec.module)
     except Exception as exc:  # OSError from a CUDA library counts as "not importable"
@@ -61,12 +33,7 @@ def _probe_provider(spec: _ProviderSpec) -> ProviderInfo:
             reason=f"{type(exc).__name__}: {msg}",
             install_hint=spec.install_hint,
         )
-    version = getattr(mod, "__version__", None)
-    if version is None:
-        try:
-            version = importlib.metadata.version(spec.distribution)
-        except importlib.metadata.PackageNotFoundError:
-            version = None
+    version = getattr(mod, "__version__", None) or installed_version(spec.distribution)
     return ProviderInfo(
         name=spec.name,
         module=spec.module,

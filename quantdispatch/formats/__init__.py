@@ -1,19 +1,28 @@
 """Quantized weight formats: containers, reference quantizers and float dequantizers.
 
-Pure torch and import-cheap. ``FORMATS`` is the one registry of format names; everything that
-accepts a format name (policy files, settings, the CLI) should validate against it through
-:func:`get_format`, so the list of valid names lives in exactly one place.
+Pure torch and import-cheap. ``FORMATS`` is the one registry of format names: the facts of
+:mod:`quantdispatch.format_facts` (group size, element width, scale type) with each format's
+container and dequantizer. Everything that accepts a format name (policy files, settings, the
+CLI) validates against it through :func:`get_format`; a module that needs a fact reads it from
+here (:data:`FP4_FORMATS`, :data:`FP4_GROUP_SIZES`, :data:`SCALE_GROUP_SIZES`) instead of
+restating it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
 from quantdispatch.errors import ConfigurationError, format_error
+from quantdispatch.format_facts import (
+    FACTS,
+    FP4_FORMATS,
+    FP4_GROUP_SIZES,
+    SCALE_GROUP_SIZES,
+    FormatFacts,
+)
 from quantdispatch.formats.e2m1 import (
     E2M1_MAX,
     decode_e2m1,
@@ -53,9 +62,12 @@ __all__ = [
     "E4M3_MAX",
     "E4M3_MIN_SUBNORMAL",
     "FORMATS",
+    "FP4_FORMATS",
+    "FP4_GROUP_SIZES",
     "FP8_SCALE_KINDS",
     "MXFP4_GROUP_SIZE",
     "NVFP4_GROUP_SIZE",
+    "SCALE_GROUP_SIZES",
     "FormatSpec",
     "Fp8Weight",
     "Mxfp4Weight",
@@ -81,54 +93,21 @@ __all__ = [
 
 
 @dataclass(frozen=True)
-class FormatSpec:
-    """Static facts about one weight format.
+class FormatSpec(FormatFacts):
+    """One weight format: its facts (:class:`~quantdispatch.format_facts.FormatFacts`), its
+    container type and its float dequantizer."""
 
-    ``group_size`` is the number of elements sharing a scale along K (None for FP8, whose
-    scale layout is chosen per checkpoint). ``default_scheme`` is what a checkpoint of this
-    format usually means when it does not say: "weight_act" (quantized activations too) or
-    "weight_only". ``bits_per_weight`` is the effective storage in BYTES per parameter,
-    scales included (the name is kept for the contract): NVFP4 0.5 + 1/16, MXFP4 0.5 + 1/32,
-    FP8 1 (per-tensor/channel scales are negligible).
-    """
-
-    name: str
-    description: str
-    group_size: int | None
     weight_type: type
-    default_scheme: Literal["weight_act", "weight_only"]
-    bits_per_weight: float
     dequantize: Callable[..., torch.Tensor]
 
 
+_CODE = {"nvfp4": (Nvfp4Weight, dequantize_nvfp4), "mxfp4": (Mxfp4Weight, dequantize_mxfp4)}
+_CODE["fp8"] = (Fp8Weight, dequantize_fp8)
+
+#: Every format by name: the facts table with each format's container and dequantizer.
 FORMATS: dict[str, FormatSpec] = {
-    "nvfp4": FormatSpec(
-        name="nvfp4",
-        description="NVIDIA FP4: E2M1 codes, e4m3 scale per 16 along K, fp32 per-tensor scale",
-        group_size=NVFP4_GROUP_SIZE,
-        weight_type=Nvfp4Weight,
-        default_scheme="weight_act",
-        bits_per_weight=0.5 + 1 / NVFP4_GROUP_SIZE,
-        dequantize=dequantize_nvfp4,
-    ),
-    "mxfp4": FormatSpec(
-        name="mxfp4",
-        description="OCP MXFP4: E2M1 codes, E8M0 power-of-two scale per 32 along K",
-        group_size=MXFP4_GROUP_SIZE,
-        weight_type=Mxfp4Weight,
-        default_scheme="weight_only",
-        bits_per_weight=0.5 + 1 / MXFP4_GROUP_SIZE,
-        dequantize=dequantize_mxfp4,
-    ),
-    "fp8": FormatSpec(
-        name="fp8",
-        description="FP8 E4M3 with per-tensor, per-channel or 2-D block scales",
-        group_size=None,
-        weight_type=Fp8Weight,
-        default_scheme="weight_act",
-        bits_per_weight=1.0,
-        dequantize=dequantize_fp8,
-    ),
+    name: FormatSpec(**vars(facts), weight_type=_CODE[name][0], dequantize=_CODE[name][1])
+    for name, facts in FACTS.items()
 }
 
 

@@ -8,11 +8,9 @@ compressed-tensors, gpt-oss and PyTorch's float4_e2m1fn_x2 all agree).
 
 from __future__ import annotations
 
-from typing import NoReturn
-
 import torch
 
-from quantdispatch.errors import ConfigurationError, WeightFormatError, format_error
+from quantdispatch.errors import WeightFormatError, format_error
 
 __all__ = [
     "E2M1_MAX",
@@ -156,188 +154,22 @@ def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
     return idx | sign
 
 
-# ---------------------------------------------------------------------------------------------
-# Validation helpers shared by the format modules (private: nvfp4, mxfp4 and fp8 import them).
-# They live here because e2m1 is the one module every FP4 format already depends on and the
-# package has no separate private module; fp8 imports them too.
-# ---------------------------------------------------------------------------------------------
+class PackedFp4:
+    """N, K and shape of a weight held as packed E2M1 codes ``packed`` [N, K/2]."""
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+    packed: torch.Tensor
 
+    @property
+    def out_features(self) -> int:
+        """N, the number of rows."""
+        return int(self.packed.shape[0])
 
-def _has_values(t: torch.Tensor) -> bool:
-    """False for meta tensors (shape-only: fake/meta construction skips the value checks)."""
-    return t.device.type != "meta"
+    @property
+    def in_features(self) -> int:
+        """K, the reduction dimension (two codes per byte)."""
+        return int(self.packed.shape[1]) * 2
 
-
-def _fail(what: str, rule: str, fix: str, exc: type[Exception] = WeightFormatError) -> NoReturn:
-    raise exc(format_error(what, rule, fix))
-
-
-def _require_tensor(value: object, field: str, dtype: torch.dtype, dtype_fix: str) -> torch.Tensor:
-    """Check that a dataclass field is a tensor of exactly ``dtype``; return it."""
-    if not isinstance(value, torch.Tensor):
-        _fail(
-            f"{field} is a {type(value).__name__}, not a torch.Tensor",
-            f"{field} must be a {dtype} tensor",
-            dtype_fix,
-        )
-    if value.dtype != dtype:
-        _fail(f"{field} has dtype {value.dtype}", f"{field} must be {dtype}", dtype_fix)
-    return value
-
-
-def _require_ndim(t: torch.Tensor, field: str, ndim: int, layout: str) -> None:
-    if t.ndim != ndim:
-        _fail(
-            f"{field} has shape {tuple(t.shape)} ({t.ndim}-D)",
-            f"{field} must be {ndim}-D, laid out as {layout}",
-            f"reshape {field} to {layout} (N = output features, K = input features)",
-        )
-
-
-def _require_device(t: torch.Tensor, field: str, device: torch.device, ref: str) -> None:
-    if t.device != device:
-        _fail(
-            f"{field} is on {t.device} but {ref} is on {device}",
-            "all tensors of one quantized weight must live on the same device",
-            f"move them together (weight.to({str(device)!r}))",
-        )
-
-
-def _positive_scalar(
-    value: object,
-    field: str,
-    *,
-    strict_dtype: bool,
-    exc: type[Exception] = WeightFormatError,
-    device: torch.device | None = None,
-) -> torch.Tensor:
-    """Validate a per-tensor scale (multiplier): one finite value > 0. Return a 0-dim float32.
-
-    ``strict_dtype`` (dataclass fields) requires float32 so that no precision is silently lost;
-    otherwise (function arguments) Python numbers and any float tensor are accepted.
-    A [1]-shaped tensor is accepted and flattened to 0-dim: checkpoints store both.
-    ``device``, when given, is checked before any value is read.
-    """
-    if isinstance(value, torch.Tensor):
-        if device is not None:
-            _require_device(value, field, device, "the quantized codes")
-        if strict_dtype and value.dtype != torch.float32:
-            _fail(
-                f"{field} has dtype {value.dtype}",
-                f"{field} must be float32 (a per-tensor multiplier)",
-                "convert it with .float() before building the weight, if that loses no precision",
-                exc,
-            )
-        if not value.is_floating_point():
-            _fail(
-                f"{field} has dtype {value.dtype}",
-                f"{field} must be a floating-point scale",
-                "pass a float32 tensor or a Python float",
-                exc,
-            )
-        if value.numel() != 1 or value.ndim > 1:
-            _fail(
-                f"{field} has shape {tuple(value.shape)}",
-                f"{field} is one per-tensor value: shape () or (1,)",
-                "pass the single per-tensor scale (fused shards: use merge_nvfp4_shards)",
-                exc,
-            )
-        t = value.detach().reshape(()).to(torch.float32)
-    elif isinstance(value, (int, float)) and not isinstance(value, bool) and not strict_dtype:
-        t = torch.tensor(float(value), dtype=torch.float32)
-    else:
-        _fail(
-            f"{field} is a {type(value).__name__}",
-            f"{field} must be a float32 tensor" + ("" if strict_dtype else " or a Python float"),
-            "pass torch.tensor(value, dtype=torch.float32)",
-            exc,
-        )
-    if not _has_values(t):
-        return t
-    v = float(t)
-    if not (v > 0.0 and v != float("inf")):
-        _fail(
-            f"{field} is {v!r}",
-            f"{field} is a multiplier (W = codes * block_scale * {field}): finite and > 0",
-            "recompute it from the tensor's amax (a reciprocal checkpoint convention needs "
-            "global_scale_from_compressed_tensors)",
-            exc,
-        )
-    return t
-
-
-def _check_rows(rows: object, n: int, fn: str) -> slice:
-    """Validate the ``rows`` argument of a dequantize function; return a usable slice."""
-    if rows is None:
-        return slice(0, n)
-    if not isinstance(rows, slice):
-        _fail(
-            f"{fn} got rows={rows!r} ({type(rows).__name__})",
-            "rows must be a slice over the output features (N)",
-            "pass e.g. rows=slice(0, 1024), or None for every row",
-            ConfigurationError,
-        )
-    if rows.step is not None and rows.step <= 0:
-        _fail(
-            f"{fn} got rows with step {rows.step}",
-            "rows must select rows in increasing order (step >= 1)",
-            "use a positive step, and flip the result if you need reversed rows",
-            ConfigurationError,
-        )
-    return rows
-
-
-def _compute_dtype(dtype: object, fn: str) -> torch.dtype:
-    """Dequantize in float32, or float64 when asked for float64."""
-    if dtype not in _FLOAT_DTYPES:
-        _fail(
-            f"{fn} got dtype={dtype!r}",
-            "the output dtype must be one of float16, bfloat16, float32, float64",
-            "pass e.g. dtype=torch.bfloat16",
-            ConfigurationError,
-        )
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _check_float_matrix(weight: object, fn: str, group: int, group_name: str) -> torch.Tensor:
-    """Check a quantizer input: finite float [N, K] with K a multiple of ``group``."""
-    if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
-        got = weight.dtype if isinstance(weight, torch.Tensor) else type(weight).__name__
-        _fail(
-            f"{fn} got a weight of type {got}",
-            "the weight to quantize must be a floating-point tensor",
-            "pass the float16/bfloat16/float32 weight of the Linear layer",
-        )
-    if weight.ndim != 2:
-        _fail(
-            f"{fn} got a weight of shape {tuple(weight.shape)}",
-            "the weight must be 2-D [N, K] (N = output features, K = input features)",
-            "quantize each 2-D matrix (each expert of a MoE) separately",
-        )
-    n, k = weight.shape
-    if n == 0 or k == 0:
-        _fail(
-            f"{fn} got an empty weight of shape {(n, k)}",
-            "there must be at least one row and one group",
-            "skip empty layers instead of quantizing them",
-        )
-    if k % group != 0:
-        _fail(
-            f"{fn} got K={k} input features",
-            f"{group_name} needs K to be a multiple of the group size {group}",
-            f"pad K with zero columns to {(-(-k // group)) * group} (and the activations to match)",
-        )
-    if not bool(torch.isfinite(weight).all()):
-        bad = int((~torch.isfinite(weight)).sum())
-        _fail(
-            f"{fn} got a weight with {bad} NaN/inf value(s)",
-            "only finite weights can be quantized",
-            "fix the checkpoint or the training run that produced them",
-        )
-    return weight
-
-
-def _nbytes(*tensors: torch.Tensor | None) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(N, K) of the dense weight this represents."""
+        return (self.out_features, self.in_features)

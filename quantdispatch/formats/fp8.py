@@ -17,18 +17,7 @@ from typing import Literal
 import torch
 
 from quantdispatch.errors import ConfigurationError, WeightFormatError
-from quantdispatch.formats.e2m1 import (
-    _check_float_matrix,
-    _check_rows,
-    _compute_dtype,
-    _fail,
-    _has_values,
-    _nbytes,
-    _positive_scalar,
-    _require_device,
-    _require_ndim,
-    _require_tensor,
-)
+from quantdispatch.formats import checks
 
 __all__ = [
     "E4M3_MAX",
@@ -55,13 +44,105 @@ def _check_block_size(block_size: object, field: str, exc: type[Exception]) -> t
         and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in block_size)
     )
     if not ok:
-        _fail(
+        checks.fail(
             f"{field} is {block_size!r}",
             f"{field} is (rows per block along N, columns per block along K), two positive ints",
             "pass e.g. (128, 128), the DeepSeek-V3 weight_block_size",
             exc,
         )
     return (int(block_size[0]), int(block_size[1]))  # type: ignore[index]
+
+
+_SHAPES_RULE = (
+    "the scale is () per-tensor, (N,) or (N, 1) per-channel, or "
+    "(ceil(N/bn), ceil(K/bk)) per-block with block_size=(bn, bk)"
+)
+
+
+def _checked_weight(weight: object) -> torch.Tensor:
+    """The e4m3fn [N, K] weight: non-empty, no NaN codes."""
+    w = checks.require_tensor(
+        weight,
+        "Fp8Weight.weight",
+        torch.float8_e4m3fn,
+        "pass the weight as torch.float8_e4m3fn [N, K] (a uint8 copy of the bytes needs "
+        ".view(torch.float8_e4m3fn); e4m3fnuz checkpoints need converting first)",
+    )
+    checks.require_ndim(w, "Fp8Weight.weight", 2, "[N, K]")
+    n, k = w.shape
+    if n == 0 or k == 0:
+        checks.fail(
+            f"Fp8Weight.weight has shape {(n, k)}",
+            "a weight needs at least one row and one column",
+            "skip empty layers",
+        )
+    nan = (w.view(torch.uint8) & 0x7F) == 0x7F
+    if checks.has_values(w) and bool(nan.any()):
+        first = tuple(nan.nonzero()[0].tolist())
+        checks.fail(
+            f"Fp8Weight.weight contains {int(nan.sum())} NaN value(s) (first at {first})",
+            "weights must be finite (e4m3fn has NaN but no inf)",
+            "re-export the checkpoint; quantize with a saturating cast (quantize_fp8 does)",
+        )
+    return w
+
+
+def _check_block_scale(scale: torch.Tensor, n: int, k: int, bn: int, bk: int) -> None:
+    expected = (_cdiv(n, bn), _cdiv(k, bk))
+    if tuple(scale.shape) != expected:
+        checks.fail(
+            f"Fp8Weight.scale has shape {tuple(scale.shape)} but weight {(n, k)} with "
+            f"block_size {(bn, bk)} needs {expected}",
+            _SHAPES_RULE,
+            "check block_size against the checkpoint's weight_block_size, and that "
+            "the scale belongs to this weight (TP shard)",
+        )
+
+
+def _tensor_or_channel_scale(scale: torch.Tensor, n: int) -> torch.Tensor:
+    """A scale without block_size as stored: () per-tensor or (N,) per-channel."""
+    if scale.ndim == 0 or (scale.ndim == 1 and scale.shape[0] == n):
+        return scale  # per-tensor or per-channel as given
+    if scale.ndim == 2 and tuple(scale.shape) == (n, 1):
+        return scale.reshape(n)
+    if scale.numel() == 1 and scale.ndim <= 2:
+        return scale.reshape(())
+    if scale.ndim == 2:
+        checks.fail(
+            f"Fp8Weight.scale has 2-D shape {tuple(scale.shape)} but block_size is None",
+            _SHAPES_RULE,
+            "pass block_size=(bn, bk) for block scales (DeepSeek-style: (128, 128))",
+        )
+    checks.fail(
+        f"Fp8Weight.scale has shape {tuple(scale.shape)} for a weight of N = {n} rows",
+        _SHAPES_RULE,
+        "pass the scale that belongs to this weight (same TP shard) and check its layout",
+    )
+
+
+def _check_scale_values(scale: torch.Tensor) -> None:
+    """Finite, non-negative, and a per-tensor scale above zero."""
+    if not checks.has_values(scale):
+        return
+    if not bool(torch.isfinite(scale).all()):
+        bad = int((~torch.isfinite(scale)).sum())
+        checks.fail(
+            f"Fp8Weight.scale contains {bad} NaN/inf value(s)",
+            "scales are finite multipliers",
+            "re-export the checkpoint",
+        )
+    if bool((scale < 0).any()):
+        checks.fail(
+            f"Fp8Weight.scale contains negative values (min {float(scale.min())})",
+            "scales are magnitudes: >= 0",
+            "re-quantize the weight; a negative scale means the producer is broken",
+        )
+    if scale.ndim == 0 and float(scale) == 0.0:
+        checks.fail(
+            "Fp8Weight.scale is 0.0 (per-tensor)",
+            "a per-tensor scale must be > 0, or the whole layer is zero",
+            "recompute it as amax / 448",
+        )
 
 
 @dataclass(frozen=True, eq=False)
@@ -78,100 +159,29 @@ class Fp8Weight:
     input_scale: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        w = _require_tensor(
-            self.weight,
-            "Fp8Weight.weight",
-            torch.float8_e4m3fn,
-            "pass the weight as torch.float8_e4m3fn [N, K] (a uint8 copy of the bytes needs "
-            ".view(torch.float8_e4m3fn); e4m3fnuz checkpoints need converting first)",
-        )
-        _require_ndim(w, "Fp8Weight.weight", 2, "[N, K]")
+        w = _checked_weight(self.weight)
         n, k = w.shape
-        if n == 0 or k == 0:
-            _fail(
-                f"Fp8Weight.weight has shape {(n, k)}",
-                "a weight needs at least one row and one column",
-                "skip empty layers",
-            )
-        bits = w.view(torch.uint8)
-        nan = (bits & 0x7F) == 0x7F
-        if _has_values(w) and bool(nan.any()):
-            first = tuple(nan.nonzero()[0].tolist())
-            _fail(
-                f"Fp8Weight.weight contains {int(nan.sum())} NaN value(s) (first at {first})",
-                "weights must be finite (e4m3fn has NaN but no inf)",
-                "re-export the checkpoint; quantize with a saturating cast (quantize_fp8 does)",
-            )
-        device = w.device
-
-        scale = _require_tensor(
+        scale = checks.require_tensor(
             self.scale,
             "Fp8Weight.scale",
             torch.float32,
             "convert the scale with .float() (checkpoints store float32, sometimes bf16)",
         )
-        _require_device(scale, "Fp8Weight.scale", device, "weight")
-        shapes_rule = (
-            "the scale is () per-tensor, (N,) or (N, 1) per-channel, or "
-            "(ceil(N/bn), ceil(K/bk)) per-block with block_size=(bn, bk)"
-        )
+        checks.require_device(scale, "Fp8Weight.scale", w.device, "weight")
         if self.block_size is not None:
             bn, bk = _check_block_size(self.block_size, "Fp8Weight.block_size", WeightFormatError)
             object.__setattr__(self, "block_size", (bn, bk))
-            expected = (_cdiv(n, bn), _cdiv(k, bk))
-            if tuple(scale.shape) != expected:
-                _fail(
-                    f"Fp8Weight.scale has shape {tuple(scale.shape)} but weight {(n, k)} with "
-                    f"block_size {(bn, bk)} needs {expected}",
-                    shapes_rule,
-                    "check block_size against the checkpoint's weight_block_size, and that "
-                    "the scale belongs to this weight (TP shard)",
-                )
-        elif scale.ndim == 0 or (scale.ndim == 1 and scale.shape[0] == n):
-            pass  # per-tensor or per-channel as given
-        elif scale.ndim == 2 and tuple(scale.shape) == (n, 1):
-            scale = scale.reshape(n)
-        elif scale.numel() == 1 and scale.ndim <= 2:
-            scale = scale.reshape(())
-        elif scale.ndim == 2:
-            _fail(
-                f"Fp8Weight.scale has 2-D shape {tuple(scale.shape)} but block_size is None",
-                shapes_rule,
-                "pass block_size=(bn, bk) for block scales (DeepSeek-style: (128, 128))",
-            )
+            _check_block_scale(scale, n, k, bn, bk)
         else:
-            _fail(
-                f"Fp8Weight.scale has shape {tuple(scale.shape)} for a weight of N = {n} rows",
-                shapes_rule,
-                "pass the scale that belongs to this weight (same TP shard) and check its layout",
-            )
-        if _has_values(scale):
-            if not bool(torch.isfinite(scale).all()):
-                bad = int((~torch.isfinite(scale)).sum())
-                _fail(
-                    f"Fp8Weight.scale contains {bad} NaN/inf value(s)",
-                    "scales are finite multipliers",
-                    "re-export the checkpoint",
-                )
-            if bool((scale < 0).any()):
-                _fail(
-                    f"Fp8Weight.scale contains negative values (min {float(scale.min())})",
-                    "scales are magnitudes: >= 0",
-                    "re-quantize the weight; a negative scale means the producer is broken",
-                )
-            if scale.ndim == 0 and float(scale) == 0.0:
-                _fail(
-                    "Fp8Weight.scale is 0.0 (per-tensor)",
-                    "a per-tensor scale must be > 0, or the whole layer is zero",
-                    "recompute it as amax / 448",
-                )
+            scale = _tensor_or_channel_scale(scale, n)
+        _check_scale_values(scale)
         object.__setattr__(self, "scale", scale)
 
         if self.input_scale is not None:
-            s = _positive_scalar(
-                self.input_scale, "Fp8Weight.input_scale", strict_dtype=True, device=device
+            s = checks.positive_scalar(
+                self.input_scale, "Fp8Weight.input_scale", strict_dtype=True, device=w.device
             )
-            object.__setattr__(self, "input_scale", s.to(device))
+            object.__setattr__(self, "input_scale", s.to(w.device))
 
     @property
     def scale_kind(self) -> ScaleKind:
@@ -197,7 +207,7 @@ class Fp8Weight:
 
     def nbytes(self) -> int:
         """Bytes held by all tensors."""
-        return _nbytes(self.weight, self.scale, self.input_scale)
+        return checks.nbytes(self.weight, self.scale, self.input_scale)
 
     def to(self, device: torch.device | str) -> Fp8Weight:
         """Move every tensor to ``device``."""
@@ -245,13 +255,13 @@ def quantize_fp8(
     and <= 2**-10 * scale below. Edge blocks of a block-scaled weight may be partial.
     """
     if kind not in FP8_SCALE_KINDS:
-        _fail(
+        checks.fail(
             f"quantize_fp8 got kind={kind!r}",
             f"kind must be one of {', '.join(FP8_SCALE_KINDS)}",
             'pass kind="tensor" (W8A8 per-tensor), "channel" or "block"',
             ConfigurationError,
         )
-    w = _check_float_matrix(weight, "quantize_fp8", 1, "FP8")
+    w = checks.check_float_matrix(weight, "quantize_fp8", 1, "FP8")
     n, k = w.shape
     wf = w.detach().to(torch.float32)
     bs: tuple[int, int] | None = None
@@ -280,15 +290,7 @@ def dequantize_fp8(
     One float32 multiply (e4m3 * scale) per element, so the result is correctly rounded before
     the final cast; float64 when asked. ``rows`` works with every scale layout.
     """
-    if not isinstance(w, Fp8Weight):
-        _fail(
-            f"dequantize_fp8 got a {type(w).__name__}",
-            "it dequantizes an Fp8Weight",
-            "build one with Fp8Weight(...) or quantize_fp8(...)",
-            ConfigurationError,
-        )
-    cd = _compute_dtype(dtype, "dequantize_fp8")
-    sl = _check_rows(rows, w.out_features, "dequantize_fp8")
+    cd, sl = checks.dequantize_args(w, Fp8Weight, "dequantize_fp8", dtype, rows)
     q = w.weight[sl].to(cd)
     if w.block_size is not None:
         row_idx = torch.arange(w.out_features, device=w.weight.device)[sl]

@@ -11,17 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
-from quantdispatch.errors import ConfigurationError
+from quantdispatch.format_facts import FP4_GROUP_SIZES
+from quantdispatch.formats import checks
 from quantdispatch.formats.e2m1 import (
-    _check_float_matrix,
-    _check_rows,
-    _compute_dtype,
-    _fail,
-    _has_values,
-    _nbytes,
-    _require_device,
-    _require_ndim,
-    _require_tensor,
+    PackedFp4,
     decode_e2m1,
     encode_e2m1,
     pack_e2m1,
@@ -40,7 +33,7 @@ __all__ = [
     "rebase_mx_scales_for_fp16",
 ]
 
-MXFP4_GROUP_SIZE = 32
+MXFP4_GROUP_SIZE: int = FP4_GROUP_SIZES["mxfp4"]
 E8M0_BIAS = 127
 E8M0_NAN = 255
 # OCP MX: the shared exponent is floor(log2(block_amax)) - emax_elem, and E2M1's largest
@@ -48,8 +41,14 @@ E8M0_NAN = 255
 _E2M1_EMAX = 2
 
 
+_MX_SCALE_FIXES = (
+    "pass the scales that belong to this weight (same TP shard / same expert)",
+    "check that the scales are not swizzled/padded and belong to this weight",
+)
+
+
 @dataclass(frozen=True, eq=False)
-class Mxfp4Weight:
+class Mxfp4Weight(PackedFp4):
     """A validated MXFP4 weight: packed codes [N, K/2] and E8M0 exponent bytes [N, K/32].
 
     ``block_scale`` may be given as torch.float8_e8m0fnu; it is stored as its uint8 bits so
@@ -60,80 +59,36 @@ class Mxfp4Weight:
     block_scale: torch.Tensor
 
     def __post_init__(self) -> None:
-        packed = _require_tensor(
+        packed, n, k = checks.check_packed(
             self.packed,
-            "Mxfp4Weight.packed",
-            torch.uint8,
+            "mxfp4",
             "pass the packed codes as torch.uint8 [N, K/2] (gpt-oss *_blocks flattened to 2-D)",
         )
-        _require_ndim(packed, "Mxfp4Weight.packed", 2, "[N, K/2] bytes")
-        n, half_k = packed.shape
-        k = 2 * half_k
-        if n == 0 or k == 0:
-            _fail(
-                f"Mxfp4Weight.packed has shape {(n, half_k)}",
-                "a weight needs at least one row and one group of 32",
-                "skip empty layers",
-            )
-        if k % MXFP4_GROUP_SIZE != 0:
-            _fail(
-                f"Mxfp4Weight.packed has shape {(n, half_k)}, so K = {k}",
-                f"MXFP4 needs K to be a multiple of {MXFP4_GROUP_SIZE}",
-                f"pad K with zero columns to {-(-k // 32) * 32} before quantizing",
-            )
         bs = self.block_scale
         if isinstance(bs, torch.Tensor) and bs.dtype == torch.float8_e8m0fnu:
             bs = bs.view(torch.uint8)
             object.__setattr__(self, "block_scale", bs)
-        bs = _require_tensor(
+        bs = checks.require_tensor(
             bs,
             "Mxfp4Weight.block_scale",
             torch.uint8,
             "pass the E8M0 exponents as torch.uint8 (or torch.float8_e8m0fnu) [N, K/32]",
         )
-        _require_ndim(bs, "Mxfp4Weight.block_scale", 2, "[N, K/32]")
-        if bs.shape[0] != n:
-            _fail(
-                f"Mxfp4Weight.block_scale has {bs.shape[0]} rows but packed has N = {n}",
-                "there is one row of block scales per output feature",
-                "pass the scales that belong to this weight (same TP shard / same expert)",
-            )
-        if bs.shape[1] != k // MXFP4_GROUP_SIZE:
-            _fail(
-                f"Mxfp4Weight.block_scale has {bs.shape[1]} groups per row but packed implies "
-                f"K = {k}, i.e. {k // MXFP4_GROUP_SIZE} groups of {MXFP4_GROUP_SIZE}",
-                "MXFP4 has one E8M0 scale per 32 consecutive elements along K",
-                "check that the scales are not swizzled/padded and belong to this weight",
-            )
-        _require_device(bs, "Mxfp4Weight.block_scale", packed.device, "packed")
+        checks.check_scale_grid(bs, "mxfp4", n, k, _MX_SCALE_FIXES)
+        checks.require_device(bs, "Mxfp4Weight.block_scale", packed.device, "packed")
         nan = bs == E8M0_NAN
-        if _has_values(bs) and bool(nan.any()):
+        if checks.has_values(bs) and bool(nan.any()):
             first = tuple(nan.nonzero()[0].tolist())
-            _fail(
+            checks.fail(
                 f"Mxfp4Weight.block_scale contains {int(nan.sum())} byte(s) equal to 255 "
                 f"(first at index {first})",
                 "E8M0 255 is NaN; valid exponents are 0..254 (2**-127 .. 2**127)",
                 "the checkpoint is corrupt or the scales are not E8M0 bytes: re-export it",
             )
 
-    @property
-    def out_features(self) -> int:
-        """N, the number of rows."""
-        return int(self.packed.shape[0])
-
-    @property
-    def in_features(self) -> int:
-        """K, the reduction dimension (two codes per byte)."""
-        return int(self.packed.shape[1]) * 2
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        """(N, K) of the dense weight this represents."""
-        return (self.out_features, self.in_features)
-
     def nbytes(self) -> int:
         """Bytes held by all tensors."""
-        return _nbytes(self.packed, self.block_scale)
+        return checks.nbytes(self.packed, self.block_scale)
 
     def to(self, device: torch.device | str) -> Mxfp4Weight:
         """Move every tensor to ``device``."""
@@ -164,7 +119,7 @@ def quantize_mxfp4(weight: torch.Tensor) -> Mxfp4Weight:
     saturate to 6, so the per-element error is <= 2**e for |W| <= 6 * 2**e (half the widest
     step) and < 2 * 2**e above it, i.e. up to 25% of the block max: that is the format.
     """
-    w = _check_float_matrix(weight, "quantize_mxfp4", MXFP4_GROUP_SIZE, "MXFP4")
+    w = checks.check_float_matrix(weight, "quantize_mxfp4", MXFP4_GROUP_SIZE, "MXFP4")
     n, k = w.shape
     wf = w.detach().to(torch.float32)
     blocks = wf.reshape(n, k // MXFP4_GROUP_SIZE, MXFP4_GROUP_SIZE)
@@ -186,15 +141,7 @@ def dequantize_mxfp4(
     Exact in float32 (power-of-two scales), except that blocks with exponents above 2**125
     overflow float32 (never seen in real checkpoints): ask for float64 if you have them.
     """
-    if not isinstance(w, Mxfp4Weight):
-        _fail(
-            f"dequantize_mxfp4 got a {type(w).__name__}",
-            "it dequantizes an Mxfp4Weight",
-            "build one with Mxfp4Weight(...) or quantize_mxfp4(...)",
-            ConfigurationError,
-        )
-    cd = _compute_dtype(dtype, "dequantize_mxfp4")
-    sl = _check_rows(rows, w.out_features, "dequantize_mxfp4")
+    cd, sl = checks.dequantize_args(w, Mxfp4Weight, "dequantize_mxfp4", dtype, rows)
     packed = w.packed[sl]
     n = packed.shape[0]
     vals = decode_e2m1(packed, cd).reshape(n, -1, MXFP4_GROUP_SIZE)

@@ -18,18 +18,11 @@ from dataclasses import dataclass
 import torch
 
 from quantdispatch.errors import ConfigurationError, InputError
+from quantdispatch.format_facts import FP4_GROUP_SIZES
+from quantdispatch.formats import checks
 from quantdispatch.formats.e2m1 import (
     E2M1_MAX,
-    _check_float_matrix,
-    _check_rows,
-    _compute_dtype,
-    _fail,
-    _has_values,
-    _nbytes,
-    _positive_scalar,
-    _require_device,
-    _require_ndim,
-    _require_tensor,
+    PackedFp4,
     decode_e2m1,
     encode_e2m1,
     pack_e2m1,
@@ -53,21 +46,21 @@ __all__ = [
     "quantize_nvfp4",
 ]
 
-NVFP4_GROUP_SIZE = 16
+NVFP4_GROUP_SIZE: int = FP4_GROUP_SIZES["nvfp4"]
 E4M3_MAX = 448.0
 E4M3_MIN_SUBNORMAL = 2.0**-9
 
 
 def _check_e4m3_scales(bs: torch.Tensor, field: str) -> None:
     """Reject NaN (e4m3fn has no inf) and negative block scales, reading the bits directly."""
-    if not _has_values(bs):
+    if not checks.has_values(bs):
         return
     bits = bs.view(torch.uint8)
     mag = bits & 0x7F
     nan = mag == 0x7F
     if bool(nan.any()):
         first = tuple(nan.nonzero()[0].tolist())
-        _fail(
+        checks.fail(
             f"{field} contains {int(nan.sum())} NaN value(s) (first at index {first})",
             "a block scale must be a finite e4m3 value >= 0",
             "the checkpoint is corrupt or was written with another dtype: re-export it, or "
@@ -77,15 +70,22 @@ def _check_e4m3_scales(bs: torch.Tensor, field: str) -> None:
     if bool(neg.any()):
         first = tuple(neg.nonzero()[0].tolist())
         value = float(bs[first].float())
-        _fail(
+        checks.fail(
             f"{field} contains {int(neg.sum())} negative value(s) (first {value} at {first})",
             "block scales are magnitudes: >= 0 (the sign lives in the E2M1 codes)",
             "re-quantize the weight; a negative scale means the producer is broken",
         )
 
 
+_NV_SCALE_FIXES = (
+    "pass the block scales that belong to this weight (same TP shard / same expert)",
+    "check that the scales are not swizzled/padded (un-swizzle them to [N, K/16]) "
+    "and belong to this weight",
+)
+
+
 @dataclass(frozen=True, eq=False)
-class Nvfp4Weight:
+class Nvfp4Weight(PackedFp4):
     """A validated NVFP4 weight: packed codes, e4m3 block scales, per-tensor multiplier(s).
 
     ``input_scale`` is present only for W4A4 checkpoints (static FP4 activations); a W4A16
@@ -98,28 +98,12 @@ class Nvfp4Weight:
     input_scale: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        packed = _require_tensor(
+        packed, n, k = checks.check_packed(
             self.packed,
-            "Nvfp4Weight.packed",
-            torch.uint8,
+            "nvfp4",
             "pass the packed codes as torch.uint8 [N, K/2] (view int8 storage as uint8)",
         )
-        _require_ndim(packed, "Nvfp4Weight.packed", 2, "[N, K/2] bytes")
-        n, half_k = packed.shape
-        k = 2 * half_k
-        if n == 0 or k == 0:
-            _fail(
-                f"Nvfp4Weight.packed has shape {(n, half_k)}",
-                "a weight needs at least one row and one group of 16",
-                "skip empty layers",
-            )
-        if k % NVFP4_GROUP_SIZE != 0:
-            _fail(
-                f"Nvfp4Weight.packed has shape {(n, half_k)}, so K = {k}",
-                f"NVFP4 needs K to be a multiple of {NVFP4_GROUP_SIZE}",
-                f"pad K with zero columns to {-(-k // 16) * 16} before quantizing",
-            )
-        bs = _require_tensor(
+        bs = checks.require_tensor(
             self.block_scale,
             "Nvfp4Weight.block_scale",
             torch.float8_e4m3fn,
@@ -127,53 +111,24 @@ class Nvfp4Weight:
             "compressed-tensors weight_scale); a uint8 copy of the bytes needs "
             ".view(torch.float8_e4m3fn)",
         )
-        _require_ndim(bs, "Nvfp4Weight.block_scale", 2, "[N, K/16]")
-        if bs.shape[0] != n:
-            _fail(
-                f"Nvfp4Weight.block_scale has {bs.shape[0]} rows but packed has N = {n}",
-                "there is one row of block scales per output feature",
-                "pass the block scales that belong to this weight (same TP shard / same expert)",
-            )
-        if bs.shape[1] != k // NVFP4_GROUP_SIZE:
-            _fail(
-                f"Nvfp4Weight.block_scale has {bs.shape[1]} groups per row but packed implies "
-                f"K = {k}, i.e. {k // NVFP4_GROUP_SIZE} groups of {NVFP4_GROUP_SIZE}",
-                "NVFP4 has one e4m3 scale per 16 consecutive elements along K",
-                "check that the scales are not swizzled/padded (un-swizzle them to [N, K/16]) "
-                "and belong to this weight",
-            )
+        checks.check_scale_grid(bs, "nvfp4", n, k, _NV_SCALE_FIXES)
         device = packed.device
-        _require_device(bs, "Nvfp4Weight.block_scale", device, "packed")
+        checks.require_device(bs, "Nvfp4Weight.block_scale", device, "packed")
         _check_e4m3_scales(bs, "Nvfp4Weight.block_scale")
 
-        gs = _positive_scalar(
+        gs = checks.positive_scalar(
             self.global_scale, "Nvfp4Weight.global_scale", strict_dtype=True, device=device
         )
         object.__setattr__(self, "global_scale", gs.to(device))
         if self.input_scale is not None:
-            s = _positive_scalar(
+            s = checks.positive_scalar(
                 self.input_scale, "Nvfp4Weight.input_scale", strict_dtype=True, device=device
             )
             object.__setattr__(self, "input_scale", s.to(device))
 
-    @property
-    def out_features(self) -> int:
-        """N, the number of rows."""
-        return int(self.packed.shape[0])
-
-    @property
-    def in_features(self) -> int:
-        """K, the reduction dimension (two codes per byte)."""
-        return int(self.packed.shape[1]) * 2
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        """(N, K) of the dense weight this represents."""
-        return (self.out_features, self.in_features)
-
     def nbytes(self) -> int:
         """Bytes held by all tensors (what a layer keeps resident)."""
-        return _nbytes(self.packed, self.block_scale, self.global_scale, self.input_scale)
+        return checks.nbytes(self.packed, self.block_scale, self.global_scale, self.input_scale)
 
     def to(self, device: torch.device | str) -> Nvfp4Weight:
         """Move every tensor to ``device`` (validated again on arrival)."""
@@ -234,7 +189,7 @@ def quantize_nvfp4(
     unless a supplied ``global_scale`` is so small that a block scale was clamped at 448.
     ``with_input_scale`` (multiplier convention) marks the result as a W4A4 weight.
     """
-    w = _check_float_matrix(weight, "quantize_nvfp4", NVFP4_GROUP_SIZE, "NVFP4")
+    w = checks.check_float_matrix(weight, "quantize_nvfp4", NVFP4_GROUP_SIZE, "NVFP4")
     n, k = w.shape
     wf = w.detach().to(torch.float32)
     if global_scale is None:
@@ -243,15 +198,15 @@ def quantize_nvfp4(
         gs = torch.where(amax == 0, torch.ones_like(gs), gs)
         gs = gs.clamp(min=torch.finfo(torch.float32).tiny)
     else:
-        gs = _positive_scalar(global_scale, "global_scale", strict_dtype=False).to(w.device)
+        gs = checks.positive_scalar(global_scale, "global_scale", strict_dtype=False).to(w.device)
     blocks = wf.reshape(n, k // NVFP4_GROUP_SIZE, NVFP4_GROUP_SIZE)
     bs = _block_scales_e4m3(blocks.abs().amax(dim=-1), gs)
     codes = _encode_blocks(blocks, bs, gs).reshape(n, k)
     input_scale = None
     if with_input_scale is not None:
-        input_scale = _positive_scalar(with_input_scale, "with_input_scale", strict_dtype=False).to(
-            w.device
-        )
+        input_scale = checks.positive_scalar(
+            with_input_scale, "with_input_scale", strict_dtype=False
+        ).to(w.device)
     return Nvfp4Weight(
         packed=pack_e2m1(codes),
         block_scale=bs,
@@ -269,15 +224,7 @@ def dequantize_nvfp4(
     global_scale: the first product is exact, so the result is the correctly rounded exact
     value before the final cast. ``rows`` lets callers bound the memory of the dense copy.
     """
-    if not isinstance(w, Nvfp4Weight):
-        _fail(
-            f"dequantize_nvfp4 got a {type(w).__name__}",
-            "it dequantizes an Nvfp4Weight",
-            "build one with Nvfp4Weight(...) or quantize_nvfp4(...)",
-            ConfigurationError,
-        )
-    cd = _compute_dtype(dtype, "dequantize_nvfp4")
-    sl = _check_rows(rows, w.out_features, "dequantize_nvfp4")
+    cd, sl = checks.dequantize_args(w, Nvfp4Weight, "dequantize_nvfp4", dtype, rows)
     packed = w.packed[sl]
     bs = w.block_scale[sl]
     n = packed.shape[0]
@@ -297,7 +244,7 @@ def fake_quantize_nvfp4_activations(x: torch.Tensor, input_scale: torch.Tensor) 
     """
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.ndim < 1:
         got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
-        _fail(
+        checks.fail(
             f"fake_quantize_nvfp4_activations got x = {got}",
             "x must be a floating-point tensor [..., K]",
             "pass the activations in their 16/32-bit float dtype",
@@ -305,20 +252,20 @@ def fake_quantize_nvfp4_activations(x: torch.Tensor, input_scale: torch.Tensor) 
         )
     k = x.shape[-1]
     if k % NVFP4_GROUP_SIZE != 0:
-        _fail(
+        checks.fail(
             f"x has K = {k} features in its last dimension",
             f"NVFP4 activations are scaled per {NVFP4_GROUP_SIZE} elements along K",
             f"pad K to {-(-k // 16) * 16} with zeros (the weight must be padded the same way)",
             InputError,
         )
     if not bool(torch.isfinite(x).all()):
-        _fail(
+        checks.fail(
             f"x contains {int((~torch.isfinite(x)).sum())} NaN/inf value(s)",
             "only finite activations can be quantized",
             "find the layer that produced them",
             InputError,
         )
-    s = _positive_scalar(input_scale, "input_scale", strict_dtype=False).to(x.device)
+    s = checks.positive_scalar(input_scale, "input_scale", strict_dtype=False).to(x.device)
     x2 = x.detach().reshape(-1, k)
     if x2.dtype not in ACT_DTYPES:
         x2 = x2.to(torch.float32)
@@ -333,10 +280,10 @@ def global_scale_from_compressed_tensors(weight_global_scale: torch.Tensor) -> t
     division 1/x (double rounding is innocuous at 53 >= 2*24+2 bits), i.e. what
     compressed-tensors' own ModelOpt converter computes. Works for ``input_global_scale`` too.
     """
-    ct = _positive_scalar(weight_global_scale, "weight_global_scale", strict_dtype=False)
+    ct = checks.positive_scalar(weight_global_scale, "weight_global_scale", strict_dtype=False)
     out = (1.0 / weight_global_scale.detach().reshape(()).to(torch.float64)).to(torch.float32)
     if not (math.isfinite(float(out)) and float(out) > 0):
-        _fail(
+        checks.fail(
             f"weight_global_scale {float(ct)!r} has no float32 reciprocal (gives {float(out)})",
             "the multiplier 1/weight_global_scale must be a finite, non-zero float32",
             "check the checkpoint convention: this value looks like a multiplier already",
@@ -346,10 +293,10 @@ def global_scale_from_compressed_tensors(weight_global_scale: torch.Tensor) -> t
 
 def global_scale_to_compressed_tensors(global_scale: torch.Tensor | float) -> torch.Tensor:
     """Our multiplier -> compressed-tensors ``weight_global_scale``: [1]-shaped float32 1/x."""
-    gs = _positive_scalar(global_scale, "global_scale", strict_dtype=False)
+    gs = checks.positive_scalar(global_scale, "global_scale", strict_dtype=False)
     out = (1.0 / gs.to(torch.float64)).to(torch.float32).reshape(1)
     if not (math.isfinite(float(out)) and float(out) > 0):
-        _fail(
+        checks.fail(
             f"global_scale {float(gs)!r} has no float32 reciprocal (gives {float(out[0])})",
             "compressed-tensors stores 1/global_scale as a finite, non-zero float32",
             "check that global_scale is the multiplier (amax / 2688), not already a reciprocal",
@@ -357,6 +304,69 @@ def global_scale_to_compressed_tensors(global_scale: torch.Tensor | float) -> to
     if isinstance(global_scale, torch.Tensor):
         out = out.to(global_scale.device)
     return out
+
+
+def _check_shards(shards: Sequence[Nvfp4Weight]) -> list[bool]:
+    """Refuse what merge_nvfp4_shards cannot merge; return which shards carry an input scale."""
+    if isinstance(shards, Nvfp4Weight) or not isinstance(shards, Sequence) or len(shards) == 0:
+        checks.fail(
+            f"merge_nvfp4_shards got {type(shards).__name__}"
+            + (" of length 0" if isinstance(shards, Sequence) else ""),
+            "it takes a non-empty sequence of Nvfp4Weight shards, in output order",
+            "pass e.g. [q, k, v] or [gate, up]",
+            ConfigurationError,
+        )
+    for i, s in enumerate(shards):
+        if not isinstance(s, Nvfp4Weight):
+            checks.fail(
+                f"shards[{i}] is a {type(s).__name__}",
+                "every shard must be an Nvfp4Weight",
+                "convert each checkpoint shard to Nvfp4Weight first",
+                ConfigurationError,
+            )
+    first = shards[0]
+    for i, s in enumerate(shards[1:], start=1):
+        if s.in_features != first.in_features:
+            checks.fail(
+                f"shards[{i}] has K = {s.in_features} but shards[0] has K = {first.in_features}",
+                "shards fused along N must share the input features K",
+                "merge only projections that read the same input (q/k/v, gate/up)",
+            )
+        if s.packed.device != first.packed.device:
+            checks.fail(
+                f"shards[{i}] is on {s.packed.device} but shards[0] is on {first.packed.device}",
+                "shards must be on one device to be merged",
+                "move them with .to(device) first",
+            )
+    has_input = [s.input_scale is not None for s in shards]
+    if any(has_input) and not all(has_input):
+        checks.fail(
+            f"only shards {[i for i, h in enumerate(has_input) if h]} of {len(shards)} carry "
+            "an input_scale",
+            "a fused layer is either W4A4 (every shard has an input scale) or weight-only",
+            "load the input_scale of every shard, or drop all of them for weight-only use",
+        )
+    return has_input
+
+
+def _common_global_scale(
+    shards: Sequence[Nvfp4Weight],
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The shards' largest global scale and every shard's block scales rescaled to it."""
+    first = shards[0]
+    gs_values = [float(s.global_scale) for s in shards]
+    common_value = max(gs_values)
+    common = torch.tensor(common_value, dtype=torch.float32, device=first.packed.device)
+    scales = []
+    for s, g in zip(shards, gs_values, strict=True):
+        if g == common_value:
+            scales.append(s.block_scale)
+            continue
+        ratio = torch.tensor(g / common_value, dtype=torch.float32, device=common.device)
+        v = s.block_scale.to(torch.float32) * ratio
+        v = torch.where(v > 0, v.clamp(E4M3_MIN_SUBNORMAL, E4M3_MAX), v)
+        scales.append(v.to(torch.float8_e4m3fn))
+    return common, scales
 
 
 def merge_nvfp4_shards(shards: Sequence[Nvfp4Weight]) -> Nvfp4Weight:
@@ -383,60 +393,10 @@ def merge_nvfp4_shards(shards: Sequence[Nvfp4Weight]) -> Nvfp4Weight:
     same activation, so the largest calibrated range is the one that cannot overflow), None
     when none has one. A mix raises: it would silently turn part of a W4A4 layer into W4A16.
     """
-    if isinstance(shards, Nvfp4Weight) or not isinstance(shards, Sequence) or len(shards) == 0:
-        _fail(
-            f"merge_nvfp4_shards got {type(shards).__name__}"
-            + (" of length 0" if isinstance(shards, Sequence) else ""),
-            "it takes a non-empty sequence of Nvfp4Weight shards, in output order",
-            "pass e.g. [q, k, v] or [gate, up]",
-            ConfigurationError,
-        )
-    for i, s in enumerate(shards):
-        if not isinstance(s, Nvfp4Weight):
-            _fail(
-                f"shards[{i}] is a {type(s).__name__}",
-                "every shard must be an Nvfp4Weight",
-                "convert each checkpoint shard to Nvfp4Weight first",
-                ConfigurationError,
-            )
-    first = shards[0]
-    for i, s in enumerate(shards[1:], start=1):
-        if s.in_features != first.in_features:
-            _fail(
-                f"shards[{i}] has K = {s.in_features} but shards[0] has K = {first.in_features}",
-                "shards fused along N must share the input features K",
-                "merge only projections that read the same input (q/k/v, gate/up)",
-            )
-        if s.packed.device != first.packed.device:
-            _fail(
-                f"shards[{i}] is on {s.packed.device} but shards[0] is on {first.packed.device}",
-                "shards must be on one device to be merged",
-                "move them with .to(device) first",
-            )
-    has_input = [s.input_scale is not None for s in shards]
-    if any(has_input) and not all(has_input):
-        _fail(
-            f"only shards {[i for i, h in enumerate(has_input) if h]} of {len(shards)} carry "
-            "an input_scale",
-            "a fused layer is either W4A4 (every shard has an input scale) or weight-only",
-            "load the input_scale of every shard, or drop all of them for weight-only use",
-        )
+    has_input = _check_shards(shards)
     if len(shards) == 1:
-        return first
-
-    gs_values = [float(s.global_scale) for s in shards]
-    common_value = max(gs_values)
-    common = torch.tensor(common_value, dtype=torch.float32, device=first.packed.device)
-    scales = []
-    for s, g in zip(shards, gs_values, strict=True):
-        if g == common_value:
-            scales.append(s.block_scale)
-            continue
-        ratio = torch.tensor(g / common_value, dtype=torch.float32, device=common.device)
-        v = s.block_scale.to(torch.float32) * ratio
-        v = torch.where(v > 0, v.clamp(E4M3_MIN_SUBNORMAL, E4M3_MAX), v)
-        scales.append(v.to(torch.float8_e4m3fn))
-
+        return shards[0]
+    common, scales = _common_global_scale(shards)
     input_scale = None
     if all(has_input):
         input_scale = torch.stack([s.input_scale for s in shards]).amax()  # type: ignore[misc]

@@ -37,7 +37,7 @@ from typing import NamedTuple
 import torch
 
 from quantdispatch.errors import ConfigurationError, InputError
-from quantdispatch.formats.e2m1 import _fail
+from quantdispatch.formats import checks
 
 __all__ = [
     "ACT_DTYPES",
@@ -96,7 +96,7 @@ def _scalar(value: object, name: str, device: torch.device | None) -> torch.Tens
     """A finite, positive one-element scale as a 0-dim fp32 tensor (one device sync)."""
     if isinstance(value, torch.Tensor):
         if not value.is_floating_point() or value.numel() != 1:
-            _fail(
+            checks.fail(
                 f"{name} is a {value.dtype} tensor of shape {tuple(value.shape)}",
                 f"{name} is one floating-point per-tensor value",
                 "pass the checkpoint's single fp32 scale (shape () or (1,))",
@@ -108,7 +108,7 @@ def _scalar(value: object, name: str, device: torch.device | None) -> torch.Tens
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
         t = torch.tensor(float(value), dtype=torch.float32, device=device)
     else:
-        _fail(
+        checks.fail(
             f"{name} is a {type(value).__name__}",
             f"{name} must be a float32 tensor or a Python float",
             f"pass torch.tensor(value, dtype=torch.float32) as {name}",
@@ -116,7 +116,7 @@ def _scalar(value: object, name: str, device: torch.device | None) -> torch.Tens
         )
     v = float(t)
     if not (v > 0.0 and v != float("inf")):
-        _fail(
+        checks.fail(
             f"{name} is {v!r}",
             f"{name} must be finite and > 0",
             "recompute it from the calibrated activation amax; check the checkpoint convention "
@@ -138,7 +138,7 @@ def activation_scale(
     ``input_global_scale`` (compressed-tensors divisor): encode = g, decode = fl32(1 / g).
     """
     if (input_scale is None) == (input_global_scale is None):
-        _fail(
+        checks.fail(
             "activation_scale got "
             + ("both input_scale and input_global_scale" if input_scale is not None else "neither"),
             "pass exactly one: input_scale (ModelOpt, a multiplier) or input_global_scale "
@@ -157,7 +157,7 @@ def activation_scale(
     s = float(encode)
     if not lo <= s <= hi:
         name = "input_scale" if input_scale is not None else "input_global_scale"
-        _fail(
+        checks.fail(
             f"{name} gives the encode scale S = {s!r}",
             "S must lie in [2**-126, 2**117] so that 1/S and the scaled block scales stay "
             "normal fp32 numbers",
@@ -174,21 +174,21 @@ def gemm_alpha(decode: torch.Tensor, weight_global_scale: torch.Tensor) -> torch
 
 def _check_x(x: object, fn: str) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
-        _fail(
+        checks.fail(
             f"{fn} got a {type(x).__name__}",
             "activations are a torch.Tensor [M, K]",
             "pass the layer input as a tensor",
             InputError,
         )
     if x.dtype not in ACT_DTYPES:
-        _fail(
+        checks.fail(
             f"{fn} got activations of dtype {x.dtype}",
             "NVFP4 activation quantization takes bfloat16 or float16 (float32 accepted)",
             "cast the activations to the model's bf16/fp16 dtype first",
             InputError,
         )
     if x.ndim != 2:
-        _fail(
+        checks.fail(
             f"{fn} got activations of shape {tuple(x.shape)}",
             "activations are 2-D [M, K]",
             "flatten the leading dimensions: x.reshape(-1, x.shape[-1])",
@@ -196,7 +196,7 @@ def _check_x(x: object, fn: str) -> torch.Tensor:
         )
     k = int(x.shape[1])
     if k == 0 or k % GROUP != 0:
-        _fail(
+        checks.fail(
             f"{fn} got activations with K = {k}",
             f"NVFP4 scales activations per {GROUP} elements along K: K must be a positive "
             f"multiple of {GROUP}",
@@ -210,7 +210,7 @@ def _check_finite(x: torch.Tensor, fn: str) -> None:
     bad = ~torch.isfinite(x)
     if bool(bad.any()):
         first = tuple(bad.nonzero()[0].tolist())
-        _fail(
+        checks.fail(
             f"{fn} got activations with {int(bad.sum())} NaN/inf value(s) "
             f"(first {float(x[first])!r} at {first})",
             "only finite activations can be quantized",
@@ -324,7 +324,7 @@ def swizzle_block_scales(scales: torch.Tensor) -> torch.Tensor:
             if isinstance(scales, torch.Tensor)
             else type(scales).__name__
         )
-        _fail(
+        checks.fail(
             f"swizzle_block_scales got {got}",
             "block scales are a 2-D one-byte tensor [rows, K/16] (float8_e4m3fn or uint8)",
             "pass the unswizzled scales",
@@ -347,7 +347,7 @@ def unswizzle_block_scales(flat: torch.Tensor, rows: int, groups: int) -> torch.
             if isinstance(flat, torch.Tensor)
             else type(flat).__name__
         )
-        _fail(
+        checks.fail(
             f"unswizzle_block_scales got {got} for rows={rows}, groups={groups}",
             f"the swizzled buffer of a [{rows}, {groups}] scale matrix holds {rp} x {gp} = "
             f"{rp * gp} one-byte elements",

@@ -22,6 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from quantdispatch.capability import ANY_DEVICE, SM9X, SM89_PLUS, SM90, CapabilitySet
+from quantdispatch.format_facts import FP4_FORMATS
+
 __all__ = [
     "CHECKPOINT_MOE",
     "FP8_PREFILL_REGIMES",
@@ -36,10 +39,10 @@ __all__ = [
     "MoeMma",
     "MoeRegime",
     "MoeStep",
-    "SmFamily",
     "Step",
     "fp8_prefill_regime",
     "linear_regime",
+    "m_span",
 ]
 
 
@@ -80,23 +83,14 @@ _DETAIL = {
 }
 
 
-class SmFamily(StrEnum):
-    """The GPUs a row applies to. Rows are tried in order, so a specific family comes before
-    ANY."""
-
-    SM9X = "SM 9.x"  # wgmma (Hopper)
-    SM90 = "SM 9.0"  # torch's block-scaled FP8 GEMMs (H100 / H200)
-    SM89_PLUS = "SM 8.9+"  # FP8 tensor cores
-    ANY = "any"  # any GPU the row's layout runs on
-
-    def holds(self, capability: tuple[int, int] | None) -> bool:
-        if self is SmFamily.SM9X:
-            return capability is not None and capability[0] == 9
-        if self is SmFamily.SM90:
-            return capability is not None and tuple(capability) == (9, 0)
-        if self is SmFamily.SM89_PLUS:
-            return capability is not None and tuple(capability) >= (8, 9)
-        return True
+def m_span(first: int, last: int | None) -> str:
+    """A range of M as doctor, describe and the kernel ranges write it: ``any M``,
+    ``M <= 32``, ``M = 7``, ``M 33..256``, ``M >= 257``."""
+    if last is None:
+        return "any M" if first == 1 else f"M >= {first}"
+    if first == last:
+        return f"M = {first}"
+    return f"M <= {last}" if first == 1 else f"M {first}..{last}"
 
 
 @dataclass(frozen=True)
@@ -135,7 +129,7 @@ class LinearRegime:
 
     formats: tuple[str, ...]
     layout: str
-    sm: SmFamily
+    sm: CapabilitySet
     steps: tuple[Step, ...]
     large: LargeWeights | None = None
     multiple_of: tuple[int, int] = (1, 1)
@@ -149,7 +143,7 @@ class LinearRegime:
         return (
             fmt in self.formats
             and layout == self.layout
-            and self.sm.holds(capability)
+            and capability in self.sm
             and (self.when is None or self.when in flags)
             and n > 0 and k > 0 and n % mn == 0 and k % mk == 0
         )  # fmt: skip
@@ -196,13 +190,14 @@ class LinearRegime:
         return tuple(out)
 
 
-_FP4 = ("nvfp4", "mxfp4")
+_FP4 = FP4_FORMATS
 _DEQUANT_WHY = "tensor-core bound: weight slabs dequantized to 16-bit, then cuBLAS"
 
-#: The linear rows, tried in order (:func:`linear_regime`).
+#: The linear rows, tried in order (:func:`linear_regime`): a row for a specific SM set comes
+#: before the ANY_DEVICE row of its formats and layout.
 LINEAR_REGIMES: tuple[LinearRegime, ...] = (
     LinearRegime(
-        _FP4, "mma16x64", SmFamily.SM9X,
+        _FP4, "mma16x64", SM9X,
         steps=(
             Step(32, Family.MMA_GEMV, "streams the packed weight with PTX decode; the wgmma "
                  "GEMM beats it from 64 rows on smaller weights"),
@@ -214,7 +209,7 @@ LINEAR_REGIMES: tuple[LinearRegime, ...] = (
         multiple_of=(64, 64),  # whole 64-row weight tiles: one warpgroup's wgmma rows
     ),
     LinearRegime(
-        _FP4, "mma16x64", SmFamily.ANY,
+        _FP4, "mma16x64", ANY_DEVICE,
         steps=(
             Step(64, Family.MMA_GEMV, "beats dequantize + cuBLAS at 64 rows on every Llama "
                  "shape; at 128 only on weights of 2^25+ elements"),
@@ -223,7 +218,7 @@ LINEAR_REGIMES: tuple[LinearRegime, ...] = (
         large=LargeWeights(2**25, strict=False, max_m=(128, None)),
     ),
     LinearRegime(
-        ("mxfp4",), "checkpoint", SmFamily.ANY,
+        ("mxfp4",), "checkpoint", ANY_DEVICE,
         steps=(
             Step(None, Family.CHECKPOINT_TL_DOT, "fp16-rebased scales: 2^d is applied in the "
                  "fused kernels' fp32 epilogue, which dequantized fp16 slabs cannot do"),
@@ -231,7 +226,7 @@ LINEAR_REGIMES: tuple[LinearRegime, ...] = (
         when="fp16_rebased",
     ),
     LinearRegime(
-        _FP4, "checkpoint", SmFamily.ANY,
+        _FP4, "checkpoint", ANY_DEVICE,
         steps=(
             Step(127, Family.CHECKPOINT_TL_DOT, "memory bound: streams the packed weight"),
             Step(None, Family.DEQUANT_CUBLAS, _DEQUANT_WHY + " (from 128 rows; 512 on "
@@ -240,7 +235,7 @@ LINEAR_REGIMES: tuple[LinearRegime, ...] = (
         large=LargeWeights(2**26, strict=True, max_m=(511, None)),
     ),
     LinearRegime(
-        ("fp8",), "checkpoint", SmFamily.ANY,
+        ("fp8",), "checkpoint", ANY_DEVICE,
         steps=(
             Step(127, Family.FP8_TL_DOT, "memory bound: streams the FP8 weight"),
             Step(None, Family.DEQUANT_CUBLAS, _DEQUANT_WHY + " (from 128 rows; 512 on "
@@ -281,7 +276,7 @@ class Fp8PrefillRegime:
     (shape, activation dtype, torch's recipe) is ``kernels.native.fp8_prefill.prefill_reasons``."""
 
     formats: tuple[str, ...]
-    sm: SmFamily
+    sm: CapabilitySet
     modes: tuple[str, ...]
     min_m: int | None
     why: str
@@ -294,18 +289,18 @@ class Fp8PrefillRegime:
 #: on the H200 (bf16 activations; qkv, o, gate_up, down), in the result file named in each row.
 FP8_PREFILL_REGIMES: tuple[Fp8PrefillRegime, ...] = (
     Fp8PrefillRegime(
-        _FP4, SmFamily.SM90, ("prefill",), 2048,
+        _FP4, SM90, ("prefill",), 2048,
         "re-encoding each call (~1 TB/s) costs more than FP8 tensor cores save below M = 2048; "
         "from there it beats our weight-only kernels on every Llama-3-8B and -70B shape "
         f"({_FP8_RESULTS})",
     ),
     Fp8PrefillRegime(
-        _FP4, SmFamily.SM90, ("prefill-resident",), 256,
+        _FP4, SM90, ("prefill-resident",), 256,
         "a resident FP8 copy beats our weight-only kernels from M = 256 on every Llama-3-8B and "
         f"-70B shape, bf16 cuBLAS from 256 on all but 8B o (from 512) ({_FP8_RESULTS})",
     ),
     Fp8PrefillRegime(
-        _FP4, SmFamily.SM89_PLUS, ("prefill", "prefill-resident"), None,
+        _FP4, SM89_PLUS, ("prefill", "prefill-resident"), None,
         "row-wise FP8 recipe only, torch's block-scaled ones need SM 9.0: not measured",
     ),
 )  # fmt: skip
@@ -317,7 +312,7 @@ def fp8_prefill_regime(
     """The first FP8 compute row for ``fmt`` in ``mode`` on this GPU (None: no row, e.g. below
     SM 8.9 or ``mode`` off)."""
     for row in FP8_PREFILL_REGIMES:
-        if fmt in row.formats and mode in row.modes and row.sm.holds(capability):
+        if fmt in row.formats and mode in row.modes and capability in row.sm:
             return row
     return None
 

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from quantdispatch.api import current_settings, load_settings, select
+from quantdispatch.capability import SM89_PLUS
 from quantdispatch.cli import main
 from quantdispatch.device import preset_profile
 from quantdispatch.errors import ConfigurationError
 from quantdispatch.kernels.regimes import (
     FP8_PREFILL_REGIMES,
     Family,
-    SmFamily,
     fp8_prefill_regime,
 )
 from quantdispatch.policy import default_policy, load_policy
@@ -151,7 +151,7 @@ def test_the_rows_thresholds_and_why():
     for cap in ((8, 9), (10, 0), (12, 0), (12, 1)):
         for mode in ("prefill", "prefill-resident"):
             row = fp8_prefill_regime("nvfp4", cap, mode)
-            assert row.sm is SmFamily.SM89_PLUS and row.min_m is None and "not measured" in row.why
+            assert row.sm is SM89_PLUS and row.min_m is None and "not measured" in row.why
     assert fp8_prefill_regime("nvfp4", (8, 0), "prefill") is None
     assert fp8_prefill_regime("fp8", (9, 0), "prefill") is None
     assert fp8_prefill_regime("nvfp4", (9, 0), "off") is None

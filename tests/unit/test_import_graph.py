@@ -304,4 +304,5 @@ def test_plans_and_the_regime_table_import_no_triton():
         "__future__",
         "dataclasses",
         "enum",
+        "typing",
     }

@@ -18,6 +18,8 @@ from quantdispatch.backends.base import (
     LayoutMeta,
     Mma16x64Meta,
 )
+from quantdispatch.capability import SM80_PLUS
+from quantdispatch.formats import FP4_FORMATS
 from quantdispatch.kernels.common.device_facts import DeviceFacts, device_facts
 from quantdispatch.kernels.regimes import (
     Family,
@@ -45,7 +47,7 @@ __all__ = [
     "moe_ranges",
 ]
 
-FP4 = ("nvfp4", "mxfp4")
+FP4 = FP4_FORMATS
 _16_BIT = (torch.bfloat16, torch.float16)
 #: The last M the MoE ranges scan (the last range goes on beyond it).
 MOE_SCAN_MAX_M = 1 << 16
@@ -75,8 +77,7 @@ def linear_layout(
 
     if (
         fmt in FP4
-        and capability is not None
-        and capability >= (8, 0)
+        and capability in SM80_PLUS
         and mma_supported_shape(n, k)
         and act_dtype in _16_BIT
     ):

@@ -12,13 +12,14 @@ import torch
 from quantdispatch.backends.base import Backend, KernelRange, Layout
 from quantdispatch.backends.triton import dispatch
 from quantdispatch.backends.triton import fp8_compute as _fp8
+from quantdispatch.capability import ANY_DEVICE, SM9X, SM80_PLUS, SM90_PLUS, CapabilitySet
 from quantdispatch.errors import ConfigurationError, format_error
+from quantdispatch.formats import FP4_GROUP_SIZES
 from quantdispatch.kernels.regimes import (
     LINEAR_REGIMES,
     MMA_LAYOUT_MOE,
     Family,
     LinearRegime,
-    SmFamily,
 )
 from quantdispatch.request import Op, Request
 
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
 
 __all__ = ["TritonFacts"]
 
-_GROUP = {"nvfp4": 16, "mxfp4": 32}
+_GROUP = FP4_GROUP_SIZES
 #: The mma16x64 layout's granules: 16-row tiles, 64-column chunks (kernels/mma_layout/layout.py).
 MMA_TILE_ROWS, MMA_CHUNK_COLS = 16, 64
 
@@ -38,7 +39,7 @@ _CHECKPOINT_LAYOUT_TEXT = (
 _MX_SPAN_TEXT = "weights whose block scales span <= 18 binades"
 
 
-def _row(fmt: str, layout: str, sm: SmFamily) -> LinearRegime:
+def _row(fmt: str, layout: str, sm: CapabilitySet) -> LinearRegime:
     """The table's row (without a meta flag) for doctor's words."""
     return next(
         r for r in LINEAR_REGIMES
@@ -103,7 +104,7 @@ class TritonFacts(Backend):
         if request.format == "fp8" and request.op is Op.LINEAR:
             from quantdispatch.kernels.common.configs import SMALL_M_MAX
 
-            row = _row("fp8", "checkpoint", SmFamily.ANY)
+            row = _row("fp8", "checkpoint", ANY_DEVICE)
             assert row.large is not None
             first = _top(row, Family.FP8_TL_DOT)
             first_large = _top(row, Family.FP8_TL_DOT, large=True)
@@ -131,7 +132,7 @@ class TritonFacts(Backend):
         return text
 
     def _moe_text(self, request: Request, profile: DeviceProfile) -> str:
-        if profile.capability is None or profile.capability < (8, 0):
+        if profile.capability not in SM80_PLUS:
             return "fused tl.dot kernels on the checkpoint layout"
         row = MMA_LAYOUT_MOE
         few = f"<= {row.mma.max_tokens_per_expert}"
@@ -146,7 +147,7 @@ class TritonFacts(Backend):
             "decode (the top-k sum inside the down kernel where each pair has its own "
             "expert); more: a grouped tl.dot GEMM decoding the same weight"
         )
-        if profile.capability >= (9, 0):
+        if profile.capability in SM90_PLUS:
             text += (
                 f"; {many}: experts dequantized per GEMM + torch._grouped_mm; the "
                 "single-pair down kernel is a programmatic dependent launch (it loads its "
@@ -182,8 +183,8 @@ class TritonFacts(Backend):
         if dispatch.linear_layout(fmt, *granule, request.act_dtype, cap) is not Layout.MMA16X64:
             return _CHECKPOINT_LAYOUT_TEXT
         facts = dispatch.facts_for(profile)
-        if SmFamily.SM9X.holds(cap):
-            row = _row(fmt, "mma16x64", SmFamily.SM9X)
+        if cap in SM9X:
+            row = _row(fmt, "mma16x64", SM9X)
             assert row.large is not None
             big = f"for weights {row.large.describe()}"
             mma = Family.MMA_GEMV
@@ -195,7 +196,7 @@ class TritonFacts(Backend):
                 facts,
             )
         else:
-            row = _row(fmt, "mma16x64", SmFamily.ANY)
+            row = _row(fmt, "mma16x64", ANY_DEVICE)
             assert row.large is not None
             big = f"for weights {row.large.describe()}"
             mma = Family.MMA_GEMV

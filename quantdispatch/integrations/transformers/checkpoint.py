@@ -12,7 +12,7 @@ the config must agree with them, which ``QuantLinear.from_checkpoint`` checks.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,7 @@ import torch
 
 from quantdispatch.checkpoints import QuantConfig, SafetensorsStateDict, load_quant_config
 from quantdispatch.checkpoints.config import read_json
+from quantdispatch.checkpoints.slices import KeyView
 from quantdispatch.errors import CheckpointError, format_error
 
 __all__ = [
@@ -41,27 +42,8 @@ QUANT_TENSORS = ("weight_packed", "weight_scale", "weight_scale_inv")
 _QUANT_DTYPES = ("U8", "I8", "F8_E4M3")
 
 
-class PrefixView(Mapping[str, torch.Tensor]):
+class PrefixView(KeyView):
     """The part of a state dict under some prefixes: readers scan these keys, not all."""
-
-    def __init__(self, base: Mapping[str, torch.Tensor], keys: list[str]) -> None:
-        self._base = base
-        self._keys = keys
-        self._set = frozenset(keys)
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        if key not in self._set:
-            raise KeyError(key)
-        return self._base[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._keys)
-
-    def __len__(self) -> int:
-        return len(self._keys)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._set
 
 
 @dataclass

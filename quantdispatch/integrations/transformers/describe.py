@@ -18,6 +18,7 @@ from quantdispatch import select
 from quantdispatch.checkpoints import QuantConfig, load_quant_config
 from quantdispatch.errors import QuantDispatchError
 from quantdispatch.integrations.transformers.checkpoint import read_config, read_headers
+from quantdispatch.kernels.regimes import m_span
 
 __all__ = ["describe_model", "render_description"]
 
@@ -91,10 +92,90 @@ def _kernel_ranges(decision: Any, top_k: int | None, op: str) -> list[dict[str, 
     return out
 
 
-def _span(first: int, last: int | None) -> str:
-    if last is None:
-        return "any M" if first == 1 else f"M >= {first}"
-    return f"M = {first}" if first == last else f"M {first}..{last}"
+def _layer_kinds(
+    mods: Mapping[str, Mapping[str, Any]], quant: QuantConfig | None
+) -> tuple[dict[tuple, dict[str, Any]], list[str]]:
+    """The checkpoint's quantized layer kinds, keyed (op, format, scheme, N, K, experts, fp8
+    scale kind), each with its module names; and the unquantized 2-D weights."""
+    kinds: dict[tuple, dict[str, Any]] = {}
+    unquantized: list[str] = []
+    moe: dict[str, dict[str, Any]] = {}
+    for name in sorted(mods):
+        leaves = mods[name]
+        layer = _layer(leaves)
+        if layer is None:
+            w = leaves.get("weight")
+            if w is not None and len(w[1]) == 2 and "embed" not in name:
+                unquantized.append(name)
+            continue
+        fmt, n, k, scale_kind, experts = layer
+        scheme = _scheme(quant, name, leaves, fmt)
+        expert = _EXPERT.match(name)
+        if expert or experts is not None:
+            _add_expert(moe, name, expert, layer, scheme)
+            continue
+        key = ("linear", fmt, scheme, n, k, None, scale_kind)
+        kinds.setdefault(key, {"names": []})["names"].append(name)
+    for block, entry in moe.items():
+        key = (
+            "moe",
+            entry["format"],
+            entry["scheme"],
+            entry.get("n"),
+            entry.get("k"),
+            len(entry["ids"]),
+            entry["scale_kind"],
+        )
+        kinds.setdefault(key, {"names": []})["names"].append(block)
+    return kinds, unquantized
+
+
+def _add_expert(
+    moe: dict[str, dict[str, Any]],
+    name: str,
+    expert: re.Match[str] | None,
+    layer: tuple[str, int, int, str | None, int | None],
+    scheme: str,
+) -> None:
+    """Fold one expert module (``...experts.E.proj``) or stacked experts into its MoE block."""
+    fmt, n, k, scale_kind, experts = layer
+    block = expert["block"] if expert else name.rpartition(".experts.")[0]
+    entry = moe.setdefault(block, {"format": fmt, "scheme": scheme, "ids": set()})
+    entry["scale_kind"] = scale_kind
+    proj = expert["proj"] if expert else name.rpartition(".")[2]
+    if expert:
+        entry["ids"].add(int(expert["e"]))
+    else:
+        entry["ids"] = set(range(experts or 0))
+    if proj in _FIRST_PROJ or proj == "gate_up_proj":
+        entry["n"] = n // 2 if proj == "gate_up_proj" else n
+        entry["k"] = k
+
+
+def _kind_row(key: tuple, names: list[str], decision: Any, top_k: Any) -> dict[str, Any]:
+    """describe_model's row of one layer kind and its decision."""
+    op, fmt, scheme, n, k, experts, scale_kind = key
+    row: dict[str, Any] = {
+        "op": op,
+        "format": fmt,
+        "scheme": scheme,
+        "scheme_label": decision.request.scheme_label,
+        "n": n,
+        "k": k,
+        "experts": experts,
+        "scale_kind": scale_kind,
+        "count": len(names),
+        "examples": names[:3],
+        "backend": decision.backend,
+        "reason": decision.reason,
+        "forced_by": decision.forced_by,
+        "fallback": decision.is_fallback,
+        "rejected": [{"backend": c.backend, "reason": c.reason} for c in decision.rejected()],
+    }
+    if op == "moe":
+        row["top_k"] = top_k
+    row["kernels"] = _kernel_ranges(decision, row.get("top_k"), op)
+    return row
 
 
 def describe_model(
@@ -114,54 +195,12 @@ def describe_model(
     text = config.get("text_config", config)
     text = text if isinstance(text, dict) else {}
     quant = load_quant_config(p)
-    mods = _modules(read_headers(p))
-
-    kinds: dict[tuple, dict[str, Any]] = {}
-    unquantized: list[str] = []
-    moe: dict[str, dict[str, Any]] = {}
-    for name in sorted(mods):
-        leaves = mods[name]
-        layer = _layer(leaves)
-        if layer is None:
-            w = leaves.get("weight")
-            if w is not None and len(w[1]) == 2 and "embed" not in name:
-                unquantized.append(name)
-            continue
-        fmt, n, k, scale_kind, experts = layer
-        scheme = _scheme(quant, name, leaves, fmt)
-        expert = _EXPERT.match(name)
-        if expert or experts is not None:
-            block = expert["block"] if expert else name.rpartition(".experts.")[0]
-            entry = moe.setdefault(block, {"format": fmt, "scheme": scheme, "ids": set()})
-            entry["scale_kind"] = scale_kind
-            proj = expert["proj"] if expert else name.rpartition(".")[2]
-            if expert:
-                entry["ids"].add(int(expert["e"]))
-            else:
-                entry["ids"] = set(range(experts or 0))
-            if proj in _FIRST_PROJ or proj == "gate_up_proj":
-                entry["n"] = n // 2 if proj == "gate_up_proj" else n
-                entry["k"] = k
-            continue
-        key = ("linear", fmt, scheme, n, k, None, scale_kind)
-        kinds.setdefault(key, {"names": []})["names"].append(name)
-    for block, entry in moe.items():
-        key = (
-            "moe",
-            entry["format"],
-            entry["scheme"],
-            entry.get("n"),
-            entry.get("k"),
-            len(entry["ids"]),
-            entry["scale_kind"],
-        )
-        kinds.setdefault(key, {"names": []})["names"].append(block)
+    kinds, unquantized = _layer_kinds(_modules(read_headers(p)), quant)
 
     layers = []
     device_label, simulated = None, None
-    for (op, fmt, scheme, n, k, experts, scale_kind), entry in sorted(
-        kinds.items(), key=lambda kv: (kv[0][0] != "linear", str(kv[0][1:]))
-    ):
+    for key, entry in sorted(kinds.items(), key=lambda kv: (kv[0][0] != "linear", str(kv[0][1:]))):
+        op, fmt, scheme, n, k, experts, scale_kind = key
         decision = select(
             fmt,
             op,
@@ -176,27 +215,7 @@ def describe_model(
             policy=policy,
         )
         device_label, simulated = decision.device.label(), decision.device.simulated
-        row: dict[str, Any] = {
-            "op": op,
-            "format": fmt,
-            "scheme": scheme,
-            "scheme_label": decision.request.scheme_label,
-            "n": n,
-            "k": k,
-            "experts": experts,
-            "scale_kind": scale_kind,
-            "count": len(entry["names"]),
-            "examples": entry["names"][:3],
-            "backend": decision.backend,
-            "reason": decision.reason,
-            "forced_by": decision.forced_by,
-            "fallback": decision.is_fallback,
-            "rejected": [{"backend": c.backend, "reason": c.reason} for c in decision.rejected()],
-        }
-        if op == "moe":
-            row["top_k"] = text.get("num_experts_per_tok")
-        row["kernels"] = _kernel_ranges(decision, row.get("top_k"), op)
-        layers.append(row)
+        layers.append(_kind_row(key, entry["names"], decision, text.get("num_experts_per_tok")))
     return {
         "model": str(p),
         "model_type": config.get("model_type"),
@@ -236,7 +255,7 @@ def render_description(d: Mapping[str, Any], *, verbose: bool = False) -> str:
             f" -> {r['backend']}: {reason}"
         )
         if r.get("kernels"):
-            spans = (f"{_span(k['m_min'], k['m_max'])}: {k['family']}" for k in r["kernels"])
+            spans = (f"{m_span(k['m_min'], k['m_max'])}: {k['family']}" for k in r["kernels"])
             lines.append("      " + "; ".join(spans))
         if verbose:
             lines += [f"      not {c['backend']}: {c['reason']}" for c in r["rejected"]]

@@ -16,7 +16,7 @@ from torch import nn
 
 from quantdispatch import QuantLinear
 from quantdispatch.errors import ConfigurationError, format_error
-from quantdispatch.formats import get_format
+from quantdispatch.formats import FP4_GROUP_SIZES, get_format
 from quantdispatch.integrations.transformers.common import (
     matches,
     replace_module,
@@ -36,7 +36,7 @@ __all__ = ["quantize_model"]
 
 logger = logging.getLogger("quantdispatch")
 
-_GROUP = {"nvfp4": 16, "mxfp4": 32, "fp8": 1}
+_GROUP = {**FP4_GROUP_SIZES, "fp8": 1}
 
 
 def quantize_model(

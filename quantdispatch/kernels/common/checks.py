@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import torch
 
+from quantdispatch.capability import SM80_PLUS
 from quantdispatch.errors import InputError, WeightFormatError, format_error
+from quantdispatch.formats import SCALE_GROUP_SIZES
 from quantdispatch.kernels.common.device_facts import device_facts
 from quantdispatch.kernels.common.interpreter import interpreting
 
@@ -28,7 +30,7 @@ __all__ = [
 ]
 
 #: Elements per block scale, by the scale format of an FP4 weight (NVFP4 e4m3, MXFP4 e8m0).
-SCALE_GROUP = {"e4m3": 16, "e8m0": 32}
+SCALE_GROUP = SCALE_GROUP_SIZES
 
 
 def empty_output(m: int, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -79,7 +81,7 @@ def check_activation(x: torch.Tensor, k: int, where: str) -> torch.Tensor:
     if x.device.type == "cuda" and x.dtype == torch.bfloat16:
         facts = device_facts(x.device)
         name, cap = facts.name, facts.capability or (0, 0)
-        if cap < (8, 0):
+        if cap not in SM80_PLUS:
             raise InputError(
                 format_error(
                     f"{where}: bfloat16 activations on {name} (SM{cap[0]}{cap[1]})",

@@ -25,6 +25,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from quantdispatch.capability import SM80_PLUS, SM90_PLUS
+
 if TYPE_CHECKING:
     from quantdispatch.kernels.common.device_facts import DeviceFacts
 
@@ -127,7 +129,7 @@ def heuristic_config(kind: str, n: int, k: int, m: int, capability: tuple[int, i
     swapped tiles. Large M: 128..256 x 128 tiles (wgmma).
     Pre-Ampere parts (64 KB of shared memory) get at most 2 stages and 128-wide K tiles.
     """
-    old = capability < (8, 0)
+    old = capability not in SM80_PLUS
     if m <= SMALL_M_MAX:
         if kind == "fp8" and n >= 16384:  # the tiled kernel beat the split ones here (H200)
             cfg = GemmConfig(16, 64, 256, 4, 4)
@@ -140,7 +142,7 @@ def heuristic_config(kind: str, n: int, k: int, m: int, capability: tuple[int, i
     elif m <= 256:
         cfg = GemmConfig(64, 128, 64, 4, 3)
     else:
-        cfg = GemmConfig(256 if not capability < (9, 0) else 128, 128, 64, 8, 3)
+        cfg = GemmConfig(256 if capability in SM90_PLUS else 128, 128, 64, 8, 3)
     if kind == "fp8" and m > SMALL_M_MAX:
         cfg = replace(cfg, block_k=min(cfg.block_k, 128))
     if old:

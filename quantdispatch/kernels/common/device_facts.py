@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from quantdispatch.capability import SM90_PLUS
+
 __all__ = ["DeviceFacts", "device_facts", "has_host_descriptors"]
 
 #: Opt-in shared memory per block (bytes) by compute capability where torch does not report
@@ -56,7 +58,7 @@ class DeviceFacts:
         CPU), without asking a device: doctor's simulated GPUs."""
         if capability is None:
             return _cpu_facts()
-        hopper = capability >= (9, 0)
+        hopper = capability in SM90_PLUS
         return cls(
             name=f"SM {capability[0]}.{capability[1]}",
             capability=capability,
@@ -85,7 +87,7 @@ def device_facts(device: torch.device) -> DeviceFacts:
     optin = getattr(props, "shared_memory_per_block_optin", None)
     shared = int(optin) if optin else _SHARED_BY_CAPABILITY.get(capability, _SHARED_DEFAULT)
     compiled = not _interpreting()
-    hopper = capability >= (9, 0)
+    hopper = capability in SM90_PLUS
     return DeviceFacts(
         name=torch.cuda.get_device_name(idx),
         capability=capability,

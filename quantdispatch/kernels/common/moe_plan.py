@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
+from quantdispatch.capability import SM80_PLUS
 from quantdispatch.kernels.regimes import Family
 
 if TYPE_CHECKING:
@@ -59,13 +60,7 @@ def mma_moe_supported(
     inter: int, hidden: int, gated: bool, capability: tuple[int, int] | None
 ) -> bool:
     """SM 8.0+ and every GEMM in whole 16-row tiles and 64-column chunks."""
-    return (
-        gated
-        and capability is not None
-        and capability >= (8, 0)
-        and inter % 64 == 0
-        and hidden % 64 == 0
-    )
+    return gated and capability in SM80_PLUS and inter % 64 == 0 and hidden % 64 == 0
 
 
 def _gemm_config(blocks: int, tiles: int, chunks: int) -> MmaGemmConfig:

@@ -41,6 +41,8 @@ from functools import cache
 import triton
 import triton.language as tl
 
+from quantdispatch.capability import SM9X
+
 __all__ = [
     "UPSTREAM_FIX",
     "VERIFIED_SAFE_FROM",
@@ -71,7 +73,7 @@ def rs_wgmma_hazard(capability: tuple[int, int] | None) -> bool:
     (None: not a GPU): SM 9.x (the only wgmma generation) with a Triton older than
     :data:`VERIFIED_SAFE_FROM` (every Triton while that is None). Launchers read it from
     :class:`.device_facts.DeviceFacts`."""
-    if capability is None or capability[0] != 9:
+    if capability not in SM9X:
         return False
     return VERIFIED_SAFE_FROM is None or triton_version() < VERIFIED_SAFE_FROM
 

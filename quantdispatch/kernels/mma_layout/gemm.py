@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from quantdispatch.capability import SM90_PLUS
 from quantdispatch.kernels.common.device_facts import (
     DeviceFacts,
     device_facts,
@@ -179,7 +180,7 @@ def _split_sum_kernel(
 def _x_descriptor(xk: torch.Tensor, tile: GemmTile, facts: DeviceFacts) -> object:
     """A TMA descriptor of the K-ordered activations in [BLOCK_M, BK] boxes (made on the host,
     passed by value: nothing is allocated on the device, so CUDA graphs capture it)."""
-    if xk.device.type != "cuda" or facts.capability is None or facts.capability < (9, 0):
+    if xk.device.type != "cuda" or facts.capability not in SM90_PLUS:
         raise ValueError(
             f"tile {tile.label()} loads the activations by TMA, which needs an SM 9.0+ GPU "
             f"(got {xk.device}); use a tile without the 't' suffix"

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from quantdispatch.capability import SM80_PLUS
 from quantdispatch.kernels.common.device_facts import DeviceFacts
 from quantdispatch.kernels.common.moe_plan import (
     DequantMoeConfig,
@@ -44,8 +45,7 @@ def moe_layout_supported(
     tiles), SM 8.0+ (bf16 mma.sync), I and H multiples of 64 (whole 64-row GEMM tiles)."""
     return (
         gated
-        and capability is not None
-        and capability >= (8, 0)
+        and capability in SM80_PLUS
         and inter > 0
         and hidden > 0
         and inter % 64 == 0

@@ -31,7 +31,9 @@ from dataclasses import dataclass
 
 import torch
 
+from quantdispatch.capability import SM89_PLUS, SM90
 from quantdispatch.errors import BackendUnavailableError, InputError, format_error
+from quantdispatch.formats import FP4_FORMATS
 from quantdispatch.formats import fp8_prefill as rule
 from quantdispatch.kernels.common.checks import check_native_call
 from quantdispatch.kernels.native import fp8_handoff
@@ -84,7 +86,7 @@ def default_recipe(
     12.9+, row-wise elsewhere (SM 8.9, 10.x, 12.x: torch's block-scaled FP8 recipes are SM 9.0
     only). ``cuda_version``: torch's CUDA build (None: this torch's)."""
     cuda = cuda_version if cuda_version is not None else _cuda_version()
-    if tuple(capability) == (9, 0) and cuda >= (12, 9):
+    if capability in SM90 and cuda >= (12, 9):
         return block_recipe(k)
     return "rowwise"
 
@@ -112,9 +114,9 @@ def prefill_reasons(
     ``cuda_version``: torch's CUDA build (None: this torch's)."""
     cuda = cuda_version if cuda_version is not None else _cuda_version()
     out = []
-    if fmt not in ("nvfp4", "mxfp4"):
+    if fmt not in FP4_FORMATS:
         out.append(f"FP8 prefill re-encodes NVFP4 / MXFP4 weights, not {fmt}")
-    if capability is None or tuple(capability) < (8, 9):
+    if capability not in SM89_PLUS:
         out.append(f"FP8 tensor cores need SM 8.9+ (device: {capability})")
     if k % 128 or n % 16:
         out.append(f"needs K % 128 == 0 and N % 16 == 0 (weight {n}x{k})")
@@ -124,7 +126,7 @@ def prefill_reasons(
         if recipe not in RECIPES:
             out.append(f"unknown recipe {recipe!r} (one of {', '.join(RECIPES)})")
         elif recipe != "rowwise" and capability is not None:
-            if tuple(capability) != (9, 0) or cuda < (12, 9):
+            if capability not in SM90 or cuda < (12, 9):
                 out.append(f"recipe {recipe} needs SM 9.0 and CUDA 12.9+ in torch")
             if recipe == "128x128" and k % 512:
                 out.append(f"recipe 128x128 needs K % 512 == 0 here (K = {k})")

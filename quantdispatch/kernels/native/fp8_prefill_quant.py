@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from quantdispatch.capability import SM89_PLUS
 from quantdispatch.kernels.common.decode import e2m1_pair_to_f32
 from quantdispatch.kernels.common.device_facts import device_facts
 from quantdispatch.kernels.common.launch import launch
@@ -126,7 +127,7 @@ def hw_rounding(device: torch.device) -> bool:
     SM 8.9+; the instruction is PTX, so not on ROCm builds)."""
     facts = device_facts(device)  # cached per device: no driver call per launch
     cap = facts.capability
-    return facts.compiled and torch.version.hip is None and cap is not None and cap >= (8, 9)
+    return facts.compiled and torch.version.hip is None and cap in SM89_PLUS
 
 
 @triton.jit

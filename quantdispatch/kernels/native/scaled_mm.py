@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from quantdispatch.capability import SM89_PLUS
 from quantdispatch.errors import (
     BackendUnavailableError,
     InputError,
@@ -31,6 +32,7 @@ __all__ = ["fp8_scaled_mm_linear", "prepare_fp8_scaled_mm"]
 
 E4M3_MAX = 448.0
 _WHERE = "fp8_scaled_mm_linear"
+_X_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def prepare_fp8_scaled_mm(
@@ -93,28 +95,9 @@ def _quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def fp8_scaled_mm_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    weight_scale: torch.Tensor,
-    *,
-    input_scale: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``x @ (weight * weight_scale).T + bias`` on FP8 tensor cores; [M, N] in x.dtype.
-
-    ``weight_scale``: one element or [N] (or the [1, N] form from the prepare step);
-    ``input_scale``: None for dynamic per-token quantization, else a one-element fp32 tensor.
-    """
-    if (
-        not isinstance(x, torch.Tensor)
-        or x.dim() != 2
-        or x.dtype
-        not in (
-            torch.float16,
-            torch.bfloat16,
-        )
-    ):
+def _check_x(x: torch.Tensor) -> None:
+    """x a 2-D 16-bit tensor on an SM89+ GPU."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype not in _X_DTYPES:
         raise InputError(
             format_error(
                 f"{_WHERE}: x is {getattr(x, 'dtype', type(x).__name__)} "
@@ -133,7 +116,7 @@ def fp8_scaled_mm_linear(
         )
     facts = device_facts(x.device)
     name, cap = facts.name, facts.capability or (0, 0)
-    if cap < (8, 9):
+    if cap not in SM89_PLUS:
         raise BackendUnavailableError(
             format_error(
                 f"{_WHERE}: {name} is SM{cap[0]}{cap[1]}",
@@ -141,12 +124,12 @@ def fp8_scaled_mm_linear(
                 "use fp8_weight_only_linear (W8A16) on this GPU",
             )
         )
-    weight, w_scale = (
-        (weight, weight_scale)
-        if weight_scale.dtype == torch.float32 and weight_scale.dim() in (0, 2)
-        else prepare_fp8_scaled_mm(weight, weight_scale)
-    )
-    n, k = weight.shape
+
+
+def _check_operands(
+    x: torch.Tensor, k: int, n: int, operands: dict[str, torch.Tensor | None]
+) -> None:
+    """x's K is the weight's, every operand (by name) on x's device, the bias [N]."""
     if x.shape[1] != k:
         raise InputError(
             format_error(
@@ -155,12 +138,7 @@ def fp8_scaled_mm_linear(
                 "pass this layer's activation",
             )
         )
-    for nm, t in (
-        ("weight", weight),
-        ("weight_scale", w_scale),
-        ("input_scale", input_scale),
-        ("bias", bias),
-    ):
+    for nm, t in operands.items():
         if t is not None and t.device != x.device:
             raise InputError(
                 format_error(
@@ -169,6 +147,7 @@ def fp8_scaled_mm_linear(
                     f"move {nm} at load time",
                 )
             )
+    bias = operands.get("bias")
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != n):
         raise InputError(
             format_error(
@@ -177,11 +156,13 @@ def fp8_scaled_mm_linear(
                 "pass the layer's bias",
             )
         )
-    m = x.shape[0]
-    if m == 0:
-        return torch.empty((0, n), dtype=x.dtype, device=x.device)
-    x = x if x.is_contiguous() else x.contiguous()
 
+
+def _quantize_x(
+    x: torch.Tensor, input_scale: torch.Tensor | None, w_scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(e4m3 x, its scale, row-wise?): per token when ``input_scale`` is None, else with the
+    static scale (tensor-wise where the weight scale is too)."""
     if input_scale is None:
         if x.is_cuda and x.stride(1) == 1:
             from quantdispatch.kernels.native.fp8_quant import quantize_per_token_fp8
@@ -189,20 +170,48 @@ def fp8_scaled_mm_linear(
             xq, scale_a = quantize_per_token_fp8(x)  # one launch instead of ~6 torch ops
         else:
             xq, scale_a = _quantize_per_token(x)
-        rowwise = True
-    else:
-        if input_scale.numel() != 1:
-            raise InputError(
-                format_error(
-                    f"{_WHERE}: input_scale has {input_scale.numel()} elements",
-                    "a static activation scale is one float32 element",
-                    "pass the checkpoint's input_scale",
-                )
+        return xq, scale_a, True
+    if input_scale.numel() != 1:
+        raise InputError(
+            format_error(
+                f"{_WHERE}: input_scale has {input_scale.numel()} elements",
+                "a static activation scale is one float32 element",
+                "pass the checkpoint's input_scale",
             )
-        s_in = input_scale.to(torch.float32).reshape(())
-        xq = (x.to(torch.float32) / s_in).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-        rowwise = w_scale.numel() != 1
-        scale_a = s_in.reshape(1, 1).expand(m, 1).contiguous() if rowwise else s_in
+        )
+    s_in = input_scale.to(torch.float32).reshape(())
+    xq = (x.to(torch.float32) / s_in).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    rowwise = w_scale.numel() != 1
+    scale_a = s_in.reshape(1, 1).expand(x.shape[0], 1).contiguous() if rowwise else s_in
+    return xq, scale_a, rowwise
+
+
+def fp8_scaled_mm_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    *,
+    input_scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x @ (weight * weight_scale).T + bias`` on FP8 tensor cores; [M, N] in x.dtype.
+
+    ``weight_scale``: one element or [N] (or the [1, N] form from the prepare step);
+    ``input_scale``: None for dynamic per-token quantization, else a one-element fp32 tensor.
+    """
+    _check_x(x)
+    weight, w_scale = (
+        (weight, weight_scale)
+        if weight_scale.dtype == torch.float32 and weight_scale.dim() in (0, 2)
+        else prepare_fp8_scaled_mm(weight, weight_scale)
+    )
+    n, k = weight.shape
+    operands = {"weight": weight, "weight_scale": w_scale, "input_scale": input_scale}
+    _check_operands(x, k, n, {**operands, "bias": bias})
+    if x.shape[0] == 0:
+        return torch.empty((0, n), dtype=x.dtype, device=x.device)
+    x = x if x.is_contiguous() else x.contiguous()
+    xq, scale_a, rowwise = _quantize_x(x, input_scale, w_scale)
     if rowwise:
         scale_b = w_scale if w_scale.dim() == 2 else w_scale.reshape(1, 1).expand(1, n).contiguous()
         out_dtype = torch.bfloat16
