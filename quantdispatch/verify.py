@@ -170,7 +170,8 @@ def _fp8_check(fmt, act, mode, profile, device, gen) -> VerifyResult | str:  # t
     from quantdispatch.api import load_settings, select
     from quantdispatch.backends import get_backend
     from quantdispatch.backends.base import as_op_tensors
-    from quantdispatch.backends.triton.fp8_compute import recipe_for
+    from quantdispatch.backends.triton import fp8_compute
+    from quantdispatch.backends.triton.meta import fp8_compute_of_meta
     from quantdispatch.request import Scheme, dtype_name
 
     n, k = FP8_NK
@@ -180,11 +181,12 @@ def _fp8_check(fmt, act, mode, profile, device, gen) -> VerifyResult | str:  # t
                settings=settings)  # fmt: skip
     first = [r.first_m for r in d.kernel_ranges() if r.family == "fp8 prefill"]
     if not first:
-        return triton.compute_note(d.request, d.device, mode)
+        cuda = fp8_compute.cuda_of(profile.cuda_version)
+        return fp8_compute.trace_note(fmt, n, k, act, profile.capability, mode, cuda)
     m = first[0]
     weight = probe_weight(fmt, n, k, gen, input_scale=None)
-    prepared = triton.prepare(weight.to(device), d.request, fp8_compute=mode)
-    if getattr(prepared.meta, "fp8_compute", "off") != mode:
+    prepared = triton.prepare(weight.to(device), d.request, options=d.options)
+    if fp8_compute_of_meta(prepared.meta) != mode:
         return "prepare kept this weight weight-only here"
     x = torch.randn(m, k, generator=gen).to(act)
     out = torch.ops.quantdispatch.linear(
@@ -192,7 +194,7 @@ def _fp8_check(fmt, act, mode, profile, device, gen) -> VerifyResult | str:  # t
         prepared.meta_args(), n,
     )  # fmt: skip
     err = rel_error(out, linear_reference64(fmt, weight, x))
-    ratio = fp8_bound_ratio(fmt, weight, x, out, recipe_for(k))
+    ratio = fp8_bound_ratio(fmt, weight, x, out, fp8_compute.recipe_for(k))
     return VerifyResult(
         fmt, dtype_name(act), "triton", m, n, k, err, FP8_REL_BOUND,
         err <= FP8_REL_BOUND and ratio <= FP8_BOUND_RATIO, f"{mode}, from M >= {m}",

@@ -2,7 +2,9 @@
 
 A backend never reads env vars and never ranks itself: the policy ranks, the settings force or
 disable, the resolver decides. A backend only answers "can you run this request on this
-device, and if not, why" (``explain_unsupported``), and then runs it.
+device, and if not, why" (``explain_unsupported``), and then runs it. A backend with options of
+its own makes them from the settings and policy (:meth:`Backend.options`); the resolver carries
+them in the decision without reading them, and hands them back to that backend only.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from quantdispatch.request import Op, Request, Scheme
 
 if TYPE_CHECKING:
     from quantdispatch.device import DeviceProfile
+    from quantdispatch.policy import Policy
+    from quantdispatch.settings import Settings
 
 __all__ = [
     "Backend",
@@ -166,11 +170,11 @@ class Backend(ABC):
         *,
         top_k: int | None = None,
         pdl: bool = True,
-        fp8_compute: str = "off",
+        options: object = None,
     ) -> tuple[KernelRange, ...]:
         """The kernel family for every range of M (MoE: ``top_k`` and the request's experts,
-        N = I and K = H; ``pdl``: the decision's Settings.pdl; ``fp8_compute``: its FP8
-        compute mode). Default: one family at every M."""
+        N = I and K = H; ``pdl``: the decision's Settings.pdl; ``options``: the decision's
+        options of this backend, :meth:`options`). Default: one family at every M."""
         return (KernelRange(1, None, self.name, self.title),)
 
     def kernel_summary(self, request: Request, profile: DeviceProfile) -> str:
@@ -193,8 +197,20 @@ class Backend(ABC):
     def shape_reasons(self, request: Request) -> list[str]:
         return []
 
-    def accepted_note(self, request: Request, profile: DeviceProfile) -> str:
-        """One line saying what will run, e.g. that a W4A4 checkpoint runs weight-only."""
+    def options(self, settings: Settings, policy: Policy) -> object:
+        """This backend's options under ``settings`` and ``policy`` (None: it has none): an
+        immutable object with ``to_dict()`` that only this backend reads."""
+        return None
+
+    def option_facts(self, request: Request, profile: DeviceProfile, options: object) -> dict:
+        """Facts its options add to a decision's report (JSON-ready; empty: none)."""
+        return {}
+
+    def accepted_note(
+        self, request: Request, profile: DeviceProfile, options: object = None
+    ) -> str:
+        """One line saying what will run, e.g. that a W4A4 checkpoint runs weight-only
+        (``options``: this backend's, :meth:`options`)."""
         note = self.title
         variant = self.variant(request, profile)
         if variant:
@@ -205,16 +221,6 @@ class Backend(ABC):
                 f"{request.act_name}, not quantized (close to, not bit-equal with, a native run)"
             )
         return note
-
-    def compute_note(self, request: Request, profile: DeviceProfile, fp8_compute: str) -> str:
-        """A clause on opt-in compute modes for the decision's trace (the triton backend's FP8
-        compute: from which M it runs, or that it exists); empty: nothing to say."""
-        return ""
-
-    def fp8_resident_bytes(self, request: Request, profile: DeviceProfile) -> int | None:
-        """What a resident FP8 copy of this linear's weight would take here (FP8 compute's
-        ``prefill-resident``); None: no such copy for this request."""
-        return None
 
     # -- shared fact helpers ----------------------------------------------------------------
 
@@ -265,11 +271,10 @@ class Backend(ABC):
     # -- life cycle ---------------------------------------------------------------------------
 
     def prepare(
-        self, weight: object, request: Request, *, fp8_compute: str = "off"
+        self, weight: object, request: Request, *, options: object = None
     ) -> PreparedWeight:
         """Turn a canonical weight (formats.*Weight) into this backend's tensors, once, at load.
-        ``fp8_compute``: the decision's FP8 compute mode (``Decision.fp8_compute``); only the
-        triton backend has FP8 compute, the others ignore it."""
+        ``options``: the decision's options of this backend (``Decision.options``)."""
         raise BackendUnavailableError(
             format_error(
                 f"backend {self.name} cannot prepare {request.describe()}",

@@ -41,6 +41,7 @@ class LinearBinding:
     pdl: bool
     device: torch.device
 
+
 #: One step of a bound call: calls of up to ``max_m`` rows (None: any) run ``fn``.
 Step = tuple[int | None, Callable[..., torch.Tensor]]
 

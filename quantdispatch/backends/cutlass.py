@@ -149,8 +149,10 @@ class CutlassBackend(Backend):
             "they run here only if they are family builds, which the wheels do not show"
         )
 
-    def accepted_note(self, request: Request, profile: DeviceProfile) -> str:
-        note = super().accepted_note(request, profile)
+    def accepted_note(
+        self, request: Request, profile: DeviceProfile, options: object = None
+    ) -> str:
+        note = super().accepted_note(request, profile, options)
         unverified = self.unverified_reason(request, profile)
         if unverified:
             note += f"; accepted only behind the first-use self-check: {unverified}"
@@ -164,7 +166,7 @@ class CutlassBackend(Backend):
     # -- life cycle ---------------------------------------------------------------------------
 
     def prepare(
-        self, weight: object, request: Request, *, fp8_compute: str = "off"
+        self, weight: object, request: Request, *, options: object = None
     ) -> PreparedWeight:
         from quantdispatch.formats import Nvfp4Weight
         from quantdispatch.formats.nvfp4_act import (

@@ -177,7 +177,7 @@ class MarlinBackend(Backend):
         return repack
 
     def prepare(
-        self, weight: object, request: Request, *, fp8_compute: str = "off"
+        self, weight: object, request: Request, *, options: object = None
     ) -> PreparedWeight:
         from quantdispatch.formats import Mxfp4Weight, Nvfp4Weight
 

@@ -87,7 +87,7 @@ class ReferenceBackend(Backend):
         request: Request,
         *,
         emulate_activations: bool = False,
-        fp8_compute: str = "off",
+        options: object = None,
     ) -> PreparedWeight:
         from quantdispatch.formats import Fp8Weight, Mxfp4Weight, Nvfp4Weight
 

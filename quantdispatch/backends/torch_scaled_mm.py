@@ -136,8 +136,10 @@ class TorchScaledMMBackend(Backend):
             "alpha and bias in fp32"
         )
 
-    def accepted_note(self, request: Request, profile: DeviceProfile) -> str:
-        note = super().accepted_note(request, profile)
+    def accepted_note(
+        self, request: Request, profile: DeviceProfile, options: object = None
+    ) -> str:
+        note = super().accepted_note(request, profile, options)
         unverified = self.unverified_reason(request, profile)
         if unverified:
             note += f"; accepted only behind the first-use self-check: {unverified}"
@@ -173,7 +175,7 @@ class TorchScaledMMBackend(Backend):
         return reasons
 
     def prepare(
-        self, weight: object, request: Request, *, fp8_compute: str = "off"
+        self, weight: object, request: Request, *, options: object = None
     ) -> PreparedWeight:
         from quantdispatch.formats import Nvfp4Weight
         from quantdispatch.formats.fp8 import Fp8Weight

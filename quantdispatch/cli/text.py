@@ -105,21 +105,21 @@ def _concise_header(h: Header) -> list[str]:
         lines.append(f"policy    {' + '.join(h.policy.sources)}")
     if pdl_applies(p) and not s["pdl"]:
         lines.append("PDL       dependent launches off (QUANTDISPATCH_PDL)")
-    if fp8_mode(h.settings, h.policy)[0] != "off":
+    if fp8_compute_in_effect(h.settings, h.policy)[0] != "off":
         lines += prefixed("fp8       ", fp8_line(h.settings, h.policy))
     return lines
 
 
-def fp8_mode(settings, policy) -> tuple[str, str]:
-    """The FP8 compute mode in effect and where it comes from."""
-    from quantdispatch.resolver import fp8_compute_of
+def fp8_compute_in_effect(settings, policy) -> tuple[str, str]:
+    """The triton backend's FP8 compute mode in effect and where it comes from."""
+    from quantdispatch.backends.triton.options import fp8_compute_of
 
     return fp8_compute_of(settings, policy)
 
 
 def fp8_line(settings, policy, *, verbose: bool = False) -> str:
     """The FP8 compute setting in one line (``verbose``: what the mode does, too)."""
-    mode, by = fp8_mode(settings, policy)
+    mode, by = fp8_compute_in_effect(settings, policy)
     if mode == "off":
         return f"off ({by}; QUANTDISPATCH_FP8_COMPUTE=prefill or prefill-resident turns it on)"
     if not verbose:

@@ -111,7 +111,7 @@ def test_kernel_for_with_fp8_compute_is_the_dispatch(preset, fmt, mode):
         d = _decision(fmt, "linear", act, profile, fp8=mode, n=n, k=k)
         if d is None:
             continue
-        assert d.fp8_compute == mode
+        assert d.options.fp8_compute == mode
         layout = dispatch.linear_layout(fmt, n, k, act, cap)
         got = fp8_compute.mode_for(fmt, n, k, act, cap, mode, (13, 0))
         on = cap == (9, 0) and n % 16 == 0 and k % 128 == 0

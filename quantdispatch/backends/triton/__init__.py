@@ -9,8 +9,10 @@ ones with unquantized activations (it says so).
 
 The package: :mod:`.facts` (what it can run, doctor's words, kernel ranges), :mod:`.dispatch`
 (layout and kernel family from the regime table, quantdispatch.kernels.regimes),
-:mod:`.prepare` (layout choice and repack), :mod:`.fp8_compute` (the opt-in, lossy FP8 compute
-for prefill: which weights take it, the resident copy, the trace's words), :mod:`.run` (a call
+:mod:`.prepare` (layout choice and repack), :mod:`.options` (the backend's options, from the
+settings and policy), :mod:`.fp8_compute` (its one option: the opt-in, lossy FP8 compute for
+prefill: which weights take it, the resident copy, the trace's words), :mod:`.meta` (the metas
+of weights prepared for it), :mod:`.run` (a call
 -> its kernel family -> one kernel file's launcher; imported at the first call, as it imports
 triton), :mod:`.bind` (the bound call path: the same launchers, built once per weight).
 """
@@ -34,6 +36,7 @@ from quantdispatch.backends.base import (
 )
 from quantdispatch.backends.triton import prepare as _prepare
 from quantdispatch.backends.triton.facts import TritonFacts
+from quantdispatch.backends.triton.options import TritonOptions
 from quantdispatch.request import Op, Request
 
 __all__ = ["TritonBackend"]
@@ -50,9 +53,10 @@ class TritonBackend(TritonFacts):
     weight_only = True
 
     def prepare(
-        self, weight: object, request: Request, *, fp8_compute: str = "off"
+        self, weight: object, request: Request, *, options: object = None
     ) -> PreparedWeight:
-        prepared = _prepare.prepare_linear(weight, request, fp8_compute)
+        mode = (options if isinstance(options, TritonOptions) else TritonOptions()).fp8_compute
+        prepared = _prepare.prepare_linear(weight, request, mode)
         return prepared if prepared is not None else super().prepare(weight, request)
 
     def prepare_moe(

@@ -12,6 +12,7 @@ import torch
 from quantdispatch.backends.base import Backend, KernelRange, Layout
 from quantdispatch.backends.triton import dispatch
 from quantdispatch.backends.triton import fp8_compute as _fp8
+from quantdispatch.backends.triton.options import TritonOptions, options_of
 from quantdispatch.errors import ConfigurationError, format_error
 from quantdispatch.kernels.regimes import (
     LINEAR_REGIMES,
@@ -25,6 +26,8 @@ from quantdispatch.request import Op, Request
 if TYPE_CHECKING:
     from quantdispatch.device import DeviceProfile
     from quantdispatch.kernels.common.device_facts import DeviceFacts
+    from quantdispatch.policy import Policy
+    from quantdispatch.settings import Settings
 
 __all__ = ["TritonFacts"]
 
@@ -36,6 +39,11 @@ _CHECKPOINT_LAYOUT_TEXT = (
     "tl.dot kernels on the checkpoint layout; large M: dequantized slabs + cuBLAS"
 )
 _MX_SPAN_TEXT = "weights whose block scales span <= 18 binades"
+
+
+def _mode(options: object) -> str:
+    """The FP8 compute mode of the backend's options (None: the defaults')."""
+    return (options if isinstance(options, TritonOptions) else TritonOptions()).fp8_compute
 
 
 def _row(fmt: str, layout: str, sm: SmFamily) -> LinearRegime:
@@ -215,12 +223,12 @@ class TritonFacts(Backend):
         *,
         top_k: int | None = None,
         pdl: bool = True,
-        fp8_compute: str = "off",
+        options: object = None,
     ) -> tuple[KernelRange, ...]:
         """Linear: needs the request's N and K. MoE: needs ``top_k``, the request's experts,
         N = I and K = H (gated experts assumed). The layout and meta are the ones prepare gives
         such a weight (MXFP4: scales within 18 binades, and within fp16's range in fp16),
-        ``fp8_compute`` included where it applies (:func:`.fp8_compute.mode_for`)."""
+        the options' FP8 compute included where it applies (:func:`.fp8_compute.mode_for`)."""
         if request.op is Op.MOE:
             return self._moe_ranges(request, profile, top_k, pdl)
         if request.n is None or request.k is None:
@@ -234,27 +242,38 @@ class TritonFacts(Backend):
         n, k, fmt, act = request.n, request.k, request.format, request.act_dtype
         layout = dispatch.linear_layout(fmt, n, k, act, profile.capability)
         cuda = _fp8.cuda_of(profile.cuda_version)
-        mode = _fp8.mode_for(fmt, n, k, act, profile.capability, fp8_compute, cuda)
+        mode = _fp8.mode_for(fmt, n, k, act, profile.capability, _mode(options), cuda)
         meta = dispatch.prepared_meta(layout, act, mode)
         return dispatch.linear_ranges(fmt, layout, meta, n, k, dispatch.facts_for(profile))
 
-    def compute_note(self, request: Request, profile: DeviceProfile, fp8_compute: str) -> str:
-        if request.op is not Op.LINEAR or request.format not in dispatch.FP4:
-            return ""
-        return _fp8.trace_note(
-            request.format, request.n, request.k, request.act_dtype, profile.capability,
-            fp8_compute, _fp8.cuda_of(profile.cuda_version),
-        )  # fmt: skip
+    def options(self, settings: Settings, policy: Policy) -> TritonOptions:
+        return options_of(settings, policy)
 
-    def fp8_resident_bytes(self, request: Request, profile: DeviceProfile) -> int | None:
+    def accepted_note(
+        self, request: Request, profile: DeviceProfile, options: object = None
+    ) -> str:
+        """The base note, then FP8 compute's clause for an FP4 linear (from which M it runs,
+        or that it exists)."""
+        note = super().accepted_note(request, profile, options)
+        if request.op is not Op.LINEAR or request.format not in dispatch.FP4:
+            return note
+        extra = _fp8.trace_note(
+            request.format, request.n, request.k, request.act_dtype, profile.capability,
+            _mode(options), _fp8.cuda_of(profile.cuda_version),
+        )  # fmt: skip
+        return f"{note}; {extra}" if extra else note
+
+    def option_facts(self, request: Request, profile: DeviceProfile, options: object) -> dict:
+        """``fp8_resident_bytes``: what a resident FP8 copy of this linear's weight would take
+        here (FP8 compute's ``prefill-resident``; None: no such copy for it)."""
         n, k = request.n, request.k
         if request.op is not Op.LINEAR or n is None or k is None:
-            return None
+            return {"fp8_resident_bytes": None}
         cuda = _fp8.cuda_of(profile.cuda_version)
         _row, reasons = _fp8.availability(
             request.format, n, k, request.act_dtype, profile.capability, _fp8.RESIDENT, cuda
         )
-        return None if reasons else _fp8.resident_bytes(n, k)
+        return {"fp8_resident_bytes": None if reasons else _fp8.resident_bytes(n, k)}
 
     def _moe_ranges(
         self, request: Request, profile: DeviceProfile, top_k: int | None, pdl: bool

@@ -1,7 +1,7 @@
 """The triton backend's prepare step: the layout a weight (or a MoE layer's experts) is put in,
 once, at load (:func:`.dispatch.linear_layout`, :func:`.dispatch.moe_layout`), and the repack
 into it. The mma16x64 layout holds the same bytes as the checkpoint (no second copy). With FP8
-compute on (:mod:`.fp8_compute`), the weight's meta records the mode it runs and
+compute on (:mod:`.fp8_compute`), the weight's meta (:mod:`.meta`) records the mode it runs and
 ``prefill-resident`` adds the resident FP8 copy.
 """
 
@@ -18,7 +18,8 @@ from quantdispatch.backends.base import (
     PreparedMoe,
     PreparedWeight,
 )
-from quantdispatch.backends.triton import dispatch, fp8_compute
+from quantdispatch.backends.triton import dispatch
+from quantdispatch.backends.triton import fp8_compute as _fp8
 from quantdispatch.errors import WeightFormatError, format_error
 from quantdispatch.kernels.common.device_facts import device_facts
 from quantdispatch.request import Request
@@ -31,10 +32,10 @@ def _capability(device: torch.device) -> tuple[int, int] | None:
 
 
 def prepare_linear(
-    weight: object, request: Request, fp8_mode: str = "off"
+    weight: object, request: Request, fp8_compute: str = "off"
 ) -> PreparedWeight | None:
     """The backend's tensors for an NVFP4 / MXFP4 / FP8 weight (None: not one of those);
-    ``fp8_mode``: the decision's FP8 compute mode (FP4 weights)."""
+    ``fp8_compute``: the options' FP8 compute mode (FP4 weights)."""
     from quantdispatch.formats.fp8 import Fp8Weight
     from quantdispatch.formats.mxfp4 import Mxfp4Weight
     from quantdispatch.formats.nvfp4 import Nvfp4Weight
@@ -42,10 +43,10 @@ def prepare_linear(
     if isinstance(weight, (Nvfp4Weight, Mxfp4Weight)):
         fmt = "nvfp4" if isinstance(weight, Nvfp4Weight) else "mxfp4"
         prepared = _nvfp4(weight, request) if fmt == "nvfp4" else _mxfp4(weight, request)
-        if fp8_mode == fp8_compute.OFF:
+        if fp8_compute == _fp8.OFF:
             return prepared
         cap = _capability(weight.packed.device)
-        return fp8_compute.add_fp8_compute(prepared, fmt, request.act_dtype, cap, fp8_mode)
+        return _fp8.add_fp8_compute(prepared, fmt, request.act_dtype, cap, fp8_compute)
     if isinstance(weight, Fp8Weight):
         n, k = weight.shape
         extra = () if weight.input_scale is None else (weight.input_scale,)

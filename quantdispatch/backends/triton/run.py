@@ -1,8 +1,8 @@
 """The triton backend's run step: a call -> its kernel family (:mod:`.dispatch`, read from the
 regime table) -> one kernel file's launcher. The family depends only on host-side shapes, so
 nothing synchronizes. The device facts are asked once per call (a cached lookup) and handed
-down with the decision's PDL switch. A weight prepared for FP8 compute (its meta's
-``fp8_compute``) runs the FP8 prefill linear from its row's M on.
+down with the decision's PDL switch. A weight prepared for FP8 compute (its meta, :mod:`.meta`)
+runs the FP8 prefill linear from its row's M on.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from quantdispatch.backends.base import (
     op_view,
 )
 from quantdispatch.backends.triton import dispatch, fp8_compute
+from quantdispatch.backends.triton.meta import fp8_compute_of_meta
 from quantdispatch.errors import InputError, format_error
 from quantdispatch.kernels.checkpoint_layout.dequant import dequant_fp4_rows, dequant_fp8_rows
 from quantdispatch.kernels.checkpoint_layout.fp8 import fp8_weight_only_linear
@@ -84,6 +85,7 @@ def _mma_layout(
         return fp8_prefill_linear_mma(
             x, words, scales, global_scale, fmt=fmt, bias=bias, recipe=fp8_compute.recipe_for(k),
             resident=_resident(tensors, meta), capability=facts.capability,
+            handoff=fp8_compute.handoff_in_use(),
         )  # fmt: skip
     if family is Family.MMA_GEMV:
         return mma_linear(x, words, scales, global_scale, bias)
@@ -118,7 +120,7 @@ def _checkpoint_fp4(
         return fp8_prefill_linear(
             x, packed, block_scale, global_scale, fmt=fmt, bias=bias,
             recipe=fp8_compute.recipe_for(k), resident=_resident(tensors, meta),
-            capability=facts.capability,
+            capability=facts.capability, handoff=fp8_compute.handoff_in_use(),
         )  # fmt: skip
     if family is Family.CHECKPOINT_TL_DOT:
         return fp4_linear(
@@ -136,7 +138,7 @@ def _checkpoint_fp4(
 def _resident(tensors: Sequence[torch.Tensor], meta: LayoutMeta):  # type: ignore[no-untyped-def]
     """The resident FP8 copy (the last two tensors) of a ``prefill-resident`` weight, else
     None (re-encoded per call)."""
-    if meta.fp8_compute != fp8_compute.RESIDENT:  # type: ignore[union-attr]
+    if fp8_compute_of_meta(meta) != fp8_compute.RESIDENT:
         return None
     return fp8_compute.resident_weight(tensors[-2], tensors[-1])
 
