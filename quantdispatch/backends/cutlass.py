@@ -18,7 +18,7 @@ stays on the triton backend. FP8 through CUTLASS is stated but not bound.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -31,7 +31,9 @@ from quantdispatch.backends.base import (
     LayoutMeta,
     LinearBinding,
     PreparedWeight,
+    op_view,
 )
+from quantdispatch.backends.prepared import named_tensors
 from quantdispatch.capability import (
     CUTLASS_NVFP4,
     CUTLASS_NVFP4_UNVERIFIED,
@@ -50,7 +52,24 @@ __all__ = ["NVFP4_MULTIPLE", "CutlassBackend"]
 
 #: K and N multiples the providers' NVFP4 GEMM checks ("Expected k / n to be divisible by 32").
 NVFP4_MULTIPLE = 32
-_NAMES = ("cutlass_weight", "cutlass_weight_scale", "cutlass_alpha", "cutlass_encode_scale")
+
+
+class CutlassTensors(NamedTuple):
+    """The prepared operands, in order (the field names are the layer's buffer names): packed
+    codes, swizzled e4m3 block scales, alpha and the activation encode scale."""
+
+    cutlass_weight: torch.Tensor
+    cutlass_weight_scale: torch.Tensor
+    cutlass_alpha: torch.Tensor
+    cutlass_encode_scale: torch.Tensor
+
+    @classmethod
+    def from_list(cls, tensors: Sequence[torch.Tensor]) -> CutlassTensors:
+        """The op's tensor list, named, with the codes and scales viewed as the GEMM takes."""
+        w, scale, alpha, encode = tensors
+        return cls(op_view(w, torch.uint8), op_view(scale, torch.float8_e4m3fn), alpha, encode)
+
+
 _NO_MOE = (
     "cutlass does not compute nvfp4 moe: no fused NVFP4 MoE kernel is bound: the providers "
     "ship grouped FP4 GEMMs and expert quantizers (sgl-kernel cutlass_fp4_group_mm, vLLM "
@@ -198,15 +217,17 @@ class CutlassBackend(Backend):
         device = weight.packed.device
         scale = activation_scale(input_scale=weight.input_scale, device=device)
         w_scale = swizzle_block_scales(weight.block_scale.view(torch.float8_e4m3fn))
-        tensors = (
-            weight.packed.contiguous(),
-            w_scale.reshape(swizzled_scale_shape(n, k // 16)),
-            gemm_alpha(scale.decode, weight.global_scale.to(device)),
-            scale.encode,
+        names, tensors = named_tensors(
+            CutlassTensors(
+                weight.packed.contiguous(),
+                w_scale.reshape(swizzled_scale_shape(n, k // 16)),
+                gemm_alpha(scale.decode, weight.global_scale.to(device)),
+                scale.encode,
+            )
         )
         index = fp4_providers.BINDINGS.index(status.binding)  # type: ignore[arg-type]
         return PreparedWeight(
-            _NAMES,
+            names,
             tensors,
             layout=Layout.CUTLASS_FP4,
             meta=CutlassFp4Meta(index),
@@ -238,17 +259,14 @@ class _CutlassLinear:
     def __init__(
         self, tensors: Sequence[torch.Tensor], bias: torch.Tensor | None, meta: object
     ) -> None:
-        from quantdispatch.backends.base import op_view
-
         assert isinstance(meta, CutlassFp4Meta), meta
         self.binding = binding = fp4_providers.BINDINGS[meta.binding]
         status = fp4_providers.active()
         if status is None or status.binding != binding:
             status = fp4_providers.Fp4ProviderStatus(binding.provider, None, binding)
         self.provider = fp4_providers.load(status)
-        self.w = op_view(tensors[0], torch.uint8)
-        self.w_scale = op_view(tensors[1], torch.float8_e4m3fn)
-        self.alpha, self.encode, self.bias = tensors[2], tensors[3], bias
+        self.w, self.w_scale, self.alpha, self.encode = CutlassTensors.from_list(tensors)
+        self.bias = bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         from quantdispatch.formats.nvfp4_act import (

@@ -13,7 +13,7 @@ grouped Marlin GEMM for both expert GEMMs (marlin_moe.py); routing and its weigh
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -37,6 +37,7 @@ from quantdispatch.backends.marlin_contract import (
     padded_shape,
     prepare_linear,
 )
+from quantdispatch.backends.prepared import named_tensors
 from quantdispatch.errors import BackendUnavailableError, InputError, format_error
 from quantdispatch.request import Op, Request
 
@@ -192,17 +193,12 @@ class MarlinBackend(Backend):
             fmt, weight.packed, weight.block_scale, g, act, self._repack(status.contract)
         )
         n, k = weight.shape
-        names = ["marlin_qweight", "marlin_scales"]
-        tensors = [t.qweight, t.scales]
-        if t.global_scale is not None:
-            names.append("marlin_global_scale")
-            tensors.append(t.global_scale)
-        names.append("marlin_workspace")
-        tensors.append(_workspace(weight.packed.device))
-        meta = MarlinMeta(_contract_index(status.contract.key), act, n, k, t.n_pad, t.k_pad)
-        return PreparedWeight(
-            tuple(names), tuple(tensors), Layout.MARLIN, meta, out_features=n, in_features=k
+        workspace = _workspace(weight.packed.device)
+        names, tensors = named_tensors(
+            MarlinTensors(t.qweight, t.scales, t.global_scale, workspace)
         )
+        meta = MarlinMeta(_contract_index(status.contract.key), act, n, k, t.n_pad, t.k_pad)
+        return PreparedWeight(names, tensors, Layout.MARLIN, meta, out_features=n, in_features=k)
 
     def linear(
         self,
@@ -293,6 +289,25 @@ class MarlinBackend(Backend):
         )
 
 
+class MarlinTensors(NamedTuple):
+    """A Marlin linear weight's tensors, in order (the field names are the layer's buffer
+    names): tile-ordered codes, scales in Marlin's encoding, NVFP4's global scale (MXFP4: none)
+    and the GEMM's workspace."""
+
+    marlin_qweight: torch.Tensor
+    marlin_scales: torch.Tensor
+    marlin_global_scale: torch.Tensor | None
+    marlin_workspace: torch.Tensor
+
+    @classmethod
+    def from_list(cls, tensors: Sequence[torch.Tensor], fmt: str) -> MarlinTensors:
+        """The op's tensor list, named, the scales viewed as the GEMM takes them."""
+        scale_dtype = torch.float8_e4m3fn if fmt == "nvfp4" else torch.float8_e8m0fnu
+        scales = op_view(tensors[1], scale_dtype)
+        global_scale = tensors[2] if fmt == "nvfp4" else None
+        return cls(tensors[0], scales, global_scale, tensors[-1])
+
+
 class _MarlinLinear:
     """One Marlin weight with its provider op, scale views and global scale looked up once; a
     call pads K where needed, runs the provider GEMM and adds the bias."""
@@ -302,10 +317,9 @@ class _MarlinLinear:
     ) -> None:
         assert isinstance(meta, MarlinMeta), meta
         self.row, self.meta, self.bias = providers.CONTRACTS[meta.contract], meta, bias
-        scale_dtype = torch.float8_e4m3fn if fmt == "nvfp4" else torch.float8_e8m0fnu
-        self.qweight, self.workspace = tensors[0], tensors[-1]
-        self.scales = op_view(tensors[1], scale_dtype)
-        self.global_scale = tensors[2] if fmt == "nvfp4" else None
+        named = MarlinTensors.from_list(tensors, fmt)
+        self.qweight, self.workspace = named.marlin_qweight, named.marlin_workspace
+        self.scales, self.global_scale = named.marlin_scales, named.marlin_global_scale
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         meta = self.meta

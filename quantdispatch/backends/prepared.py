@@ -34,6 +34,7 @@ __all__ = [
     "ScaledMmMeta",
     "decode_meta",
     "encode_meta",
+    "named_tensors",
     "register_meta",
 ]
 
@@ -236,6 +237,13 @@ def _decode(values: tuple[int, ...]) -> tuple[Layout, LayoutMeta]:
             "pass the layer's own meta (QuantLinear / QuantMoE keep it)",
         )
     )
+
+
+def named_tensors(named: tuple) -> tuple[tuple[str, ...], tuple[torch.Tensor, ...]]:
+    """(names, tensors) of a backend's NamedTuple of prepared tensors (its fields are the
+    buffer names, in the kernels' order); fields left None are not stored."""
+    pairs = [(f, t) for f, t in zip(named._fields, named, strict=True) if t is not None]  # type: ignore[attr-defined]
+    return tuple(f for f, _ in pairs), tuple(t for _, t in pairs)
 
 
 @dataclass(frozen=True)

@@ -141,7 +141,8 @@ class ReferenceBackend(Backend):
             fields["block_scale"] = op_view(fields["block_scale"], e4m3)
             return _trusted(Nvfp4Weight, **fields)
         if fmt == "mxfp4":
-            return _trusted(Mxfp4Weight, packed=tensors[0], block_scale=tensors[1])
+            names = ("packed", "block_scale")
+            return _trusted(Mxfp4Weight, **dict(zip(names, tensors, strict=False)))
         if fmt == "fp8":
             names = ("weight", "scale", "input_scale")
             fields = dict(zip(names, tensors, strict=False))

@@ -17,7 +17,7 @@ established either, so there it is taken only behind the first-use self-check.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from quantdispatch.backends.base import (
     Backend,
@@ -28,6 +28,7 @@ from quantdispatch.backends.base import (
     PreparedWeight,
     ScaledMmMeta,
 )
+from quantdispatch.backends.prepared import named_tensors
 from quantdispatch.capability import (
     FP4_MMA,
     FP8_MMA,
@@ -46,7 +47,22 @@ if TYPE_CHECKING:
     from quantdispatch.device import DeviceProfile
 
 
-_NVFP4_NAMES = ("fp4_weight", "fp4_weight_scale_swizzled", "fp4_alpha", "fp4_encode_scale")
+class Nvfp4Tensors(NamedTuple):
+    """A W4A4 NVFP4 weight as torch._scaled_mm takes it, in order (the field names are the
+    layer's buffer names): packed codes, swizzled e4m3 block scales, alpha, encode scale."""
+
+    fp4_weight: torch.Tensor
+    fp4_weight_scale_swizzled: torch.Tensor
+    fp4_alpha: torch.Tensor
+    fp4_encode_scale: torch.Tensor
+
+
+class Fp8Tensors(NamedTuple):
+    """A W8A8 FP8 weight (e4m3 [N, K], its scale, the checkpoint's static input scale if any)."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+    input_scale: torch.Tensor | None = None
 
 
 def _at_least(version: str | None, need: tuple[int, int]) -> bool:
@@ -186,14 +202,11 @@ class TorchScaledMMBackend(Backend):
         if not isinstance(weight, Fp8Weight) or weight.block_size is not None:
             return super().prepare(weight, request)
         w, scale = prepare_fp8_scaled_mm(weight.weight, weight.scale)
-        names, tensors = ["weight", "scale"], [w, scale]
-        if weight.input_scale is not None:
-            names.append("input_scale")
-            tensors.append(weight.input_scale)
+        names, tensors = named_tensors(Fp8Tensors(w, scale, weight.input_scale))
         n, k = weight.shape
         return PreparedWeight(
-            names=tuple(names),
-            tensors=tuple(tensors),
+            names=names,
+            tensors=tensors,
             layout=Layout.SCALED_MM,
             meta=ScaledMmMeta(),
             out_features=n,
@@ -230,11 +243,12 @@ def _scaled_mm_linear(tensors: Sequence[torch.Tensor], bias: torch.Tensor | None
             nvfp4_scaled_mm_linear,
         )
 
+        w = Nvfp4Tensors(*tensors)
         prepared = PreparedNvfp4ScaledMm(
-            weight_packed=op_view(tensors[0], torch.uint8),
-            weight_scale_swizzled=op_view(tensors[1], torch.float8_e4m3fn),
-            alpha=tensors[2],
-            encode_scale=tensors[3],
+            weight_packed=op_view(w.fp4_weight, torch.uint8),
+            weight_scale_swizzled=op_view(w.fp4_weight_scale_swizzled, torch.float8_e4m3fn),
+            alpha=w.fp4_alpha,
+            encode_scale=w.fp4_encode_scale,
         )
 
         def nvfp4(x: torch.Tensor) -> torch.Tensor:
@@ -243,9 +257,12 @@ def _scaled_mm_linear(tensors: Sequence[torch.Tensor], bias: torch.Tensor | None
 
         return nvfp4
 
-    weight = op_view(tensors[0], torch.float8_e4m3fn)
-    scale = tensors[1]
-    input_scale = tensors[2] if len(tensors) > 2 else None
+    named = Fp8Tensors(*tensors)
+    weight, scale, input_scale = (
+        op_view(named.weight, torch.float8_e4m3fn),
+        named.scale,
+        named.input_scale,
+    )
 
     def fp8(x: torch.Tensor) -> torch.Tensor:
         return fp8_scaled_mm_linear(x, weight, scale, input_scale=input_scale, bias=bias)
@@ -272,9 +289,11 @@ def _prepare_nvfp4(weight) -> PreparedWeight:
         weight.packed, weight.block_scale, weight.global_scale, input_scale=weight.input_scale
     )
     n, k = p.shape
-    tensors = (p.weight_packed, p.weight_scale_swizzled, p.alpha, p.encode_scale)
+    names, tensors = named_tensors(
+        Nvfp4Tensors(p.weight_packed, p.weight_scale_swizzled, p.alpha, p.encode_scale)
+    )
     return PreparedWeight(
-        names=_NVFP4_NAMES,
+        names=names,
         tensors=tensors,
         layout=Layout.SCALED_MM,
         meta=ScaledMmMeta(),

@@ -27,6 +27,7 @@ import torch
 
 from quantdispatch.backends.base import CheckpointMeta, Layout, PreparedWeight, op_view
 from quantdispatch.backends.triton.meta import with_fp8_compute
+from quantdispatch.backends.triton.tensors import linear_tensors
 from quantdispatch.capability import fmt_sm
 from quantdispatch.errors import WeightFormatError
 from quantdispatch.kernels.regimes import Fp8PrefillRegime, fp8_prefill_regime
@@ -160,18 +161,12 @@ def resident_weight(q: torch.Tensor, scale: torch.Tensor) -> PrefillWeight:
 
 def _build_resident(prepared: PreparedWeight, fmt: str, recipe: str) -> PrefillWeight:
     fp8p = _kernels()
-    t = prepared.tensors
     meta = prepared.meta
+    a, b, c = linear_tensors(prepared.tensors, fmt, prepared.layout, meta)  # type: ignore[misc]
     if prepared.layout is Layout.MMA16X64:
-        return fp8p.make_resident_mma(
-            t[0],
-            t[1],
-            t[2],
-            recipe=recipe,
-            act_dtype=meta.packed_for,  # type: ignore[union-attr]
-        )
-    gs = t[2] if fmt == "nvfp4" else None
-    return fp8p.make_resident(t[0], op_view(t[1], torch.uint8), gs, fmt=fmt, recipe=recipe)
+        act = meta.packed_for  # type: ignore[union-attr]
+        return fp8p.make_resident_mma(a, b, c, recipe=recipe, act_dtype=act)
+    return fp8p.make_resident(a, b, c, fmt=fmt, recipe=recipe)
 
 
 def add_fp8_compute(
@@ -193,7 +188,8 @@ def add_fp8_compute(
         from quantdispatch.formats.fp8_prefill import check_mx_exponents
 
         try:
-            check_mx_exponents(op_view(prepared.tensors[1], torch.uint8), "FP8 compute")
+            named = linear_tensors(prepared.tensors, fmt, prepared.layout, meta)
+            check_mx_exponents(named[1], "FP8 compute")
         except WeightFormatError as exc:
             logger.warning("quantdispatch: FP8 compute off for this %dx%d weight: %s", n, k, exc)
             return prepared

@@ -20,6 +20,7 @@ from quantdispatch.backends.base import (
 )
 from quantdispatch.backends.triton import dispatch
 from quantdispatch.backends.triton import fp8_compute as _fp8
+from quantdispatch.backends.triton.tensors import listed
 from quantdispatch.errors import WeightFormatError, format_error
 from quantdispatch.kernels.common.device_facts import device_facts
 from quantdispatch.request import Request
@@ -49,11 +50,11 @@ def prepare_linear(
         return _fp8.add_fp8_compute(prepared, fmt, request.act_dtype, cap, fp8_compute)
     if isinstance(weight, Fp8Weight):
         n, k = weight.shape
-        extra = () if weight.input_scale is None else (weight.input_scale,)
+        names, tensors = listed("fp8", (weight.weight, weight.scale), weight.input_scale)
         block = tuple(weight.block_size) if weight.block_size else None
         return PreparedWeight(
-            names=("weight", "scale", "input_scale")[: 2 + len(extra)],
-            tensors=(weight.weight, weight.scale, *extra),
+            names=names,
+            tensors=tensors,
             layout=Layout.CHECKPOINT,
             meta=CheckpointMeta(block_size=block),  # type: ignore[arg-type]
             out_features=n,
@@ -70,25 +71,18 @@ def _nvfp4(weight, request: Request) -> PreparedWeight:  # type: ignore[no-untyp
         from quantdispatch.kernels.mma_layout.layout import repack
 
         words, scales = repack(weight.packed, weight.block_scale.view(torch.uint8), act)
-        names = ["mma_words", "mma_scales", "global_scale"]
-        tensors = [words, scales, weight.global_scale]
-        if weight.input_scale is not None:
-            names.append("input_scale")
-            tensors.append(weight.input_scale)
+        names, tensors = listed("mma", (words, scales, weight.global_scale), weight.input_scale)
         return PreparedWeight(
-            names=tuple(names),
-            tensors=tuple(tensors),
+            names=names,
+            tensors=tensors,
             layout=Layout.MMA16X64,
             meta=Mma16x64Meta(act),
             out_features=n,
             in_features=k,
         )
-    names = ["packed", "block_scale", "global_scale"]
-    tensors = [weight.packed, weight.block_scale, weight.global_scale]
-    if weight.input_scale is not None:  # kept so the state dict keeps the checkpoint's
-        names.append("input_scale")
-        tensors.append(weight.input_scale)
-    return PreparedWeight(names=tuple(names), tensors=tuple(tensors), out_features=n, in_features=k)
+    leading = (weight.packed, weight.block_scale, weight.global_scale)
+    names, tensors = listed("nvfp4", leading, weight.input_scale)
+    return PreparedWeight(names=names, tensors=tensors, out_features=n, in_features=k)
 
 
 def _mxfp4(weight, request: Request) -> PreparedWeight:  # type: ignore[no-untyped-def]
@@ -103,9 +97,10 @@ def _mxfp4(weight, request: Request) -> PreparedWeight:  # type: ignore[no-untyp
         except WeightFormatError:  # scales too wide apart: the checkpoint layout
             pass
         else:
+            names, tensors = listed("mma", (words, scales, global_scale))
             return PreparedWeight(
-                names=("mma_words", "mma_scales", "global_scale"),
-                tensors=(words, scales, global_scale),
+                names=names,
+                tensors=tensors,
                 layout=Layout.MMA16X64,
                 meta=Mma16x64Meta(act),
                 out_features=n,
@@ -117,17 +112,19 @@ def _mxfp4(weight, request: Request) -> PreparedWeight:  # type: ignore[no-untyp
         codes, d = rebase_mx_scales_for_fp16(weight.packed, weight.block_scale)
         if d:  # scales outside fp16's exact range: rebased, 2^d in the fp32 epilogue
             factor = torch.tensor(2.0**d, dtype=torch.float32, device=device)
+            names, tensors = listed("mxfp4_rebased", (weight.packed, codes, factor))
             return PreparedWeight(
-                names=("packed", "block_scale_fp16_rebased", "rebase_factor"),
-                tensors=(weight.packed, codes, factor),
+                names=names,
+                tensors=tensors,
                 layout=Layout.CHECKPOINT,
                 meta=CheckpointMeta(fp16_rebased=True),
                 out_features=n,
                 in_features=k,
             )
+    names, tensors = listed("mxfp4", (weight.packed, weight.block_scale))
     return PreparedWeight(
-        names=("packed", "block_scale"),
-        tensors=(weight.packed, weight.block_scale),
+        names=names,
+        tensors=tensors,
         out_features=n,
         in_features=k,
     )

@@ -17,10 +17,10 @@ from quantdispatch.backends.base import (
     LayoutMeta,
     Mma16x64Meta,
     MoeCall,
-    op_view,
 )
 from quantdispatch.backends.triton import dispatch, fp8_compute
 from quantdispatch.backends.triton.meta import fp8_compute_of_meta
+from quantdispatch.backends.triton.tensors import Resident, linear_tensors
 from quantdispatch.errors import InputError, format_error
 from quantdispatch.kernels.checkpoint_layout.dequant import dequant_fp4_rows, dequant_fp8_rows
 from quantdispatch.kernels.checkpoint_layout.fp8 import fp8_weight_only_linear
@@ -70,7 +70,7 @@ def _mma_layout(
     pdl: bool,
     facts: DeviceFacts,
 ) -> torch.Tensor:
-    words, scales, global_scale = tensors[0], tensors[1], tensors[2]
+    words, scales, global_scale = linear_tensors(tensors, fmt, Layout.MMA16X64, meta)
     if x.dtype != meta.packed_for:
         raise InputError(
             format_error(
@@ -108,9 +108,7 @@ def _checkpoint_fp4(
     facts: DeviceFacts,
 ) -> torch.Tensor:
     scale_format = "e4m3" if fmt == "nvfp4" else "e8m0"
-    packed, block_scale = tensors[0], op_view(tensors[1], torch.uint8)
-    rebase = fmt == "mxfp4" and meta.fp16_rebased
-    global_scale = tensors[2] if fmt == "nvfp4" or rebase else None
+    packed, block_scale, global_scale = linear_tensors(tensors, fmt, Layout.CHECKPOINT, meta)
     # A rebased MXFP4 weight keeps the fused kernels at every M (its own row of the table):
     # their fp32 epilogue applies 2^d, where dequantized fp16 slabs would need it inside cuBLAS
     # (a host scalar, and fp16 partial sums of 2^|d| times the output when d < 0).
@@ -140,7 +138,7 @@ def _resident(tensors: Sequence[torch.Tensor], meta: LayoutMeta):  # type: ignor
     None (re-encoded per call)."""
     if fp8_compute_of_meta(meta) != fp8_compute.RESIDENT:
         return None
-    return fp8_compute.resident_weight(tensors[-2], tensors[-1])
+    return fp8_compute.resident_weight(*Resident.from_list(tensors))
 
 
 def _checkpoint_fp8(
@@ -150,7 +148,7 @@ def _checkpoint_fp8(
     meta: CheckpointMeta,
     facts: DeviceFacts,
 ) -> torch.Tensor:
-    weight, scale = op_view(tensors[0], torch.uint8), tensors[1]
+    weight, scale = linear_tensors(tensors, "fp8", Layout.CHECKPOINT, meta)
     block = meta.block_size
     n, k = weight.shape[0], x.shape[1]
     family = dispatch.linear_family("fp8", Layout.CHECKPOINT, meta, x.shape[0], n, k, facts)
