@@ -97,8 +97,6 @@ def parse_policy(data: dict[str, Any], source: str) -> Policy:
 
     formats = list(FORMATS)
     backends = backend_names()
-    ops = [o.value for o in Op]
-    entries: list[PolicyEntry] = []
     if not isinstance(data, dict):
         raise _fail(source, "<top>", "not a table", "a TOML file of [format] tables", "")
     version = data.get("version", SCHEMA_VERSION)
@@ -110,20 +108,8 @@ def parse_policy(data: dict[str, Any], source: str) -> Policy:
             f"this quantdispatch reads version {SCHEMA_VERSION}",
             f"set version = {SCHEMA_VERSION}",
         )
-    fp8_compute = None
-    if "fp8_compute" in data:
-        try:
-            fp8_compute = parse_fp8_compute(data["fp8_compute"], "fp8_compute")
-        except ValueError:
-            raise _fail(
-                source,
-                "fp8_compute",
-                f"unknown FP8 compute mode {data['fp8_compute']!r}",
-                f"valid values: {', '.join(FP8_COMPUTE_MODES)} (off: weight-only kernels at every "
-                "M; prefill: lossy FP8 compute, the weight re-encoded per call; "
-                "prefill-resident: on a resident FP8 copy)",
-                'write fp8_compute = "off" (or leave it out)',
-            ) from None
+    fp8_compute = _fp8_compute(data, source)
+    entries: list[PolicyEntry] = []
     for fmt, table in data.items():
         if fmt in ("version", "fp8_compute"):
             continue
@@ -135,64 +121,96 @@ def parse_policy(data: dict[str, Any], source: str) -> Policy:
                 f"valid formats: {', '.join(formats)} (and the keys 'version', 'fp8_compute')",
                 "rename or remove that table",
             )
-        if not isinstance(table, dict):
-            raise _fail(
-                source,
-                fmt,
-                f"expected a table of op = [backends], got {type(table).__name__}",
-                f"valid ops: {', '.join(ops)}",
-                f'write [{fmt}] then linear = ["triton", "reference"]',
-            )
-        for op, cands in table.items():
-            key = f"{fmt}.{op}"
-            if op not in ops:
-                raise _fail(
-                    source, key, "unknown op", f"valid ops: {', '.join(ops)}", "rename or remove it"
-                )
-            if not isinstance(cands, list) or not all(isinstance(c, str) for c in cands):
-                raise _fail(
-                    source,
-                    key,
-                    f"expected a list of backend names, got {cands!r}",
-                    f"valid backends: {', '.join(backends)}",
-                    f'write {op} = ["triton", "reference"]',
-                )
-            if not cands:
-                raise _fail(
-                    source,
-                    key,
-                    "empty list",
-                    "each entry lists at least one backend",
-                    'end every list with "reference", which runs everywhere',
-                )
-            names = [c.strip().lower() for c in cands]
-            unknown = [c for c in names if c not in backends]
-            if unknown:
-                raise _fail(
-                    source,
-                    key,
-                    f"unknown backend(s) {', '.join(map(repr, unknown))}",
-                    f"valid backends: {', '.join(backends)}",
-                    "fix the names",
-                )
-            dups = sorted({c for c in names if names.count(c) > 1})
-            if dups:
-                raise _fail(
-                    source,
-                    key,
-                    f"duplicate backend(s) {', '.join(map(repr, dups))}",
-                    "each backend appears once per list",
-                    "remove the repeats",
-                )
-            entries.append(
-                PolicyEntry(format=fmt, op=Op(op), candidates=tuple(names), source=source)
-            )
+        entries += _format_entries(fmt, table, source, backends)
     return Policy(
         entries=tuple(entries),
         sources=(source,),
         fp8_compute=fp8_compute,
         fp8_compute_source=None if fp8_compute is None else source,
     )
+
+
+def _fp8_compute(data: dict[str, Any], source: str) -> str | None:
+    """The file's top-level ``fp8_compute`` (the triton backend's option), None if absent."""
+    if "fp8_compute" not in data:
+        return None
+    try:
+        return parse_fp8_compute(data["fp8_compute"], "fp8_compute")
+    except ValueError:
+        raise _fail(
+            source,
+            "fp8_compute",
+            f"unknown FP8 compute mode {data['fp8_compute']!r}",
+            f"valid values: {', '.join(FP8_COMPUTE_MODES)} (off: weight-only kernels at every "
+            "M; prefill: lossy FP8 compute, the weight re-encoded per call; "
+            "prefill-resident: on a resident FP8 copy)",
+            'write fp8_compute = "off" (or leave it out)',
+        ) from None
+
+
+def _format_entries(fmt: str, table: object, source: str, backends: list[str]) -> list[PolicyEntry]:
+    """The entries of one ``[format]`` table: op = [backends]."""
+    ops = [o.value for o in Op]
+    if not isinstance(table, dict):
+        raise _fail(
+            source,
+            fmt,
+            f"expected a table of op = [backends], got {type(table).__name__}",
+            f"valid ops: {', '.join(ops)}",
+            f'write [{fmt}] then linear = ["triton", "reference"]',
+        )
+    entries = []
+    for op, cands in table.items():
+        key = f"{fmt}.{op}"
+        if op not in ops:
+            raise _fail(
+                source, key, "unknown op", f"valid ops: {', '.join(ops)}", "rename or remove it"
+            )
+        names = _candidates(key, op, cands, source, backends)
+        entries.append(PolicyEntry(format=fmt, op=Op(op), candidates=names, source=source))
+    return entries
+
+
+def _candidates(
+    key: str, op: str, cands: object, source: str, backends: list[str]
+) -> tuple[str, ...]:
+    """One op's list of backend names, checked: names known, none twice, at least one."""
+    if not isinstance(cands, list) or not all(isinstance(c, str) for c in cands):
+        raise _fail(
+            source,
+            key,
+            f"expected a list of backend names, got {cands!r}",
+            f"valid backends: {', '.join(backends)}",
+            f'write {op} = ["triton", "reference"]',
+        )
+    if not cands:
+        raise _fail(
+            source,
+            key,
+            "empty list",
+            "each entry lists at least one backend",
+            'end every list with "reference", which runs everywhere',
+        )
+    names = [c.strip().lower() for c in cands]
+    unknown = [c for c in names if c not in backends]
+    if unknown:
+        raise _fail(
+            source,
+            key,
+            f"unknown backend(s) {', '.join(map(repr, unknown))}",
+            f"valid backends: {', '.join(backends)}",
+            "fix the names",
+        )
+    dups = sorted({c for c in names if names.count(c) > 1})
+    if dups:
+        raise _fail(
+            source,
+            key,
+            f"duplicate backend(s) {', '.join(map(repr, dups))}",
+            "each backend appears once per list",
+            "remove the repeats",
+        )
+    return tuple(names)
 
 
 def _read_toml(text: str, source: str) -> dict[str, Any]:

@@ -17,8 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from quantdispatch.backends import get_backend
-from quantdispatch.backends.base import Backend, KernelRange
+from quantdispatch.backends import get_facts
+from quantdispatch.backends.facts import BackendFacts, KernelRange
 from quantdispatch.device import DeviceProfile
 from quantdispatch.errors import BackendUnavailableError, ConfigurationError, format_error
 from quantdispatch.policy import Policy
@@ -79,8 +79,8 @@ class Decision:
 
     def kernel_ranges(self, *, top_k: int | None = None) -> tuple[KernelRange, ...]:
         """The kernel family the chosen backend runs for each range of M, on this device."""
-        backend = get_backend(self.backend)
-        return backend.kernel_ranges(
+        facts = get_facts(self.backend)
+        return facts.kernel_ranges(
             self.request, self.device, top_k=top_k, pdl=self.pdl, options=self.options
         )
 
@@ -91,8 +91,8 @@ class Decision:
     def option_facts(self) -> dict[str, Any]:
         """What the chosen backend's options add to this decision's report (e.g. the bytes
         of an opt-in resident copy); empty: nothing."""
-        backend = get_backend(self.backend)
-        return backend.option_facts(self.request, self.device, self.options)
+        facts = get_facts(self.backend)
+        return facts.option_facts(self.request, self.device, self.options)
 
     def kernel_for(self, m: int, *, top_k: int | None = None) -> KernelRange:
         """The kernel family a call with ``m`` rows runs (the trace down to the kernel)."""
@@ -108,12 +108,11 @@ class Decision:
     def unverified(self) -> str | None:
         """Why the chosen backend runs here only once its first-use self-check passes (None: it
         runs without that condition)."""
-        hook = getattr(get_backend(self.backend), "unverified_reason", None)
-        return hook(self.request, self.device) if callable(hook) else None
+        return get_facts(self.backend).unverified_reason(self.request, self.device)
 
     def kernel_summary(self) -> str:
         """One short line: the kernel families the chosen backend runs for this request."""
-        return get_backend(self.backend).kernel_summary(self.request, self.device)
+        return get_facts(self.backend).kernel_summary(self.request, self.device)
 
     def summary(self) -> str:
         """One log line: which kernel runs and why."""
@@ -139,10 +138,14 @@ class Decision:
 
 
 def _note(
-    backend: Backend, request: Request, profile: DeviceProfile, settings: Settings, policy: Policy
+    facts: BackendFacts,
+    request: Request,
+    profile: DeviceProfile,
+    settings: Settings,
+    policy: Policy,
 ) -> str:
     """A candidate's accepted note under its own options."""
-    return backend.accepted_note(request, profile, backend.options(settings, policy))
+    return facts.accepted_note(request, profile, facts.options(settings, policy))
 
 
 def resolve(
@@ -189,7 +192,7 @@ def _resolve(
     chosen: str | None = None
     chosen_reason = ""
     for name in entry.candidates:
-        backend = get_backend(name)
+        backend = get_facts(name)
         if name in settings.disable:
             trace.append(Candidate(name, False, f"disabled by {ENV_PREFIX}DISABLE"))
             continue
@@ -222,7 +225,7 @@ def _resolve(
         forced_by=None,
         policy_source=entry.source,
         pdl=settings.pdl,
-        options=get_backend(chosen).options(settings, policy),
+        options=get_facts(chosen).options(settings, policy),
     )
 
 
@@ -236,7 +239,7 @@ def _resolve_forced(
     forced: Force,
 ) -> Decision:
     name, by = forced.backend, forced.by
-    backend = get_backend(name)
+    backend = get_facts(name)
     why_not = backend.explain_unsupported(request, profile)
     if why_not is not None:
         raise forced_error(request, profile, settings, candidates, forced, why_not)

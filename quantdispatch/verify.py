@@ -60,7 +60,7 @@ class VerifyResult:
 def verify(formats: Sequence[str] | None = None) -> list[VerifyResult]:
     """Check every runnable backend on this machine; returns one result per (backend, shape)."""
     from quantdispatch.api import load_settings, select
-    from quantdispatch.backends import get_backend
+    from quantdispatch.backends import get_facts
     from quantdispatch.device import device_profile
     from quantdispatch.formats import FORMATS, get_format
     from quantdispatch.layers import QuantLinear
@@ -85,7 +85,7 @@ def verify(formats: Sequence[str] | None = None) -> list[VerifyResult]:
                         {}, backend={fmt: backend}, self_check="off", fp8_compute="off"
                     )
                     layer = QuantLinear(weight, act_dtype=act, device=device, settings=forced)
-                    native = not get_backend(backend).weight_only
+                    native = not get_facts(backend).weight_only
                     ref = linear_reference64(fmt, weight, x, emulate=native)
                     out = layer(x.to(device))
                     err = rel_error(out, ref)
@@ -134,7 +134,7 @@ def verify_fp8(
     """Check FP8 compute (``modes``) on this machine: the triton backend's NVFP4 / MXFP4 linear
     (N, K = FP8_NK) at the first M of its FP8 range, per activation dtype. Returns the results
     and, for what could not run here, why (``profile`` / ``device``: tests simulate a GPU)."""
-    from quantdispatch.backends import get_backend
+    from quantdispatch.backends import get_facts
     from quantdispatch.device import device_profile
     from quantdispatch.formats import get_format
     from quantdispatch.request import ACT_DTYPES, Request, Scheme
@@ -151,7 +151,7 @@ def verify_fp8(
     for fmt in [f for f in names if f in ("nvfp4", "mxfp4")]:
         for act_name, act in ACT_DTYPES.items():
             request = Request.make(fmt, "linear", act, Scheme.WEIGHT_ONLY, n=n, k=k)
-            why = get_backend("triton").explain_unsupported(request, profile)  # type: ignore[arg-type]
+            why = get_facts("triton").explain_unsupported(request, profile)  # type: ignore[arg-type]
             if why is not None:
                 skipped.append(f"{fmt} {act_name}: triton cannot run here: {why}")
                 continue

@@ -25,6 +25,7 @@ import torch
 from quantdispatch.backends import fp4_providers
 from quantdispatch.backends.base import (
     Backend,
+    BackendFacts,
     BoundLinear,
     CutlassFp4Meta,
     Layout,
@@ -46,9 +47,10 @@ from quantdispatch.errors import CheckpointError, format_error
 from quantdispatch.request import Op, Request, Scheme
 
 if TYPE_CHECKING:
+    from quantdispatch.checkpoints import QuantWeight
     from quantdispatch.device import DeviceProfile
 
-__all__ = ["NVFP4_MULTIPLE", "CutlassBackend"]
+__all__ = ["NVFP4_MULTIPLE", "CutlassBackend", "CutlassFacts"]
 
 #: K and N multiples the providers' NVFP4 GEMM checks ("Expected k / n to be divisible by 32").
 NVFP4_MULTIPLE = 32
@@ -78,15 +80,15 @@ _NO_MOE = (
 )
 
 
-class CutlassBackend(Backend):
+class CutlassFacts(BackendFacts):
+    """What the cutlass backend runs, by the NVFP4 GEMM provider detected in this process."""
+
     name = "cutlass"
     title = "CUTLASS native FP4 tensor-core GEMM from sgl-kernel / vLLM (quantized activations)"
     supports = {"nvfp4": frozenset({Op.LINEAR}), "fp8": frozenset({Op.LINEAR})}
     implemented = {"nvfp4": frozenset({Op.LINEAR})}
     provider = None  # detected by fp4_providers (package metadata, or vLLM's registered library)
     weight_only = False
-
-    # -- facts --------------------------------------------------------------------------------
 
     def unsupported_reasons(self, request: Request, profile: DeviceProfile) -> list[str]:
         if request.format == "nvfp4" and request.op is Op.MOE:
@@ -182,12 +184,15 @@ class CutlassBackend(Backend):
         status = fp4_providers.active()
         return f"{status.name} {status.version}" if status is not None else "no provider"
 
-    # -- life cycle ---------------------------------------------------------------------------
 
-    def prepare(
-        self, weight: object, request: Request, *, options: object = None
+class CutlassBackend(Backend):
+    """The cutlass backend's life cycle: the provider's operands at load, its GEMM per call."""
+
+    facts = CutlassFacts()
+
+    def prepare_linear(
+        self, weight: QuantWeight, request: Request, options: object
     ) -> PreparedWeight:
-        from quantdispatch.formats import Nvfp4Weight
         from quantdispatch.formats.nvfp4_act import (
             activation_scale,
             gemm_alpha,
@@ -195,8 +200,8 @@ class CutlassBackend(Backend):
             swizzled_scale_shape,
         )
 
-        if not isinstance(weight, Nvfp4Weight) or request.scheme is not Scheme.WEIGHT_ACT:
-            return super().prepare(weight, request)
+        if request.scheme is not Scheme.WEIGHT_ACT:
+            self.cannot_prepare(request)
         if weight.input_scale is None:
             raise CheckpointError(
                 format_error(

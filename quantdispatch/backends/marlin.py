@@ -20,6 +20,7 @@ import torch
 from quantdispatch.backends import marlin_providers as providers
 from quantdispatch.backends.base import (
     Backend,
+    BackendFacts,
     BoundLinear,
     CheckpointMeta,
     Layout,
@@ -39,14 +40,15 @@ from quantdispatch.backends.marlin_contract import (
 )
 from quantdispatch.backends.prepared import named_tensors
 from quantdispatch.errors import BackendUnavailableError, InputError, format_error
+from quantdispatch.formats import get_format
 from quantdispatch.request import Op, Request
 
 if TYPE_CHECKING:
+    from quantdispatch.checkpoints import QuantWeight
     from quantdispatch.device import DeviceProfile
 
-__all__ = ["MarlinBackend"]
+__all__ = ["MarlinBackend", "MarlinFacts"]
 
-_GROUP = {"nvfp4": 16, "mxfp4": 32}
 
 
 def _contract_index(key: str) -> int:
@@ -62,7 +64,9 @@ def _workspace(device: torch.device) -> torch.Tensor:
     return torch.zeros(sms * 4, dtype=torch.int32, device=device)
 
 
-class MarlinBackend(Backend):
+class MarlinFacts(BackendFacts):
+    """What the marlin backend runs, by the provider detected in this process."""
+
     name = "marlin"
     title = (
         "Marlin weight-only GEMM from the engine's own library (FP4 weights, 16-bit activations)"
@@ -75,8 +79,6 @@ class MarlinBackend(Backend):
     provider = None  # detected by marlin_providers (package metadata or load_library)
     weight_only = True
 
-    # -- facts --------------------------------------------------------------------------------
-
     def device_reasons(self, request: Request, profile: DeviceProfile) -> list[str]:
         gpu = self.gpu_reasons(profile)
         if gpu:
@@ -85,7 +87,7 @@ class MarlinBackend(Backend):
 
     def shape_reasons(self, request: Request) -> list[str]:
         k = request.k
-        group = _GROUP.get(request.format, 16)
+        group = get_format(request.format).group_size or 16
         if request.op is Op.MOE:
             if k is not None and moe_padded_intermediate(1, k) is None:
                 return [f"hidden size H={k} is not a multiple of 64 (Marlin MoE tiles need it)"]
@@ -134,8 +136,9 @@ class MarlinBackend(Backend):
         ns, op = row.ops["moe" if request.op is Op.MOE else "gemm"]
         parts = [f"{status.name} {status.version} {ns}::{op}"]
         n, k = request.n, request.k
-        if request.op is Op.LINEAR and n and k and request.format in _GROUP:
-            np_, kp = padded_shape(n, k, _GROUP[request.format])
+        group = get_format(request.format).group_size
+        if request.op is Op.LINEAR and n and k and group:
+            np_, kp = padded_shape(n, k, group)
             grown = [f"{d} {a}->{b}" for d, a, b in (("N", n, np_), ("K", k, kp)) if a != b]
             if grown:
                 parts.append(f"pads {', '.join(grown)} with zeros to Marlin's tiles")
@@ -146,7 +149,16 @@ class MarlinBackend(Backend):
         parts.append(row.gpu_verified or "contract from provider sources, not yet GPU-verified")
         return "; ".join(parts)
 
-    # -- life cycle ---------------------------------------------------------------------------
+    def selfcheck_identity(self, profile: DeviceProfile) -> str:
+        """The provider it detects itself (vLLM / sgl-kernel, not a profile field)."""
+        status = providers.active()
+        return f"{status.name} {status.version}" if status is not None else "no provider"
+
+
+class MarlinBackend(Backend):
+    """The marlin backend's life cycle: the provider's repack at load, its GEMMs per call."""
+
+    facts = MarlinFacts()
 
     def _provider(self, roles: tuple[str, ...]) -> providers.ProviderStatus:
         status = providers.active()
@@ -177,18 +189,14 @@ class MarlinBackend(Backend):
 
         return repack
 
-    def prepare(
-        self, weight: object, request: Request, *, options: object = None
+    def prepare_linear(
+        self, weight: QuantWeight, request: Request, options: object
     ) -> PreparedWeight:
-        from quantdispatch.formats import Mxfp4Weight, Nvfp4Weight
-
-        if not isinstance(weight, (Nvfp4Weight, Mxfp4Weight)):
-            return super().prepare(weight, request)
         status = self._provider(("gemm", "repack"))
         assert status.contract is not None
         fmt = request.format
         act = request.act_dtype
-        g = weight.global_scale if isinstance(weight, Nvfp4Weight) else None
+        g = weight.global_scale if fmt == "nvfp4" else None  # type: ignore[union-attr]
         t = prepare_linear(
             fmt, weight.packed, weight.block_scale, g, act, self._repack(status.contract)
         )

@@ -19,6 +19,7 @@ import torch
 
 from quantdispatch.backends.base import (
     Backend,
+    BackendFacts,
     CheckpointMeta,
     Layout,
     LayoutMeta,
@@ -28,9 +29,10 @@ from quantdispatch.backends.base import (
 from quantdispatch.request import Op, Request, Scheme
 
 if TYPE_CHECKING:
+    from quantdispatch.checkpoints import QuantWeight
     from quantdispatch.device import DeviceProfile
 
-__all__ = ["CHUNK_ELEMENTS", "ReferenceBackend", "fake_quantize_fp8_activations"]
+__all__ = ["CHUNK_ELEMENTS", "ReferenceBackend", "ReferenceFacts", "fake_quantize_fp8_activations"]
 
 #: Weights dequantized per chunk (2M: 8 MiB as fp32). Peak extra memory ~ 4x that (32 MiB).
 CHUNK_ELEMENTS = 2**21
@@ -61,7 +63,9 @@ def _trusted(cls: type, **fields: Any) -> Any:
     return obj
 
 
-class ReferenceBackend(Backend):
+class ReferenceFacts(BackendFacts):
+    """The reference backend runs every format and op, on any device."""
+
     name = "reference"
     title = "plain torch, weight dequantized in bounded chunks (correct everywhere, slow)"
     supports = {
@@ -79,20 +83,24 @@ class ReferenceBackend(Backend):
     def device_reasons(self, request: Request, profile: DeviceProfile) -> list[str]:
         return []
 
-    # -- life cycle ---------------------------------------------------------------------------
+
+class ReferenceBackend(Backend):
+    """The reference backend's life cycle: the canonical tensors as they are, dequantized in
+    bounded chunks per call."""
+
+    facts = ReferenceFacts()
 
     def prepare(
         self,
-        weight: object,
+        weight: QuantWeight,
         request: Request,
         *,
-        emulate_activations: bool = False,
         options: object = None,
+        emulate_activations: bool = False,
     ) -> PreparedWeight:
-        from quantdispatch.formats import Fp8Weight, Mxfp4Weight, Nvfp4Weight
-
-        if not isinstance(weight, (Nvfp4Weight, Mxfp4Weight, Fp8Weight)):
-            return super().prepare(weight, request)
+        """The canonical tensors; ``emulate_activations``: quantize activations as a native
+        W4A4 / W8A8 kernel would (the layer's flag, for W4A4 / W8A8 checkpoints)."""
+        self.check_weight(weight, request)
         if emulate_activations and request.scheme is not Scheme.WEIGHT_ACT:
             from quantdispatch.errors import ConfigurationError, format_error
 
@@ -104,7 +112,7 @@ class ReferenceBackend(Backend):
                 )
             )
         tensors = {k: v for k, v in weight.tensors().items() if v is not None}
-        if isinstance(weight, Nvfp4Weight) and emulate_activations and "input_scale" not in tensors:
+        if request.format == "nvfp4" and emulate_activations and "input_scale" not in tensors:
             from quantdispatch.errors import CheckpointError, format_error
 
             raise CheckpointError(
@@ -114,7 +122,7 @@ class ReferenceBackend(Backend):
                     "load the checkpoint's input_scale / input_global_scale with the weight",
                 )
             )
-        block = weight.block_size if isinstance(weight, Fp8Weight) else None
+        block = weight.block_size if request.format == "fp8" else None  # type: ignore[union-attr]
         meta = CheckpointMeta(
             block_size=tuple(block) if block is not None else None,  # type: ignore[arg-type]
             emulate_activations=emulate_activations,

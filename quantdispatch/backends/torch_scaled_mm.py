@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from quantdispatch.backends.base import (
     Backend,
+    BackendFacts,
     BoundLinear,
     Layout,
     LayoutMeta,
@@ -44,6 +45,7 @@ from quantdispatch.request import Op, Request, Scheme
 if TYPE_CHECKING:
     import torch
 
+    from quantdispatch.checkpoints import QuantWeight
     from quantdispatch.device import DeviceProfile
 
 
@@ -82,7 +84,9 @@ def _cuda_at_least(version: str | None, need: tuple[int, int]) -> bool:
     return _at_least(version, need)
 
 
-class TorchScaledMMBackend(Backend):
+class TorchScaledMMFacts(BackendFacts):
+    """What the torch backend runs: this torch build's torch._scaled_mm on this GPU."""
+
     name = "torch"
     title = "torch._scaled_mm native tensor-core GEMM (quantized activations)"
     supports = {"fp8": frozenset({Op.LINEAR}), "nvfp4": frozenset({Op.LINEAR})}
@@ -190,17 +194,21 @@ class TorchScaledMMBackend(Backend):
                 reasons.append(f"{label}={value} is not a multiple of 16 (cuBLASLt FP8 rule)")
         return reasons
 
-    def prepare(
-        self, weight: object, request: Request, *, options: object = None
+
+class TorchScaledMMBackend(Backend):
+    """The torch backend's life cycle: operands as torch._scaled_mm takes them, once."""
+
+    facts = TorchScaledMMFacts()
+
+    def prepare_linear(
+        self, weight: QuantWeight, request: Request, options: object
     ) -> PreparedWeight:
-        from quantdispatch.formats import Nvfp4Weight
-        from quantdispatch.formats.fp8 import Fp8Weight
         from quantdispatch.kernels.native.scaled_mm import prepare_fp8_scaled_mm
 
-        if isinstance(weight, Nvfp4Weight) and request.scheme is Scheme.WEIGHT_ACT:
+        if request.format == "nvfp4" and request.scheme is Scheme.WEIGHT_ACT:
             return _prepare_nvfp4(weight)
-        if not isinstance(weight, Fp8Weight) or weight.block_size is not None:
-            return super().prepare(weight, request)
+        if request.format != "fp8" or weight.block_size is not None:  # type: ignore[union-attr]
+            self.cannot_prepare(request)
         w, scale = prepare_fp8_scaled_mm(weight.weight, weight.scale)
         names, tensors = named_tensors(Fp8Tensors(w, scale, weight.input_scale))
         n, k = weight.shape

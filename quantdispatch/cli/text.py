@@ -196,10 +196,10 @@ def _summary(d) -> str:
 
 def _as_weight_only(d) -> str:
     """ " as W4A16" where a weight-only backend runs a checkpoint that quantizes activations."""
-    from quantdispatch.backends import get_backend
+    from quantdispatch.backends import get_facts
     from quantdispatch.request import Scheme
 
-    if get_backend(d.backend).weight_only and d.request.scheme is Scheme.WEIGHT_ACT:
+    if get_facts(d.backend).weight_only and d.request.scheme is Scheme.WEIGHT_ACT:
         return f" as {d.request.scheme_label.split('A')[0]}A16"
     return ""
 

@@ -20,10 +20,12 @@ triton), :mod:`.bind` (the bound call path: the same launchers, built once per w
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from quantdispatch.backends.base import (
+    Backend,
     BoundLinear,
     BoundMoe,
     CheckpointMeta,
@@ -37,27 +39,24 @@ from quantdispatch.backends.base import (
 from quantdispatch.backends.triton import prepare as _prepare
 from quantdispatch.backends.triton.facts import TritonFacts
 from quantdispatch.backends.triton.options import TritonOptions
-from quantdispatch.request import Op, Request
+from quantdispatch.request import Request
 
-__all__ = ["TritonBackend"]
+if TYPE_CHECKING:
+    from quantdispatch.checkpoints import QuantWeight
 
-_ALL = frozenset({Op.LINEAR, Op.MOE})
+__all__ = ["TritonBackend", "TritonFacts"]
 
 
-class TritonBackend(TritonFacts):
-    name = "triton"
-    title = "quantdispatch Triton weight-only GEMM (weights dequantized in registers)"
-    supports = {"nvfp4": _ALL, "mxfp4": _ALL, "fp8": _ALL}
-    implemented = {"nvfp4": _ALL, "mxfp4": _ALL, "fp8": _ALL}
-    provider = "triton"
-    weight_only = True
+class TritonBackend(Backend):
+    """The triton backend's life cycle (its facts: :class:`.facts.TritonFacts`)."""
 
-    def prepare(
-        self, weight: object, request: Request, *, options: object = None
+    facts = TritonFacts()
+
+    def prepare_linear(
+        self, weight: QuantWeight, request: Request, options: object
     ) -> PreparedWeight:
         mode = (options if isinstance(options, TritonOptions) else TritonOptions()).fp8_compute
-        prepared = _prepare.prepare_linear(weight, request, mode)
-        return prepared if prepared is not None else super().prepare(weight, request)
+        return _prepare.prepare_linear(weight, request, mode)
 
     def prepare_moe(
         self,

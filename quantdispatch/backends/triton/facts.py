@@ -9,11 +9,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from quantdispatch.backends.base import Backend, KernelRange, Layout
+from quantdispatch.backends.facts import BackendFacts, KernelRange
+from quantdispatch.backends.prepared import Layout
 from quantdispatch.backends.triton import dispatch
 from quantdispatch.backends.triton import fp8_compute as _fp8
 from quantdispatch.backends.triton.options import TritonOptions, options_of
 from quantdispatch.errors import ConfigurationError, format_error
+from quantdispatch.formats import get_format
+from quantdispatch.formats.mxfp4 import FP16_MX_EXPONENTS
+from quantdispatch.kernels.mma_layout.layout import CHUNK_K, MX_SCALE_SPAN, TILE_N
 from quantdispatch.kernels.regimes import (
     LINEAR_REGIMES,
     MMA_LAYOUT_MOE,
@@ -31,14 +35,11 @@ if TYPE_CHECKING:
 
 __all__ = ["TritonFacts"]
 
-_GROUP = {"nvfp4": 16, "mxfp4": 32}
-#: The mma16x64 layout's granules: 16-row tiles, 64-column chunks (kernels/mma_layout/layout.py).
-MMA_TILE_ROWS, MMA_CHUNK_COLS = 16, 64
-
 _CHECKPOINT_LAYOUT_TEXT = (
     "tl.dot kernels on the checkpoint layout; large M: dequantized slabs + cuBLAS"
 )
-_MX_SPAN_TEXT = "weights whose block scales span <= 18 binades"
+#: The MXFP4 weights the mma16x64 layout takes (the rest keep the checkpoint layout).
+_MX_SPAN_TEXT = f"weights whose block scales span <= {MX_SCALE_SPAN} binades"
 
 
 def _mode(options: object) -> str:
@@ -92,8 +93,18 @@ def _fp4_ranges_text(mma_top: str, gemm_top: str | None, facts: DeviceFacts) -> 
     return text + "; larger M: dequantized slabs + cuBLAS"
 
 
-class TritonFacts(Backend):
+_ALL = frozenset({Op.LINEAR, Op.MOE})
+
+
+class TritonFacts(BackendFacts):
     """The triton backend's facts: device and shape rules, doctor's words, kernel ranges."""
+
+    name = "triton"
+    title = "quantdispatch Triton weight-only GEMM (weights dequantized in registers)"
+    supports = {"nvfp4": _ALL, "mxfp4": _ALL, "fp8": _ALL}
+    implemented = {"nvfp4": _ALL, "mxfp4": _ALL, "fp8": _ALL}
+    provider = "triton"
+    weight_only = True
 
     def device_reasons(self, request: Request, profile: DeviceProfile) -> list[str]:
         gpu = self.gpu_reasons(profile)
@@ -102,7 +113,7 @@ class TritonFacts(Backend):
         return self.min_sm_reasons(profile, request, fp16_min=(7, 5), bf16_min=(8, 0))
 
     def shape_reasons(self, request: Request) -> list[str]:
-        group = _GROUP.get(request.format)
+        group = get_format(request.format).group_size
         if group and request.k is not None and request.k % group != 0:
             return [f"K={request.k} is not a multiple of the {request.format} group size {group}"]
         return []
@@ -131,9 +142,10 @@ class TritonFacts(Backend):
             return None
         text = self._fp4_linear_text(request, profile)
         if request.format == "mxfp4" and request.act_dtype == torch.float16:
+            lo, hi = FP16_MX_EXPONENTS
             text += (
-                "; fp16 on the checkpoint layout: a weight whose block scales leave "
-                "2^-23..2^13 is rebased at load (2^d in the fused kernels' fp32 epilogue, "
+                f"; fp16 on the checkpoint layout: a weight whose block scales leave "
+                f"2^{lo}..2^{hi} is rebased at load (2^d in the fused kernels' fp32 epilogue, "
                 "which it then runs at every M)"
             )
         return text
@@ -147,9 +159,11 @@ class TritonFacts(Backend):
             f"{row.dequant.min_tokens_per_expert}+ tokens per expert on experts of "
             f"2^{row.dequant.min_expert_elements.bit_length() - 1}+ elements"
         )
-        spans = " whose scales span <= 18 binades" if request.format == "mxfp4" else ""
+        spans = (
+            f" whose scales span <= {MX_SCALE_SPAN} binades" if request.format == "mxfp4" else ""
+        )
         text = (
-            f"gated layers with I and H multiples of 64{spans}: experts repacked once "
+            f"gated layers with I and H multiples of {CHUNK_K}{spans}: experts repacked once "
             f"(mma16x64, same bytes); {few} tokens per expert: mma.sync kernels with PTX "
             "decode (the top-k sum inside the down kernel where each pair has its own "
             "expert); more: a grouped tl.dot GEMM decoding the same weight"
@@ -186,7 +200,7 @@ class TritonFacts(Backend):
         """The kernel ranges of an FP4 linear whose shape is not given (doctor without
         ``--shape``): the rules by weight size, not one made-up shape's answer."""
         cap, fmt = profile.capability, request.format
-        granule = (MMA_TILE_ROWS, MMA_CHUNK_COLS)
+        granule = (TILE_N, CHUNK_K)
         if dispatch.linear_layout(fmt, *granule, request.act_dtype, cap) is not Layout.MMA16X64:
             return _CHECKPOINT_LAYOUT_TEXT
         facts = dispatch.facts_for(profile)
@@ -208,7 +222,7 @@ class TritonFacts(Backend):
             big = f"for weights {row.large.describe()}"
             mma = Family.MMA_GEMV
             text = _fp4_ranges_text(f"{_top(row, mma)} ({_top(row, mma, True)} {big})", None, facts)
-        where = f"N a multiple of {MMA_TILE_ROWS} and K of {MMA_CHUNK_COLS}"
+        where = f"N a multiple of {TILE_N} and K of {CHUNK_K}"
         if fmt == "mxfp4":
             where = f"{_MX_SPAN_TEXT}, {where}"
         return (
@@ -227,7 +241,7 @@ class TritonFacts(Backend):
     ) -> tuple[KernelRange, ...]:
         """Linear: needs the request's N and K. MoE: needs ``top_k``, the request's experts,
         N = I and K = H (gated experts assumed). The layout and meta are the ones prepare gives
-        such a weight (MXFP4: scales within 18 binades, and within fp16's range in fp16),
+        such a weight (MXFP4: scales within the layout's span, and fp16's range in fp16),
         the options' FP8 compute included where it applies (:func:`.fp8_compute.mode_for`)."""
         if request.op is Op.MOE:
             return self._moe_ranges(request, profile, top_k, pdl)

@@ -32,35 +32,32 @@ def _capability(device: torch.device) -> tuple[int, int] | None:
     return device_facts(device).capability
 
 
-def prepare_linear(
-    weight: object, request: Request, fp8_compute: str = "off"
-) -> PreparedWeight | None:
-    """The backend's tensors for an NVFP4 / MXFP4 / FP8 weight (None: not one of those);
-    ``fp8_compute``: the options' FP8 compute mode (FP4 weights)."""
-    from quantdispatch.formats.fp8 import Fp8Weight
-    from quantdispatch.formats.mxfp4 import Mxfp4Weight
-    from quantdispatch.formats.nvfp4 import Nvfp4Weight
+def prepare_linear(weight, request: Request, fp8_compute: str = "off") -> PreparedWeight:  # type: ignore[no-untyped-def]
+    """The backend's tensors for the NVFP4 / MXFP4 / FP8 weight of ``request``'s format
+    (checked by ``Backend.check_weight``); ``fp8_compute``: the options' FP8 compute mode (FP4
+    weights)."""
+    fmt = request.format
+    if fmt == "fp8":
+        return _fp8_weight(weight)
+    prepared = _nvfp4(weight, request) if fmt == "nvfp4" else _mxfp4(weight, request)
+    if fp8_compute == _fp8.OFF:
+        return prepared
+    cap = _capability(weight.packed.device)
+    return _fp8.add_fp8_compute(prepared, fmt, request.act_dtype, cap, fp8_compute)
 
-    if isinstance(weight, (Nvfp4Weight, Mxfp4Weight)):
-        fmt = "nvfp4" if isinstance(weight, Nvfp4Weight) else "mxfp4"
-        prepared = _nvfp4(weight, request) if fmt == "nvfp4" else _mxfp4(weight, request)
-        if fp8_compute == _fp8.OFF:
-            return prepared
-        cap = _capability(weight.packed.device)
-        return _fp8.add_fp8_compute(prepared, fmt, request.act_dtype, cap, fp8_compute)
-    if isinstance(weight, Fp8Weight):
-        n, k = weight.shape
-        names, tensors = listed("fp8", (weight.weight, weight.scale), weight.input_scale)
-        block = tuple(weight.block_size) if weight.block_size else None
-        return PreparedWeight(
-            names=names,
-            tensors=tensors,
-            layout=Layout.CHECKPOINT,
-            meta=CheckpointMeta(block_size=block),  # type: ignore[arg-type]
-            out_features=n,
-            in_features=k,
-        )
-    return None
+
+def _fp8_weight(weight) -> PreparedWeight:  # type: ignore[no-untyped-def]
+    n, k = weight.shape
+    names, tensors = listed("fp8", (weight.weight, weight.scale), weight.input_scale)
+    block = tuple(weight.block_size) if weight.block_size else None
+    return PreparedWeight(
+        names=names,
+        tensors=tensors,
+        layout=Layout.CHECKPOINT,
+        meta=CheckpointMeta(block_size=block),  # type: ignore[arg-type]
+        out_features=n,
+        in_features=k,
+    )
 
 
 def _nvfp4(weight, request: Request) -> PreparedWeight:  # type: ignore[no-untyped-def]
