@@ -155,20 +155,10 @@ class Backend(ABC):
         are."""
         return PreparedMoe(tuple(names), tuple(w13), tuple(w2), Layout.CHECKPOINT, meta)
 
-    def linear(
-        self,
-        x: torch.Tensor,
-        tensors: Sequence[torch.Tensor],
-        bias: torch.Tensor | None,
-        fmt: str,
-        layout: Layout,
-        meta: LayoutMeta,
-        *,
-        pdl: bool = True,
-    ) -> torch.Tensor:
-        """y = x @ W.T (+ bias) for 2-D x [M, K] and a weight prepared in ``layout`` with
-        ``meta``; returns [M, N] in x.dtype. ``pdl``: kernels may use programmatic dependent
-        launches (the decision's Settings.pdl)."""
+    def linear(self, x: torch.Tensor, w: LinearBinding) -> torch.Tensor:
+        """y = x @ W.T (+ bias) for 2-D x [M, K] and the prepared weight ``w`` (its tensors,
+        bias, format, layout and meta; ``pdl``: kernels may use programmatic dependent launches,
+        the decision's Settings.pdl); returns [M, N] in x.dtype. The custom op's body, per call."""
         raise BackendUnavailableError(
             format_error(f"backend {self.name} has no linear kernel", "not implemented yet", "")
         )
@@ -181,7 +171,7 @@ class Backend(ABC):
         linear = self.linear
 
         def run(x: torch.Tensor) -> torch.Tensor:
-            return linear(x, w.tensors, w.bias, w.fmt, w.layout, w.meta, pdl=w.pdl)
+            return linear(x, w)
 
         return BoundLinear(((None, run),), (self.name,))
 

@@ -29,7 +29,6 @@ from quantdispatch.backends.base import (
     BoundLinear,
     CutlassFp4Meta,
     Layout,
-    LayoutMeta,
     LinearBinding,
     PreparedWeight,
     op_view,
@@ -240,18 +239,8 @@ class CutlassBackend(Backend):
             in_features=k,
         )
 
-    def linear(
-        self,
-        x: torch.Tensor,
-        tensors: Sequence[torch.Tensor],
-        bias: torch.Tensor | None,
-        fmt: str,
-        layout: Layout,
-        meta: LayoutMeta,
-        *,
-        pdl: bool = True,
-    ) -> torch.Tensor:
-        return _CutlassLinear(tensors, bias, meta)(x)
+    def linear(self, x: torch.Tensor, w: LinearBinding) -> torch.Tensor:
+        return _CutlassLinear(w.tensors, w.bias, w.meta)(x)
 
     def bind_linear(self, w: LinearBinding) -> BoundLinear:
         return BoundLinear(((None, _CutlassLinear(w.tensors, w.bias, w.meta)),), (self.name,))

@@ -24,7 +24,6 @@ from quantdispatch.backends.base import (
     BoundLinear,
     CheckpointMeta,
     Layout,
-    LayoutMeta,
     LinearBinding,
     MarlinMeta,
     MoeCall,
@@ -48,7 +47,6 @@ if TYPE_CHECKING:
     from quantdispatch.device import DeviceProfile
 
 __all__ = ["MarlinBackend", "MarlinFacts"]
-
 
 
 def _contract_index(key: str) -> int:
@@ -208,18 +206,8 @@ class MarlinBackend(Backend):
         meta = MarlinMeta(_contract_index(status.contract.key), act, n, k, t.n_pad, t.k_pad)
         return PreparedWeight(names, tensors, Layout.MARLIN, meta, out_features=n, in_features=k)
 
-    def linear(
-        self,
-        x: torch.Tensor,
-        tensors: Sequence[torch.Tensor],
-        bias: torch.Tensor | None,
-        fmt: str,
-        layout: Layout,
-        meta: LayoutMeta,
-        *,
-        pdl: bool = True,
-    ) -> torch.Tensor:
-        return _MarlinLinear(tensors, bias, fmt, meta)(x)
+    def linear(self, x: torch.Tensor, w: LinearBinding) -> torch.Tensor:
+        return _MarlinLinear(w.tensors, w.bias, w.fmt, w.meta)(x)
 
     def bind_linear(self, w: LinearBinding) -> BoundLinear:
         return BoundLinear(((None, _MarlinLinear(w.tensors, w.bias, w.fmt, w.meta)),), (self.name,))

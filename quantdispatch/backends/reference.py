@@ -22,7 +22,7 @@ from quantdispatch.backends.base import (
     BackendFacts,
     CheckpointMeta,
     Layout,
-    LayoutMeta,
+    LinearBinding,
     MoeCall,
     PreparedWeight,
 )
@@ -158,19 +158,10 @@ class ReferenceBackend(Backend):
             return _trusted(Fp8Weight, block_size=meta.block_size, **fields)
         raise ValueError(f"reference backend: unknown format {fmt!r}")
 
-    def linear(
-        self,
-        x: torch.Tensor,
-        tensors: Sequence[torch.Tensor],
-        bias: torch.Tensor | None,
-        fmt: str,
-        layout: Layout,
-        meta: LayoutMeta,
-        *,
-        pdl: bool = True,
-    ) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, w: LinearBinding) -> torch.Tensor:
+        meta, fmt, bias = w.meta, w.fmt, w.bias
         assert isinstance(meta, CheckpointMeta), meta  # prepare keeps the checkpoint layout
-        weight = self.weight_object(fmt, tensors, meta)
+        weight = self.weight_object(fmt, w.tensors, meta)
         emulate = meta.emulate_activations
         if emulate and fmt == "nvfp4":
             return _keep_non_finite(_w4a4_matmul(x, weight, bias), x).to(x.dtype)

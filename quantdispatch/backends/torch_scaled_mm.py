@@ -24,7 +24,6 @@ from quantdispatch.backends.base import (
     BackendFacts,
     BoundLinear,
     Layout,
-    LayoutMeta,
     LinearBinding,
     PreparedWeight,
     ScaledMmMeta,
@@ -221,18 +220,8 @@ class TorchScaledMMBackend(Backend):
             in_features=k,
         )
 
-    def linear(
-        self,
-        x: torch.Tensor,
-        tensors: Sequence[torch.Tensor],
-        bias: torch.Tensor | None,
-        fmt: str,
-        layout: Layout,
-        meta: LayoutMeta,
-        *,
-        pdl: bool = True,
-    ) -> torch.Tensor:
-        return _scaled_mm_linear(tensors, bias, fmt)(x)
+    def linear(self, x: torch.Tensor, w: LinearBinding) -> torch.Tensor:
+        return _scaled_mm_linear(w.tensors, w.bias, w.fmt)(x)
 
     def bind_linear(self, w: LinearBinding) -> BoundLinear:
         return BoundLinear(((None, _scaled_mm_linear(w.tensors, w.bias, w.fmt)),), (self.name,))

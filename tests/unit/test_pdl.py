@@ -125,9 +125,9 @@ def test_layers_pass_their_decisions_pdl_to_the_backend(monkeypatch, pdl):
     real_linear = reference_backend.ReferenceBackend.linear
     real_moe = reference_backend.ReferenceBackend.moe
 
-    def linear(self, *args, pdl=True):
-        seen.append(pdl)
-        return real_linear(self, *args, pdl=pdl)
+    def linear(self, x, w):
+        seen.append(w.pdl)
+        return real_linear(self, x, w)
 
     def moe(self, call):
         seen.append(call.pdl)

@@ -29,8 +29,6 @@ from quantdispatch.backends.base import (
     BoundLinear,
     BoundMoe,
     CheckpointMeta,
-    Layout,
-    LayoutMeta,
     LinearBinding,
     MoeCall,
     PreparedMoe,
@@ -70,20 +68,10 @@ class TritonBackend(Backend):
     ) -> PreparedMoe:
         return _prepare.prepare_moe(w13, w2, names, meta, request, gated=gated)
 
-    def linear(
-        self,
-        x: torch.Tensor,
-        tensors: Sequence[torch.Tensor],
-        bias: torch.Tensor | None,
-        fmt: str,
-        layout: Layout,
-        meta: LayoutMeta,
-        *,
-        pdl: bool = True,
-    ) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, w: LinearBinding) -> torch.Tensor:
         from quantdispatch.backends.triton import run
 
-        return run.linear(x, tensors, bias, fmt, layout, meta, pdl)
+        return run.linear(x, w.tensors, w.bias, w.fmt, w.layout, w.meta, w.pdl)
 
     def bind_linear(self, w: LinearBinding) -> BoundLinear:
         from quantdispatch.backends.triton.bind import bind_linear
