@@ -169,15 +169,6 @@ class CutlassFacts(BackendFacts):
             "they run here only if they are family builds, which the wheels do not show"
         )
 
-    def accepted_note(
-        self, request: Request, profile: DeviceProfile, options: object = None
-    ) -> str:
-        note = super().accepted_note(request, profile, options)
-        unverified = self.unverified_reason(request, profile)
-        if unverified:
-            note += f"; accepted only behind the first-use self-check: {unverified}"
-        return note
-
     def selfcheck_identity(self, profile: DeviceProfile) -> str:
         """The NVFP4 provider and version (the self-check's cache key)."""
         status = fp4_providers.active()

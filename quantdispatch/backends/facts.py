@@ -11,7 +11,7 @@ decision without reading them, and hands them back to that backend only.
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import ABC
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -70,6 +70,9 @@ class BackendFacts(ABC):
     """Optional kernel library it needs (a name from ``quantdispatch.device.PROVIDERS``)."""
     weight_only: ClassVar[bool] = True
     """True if activations stay 16-bit (serves W4A16 and, saying so, W4A4 checkpoints)."""
+    min_sm: ClassVar[tuple[tuple[int, int], tuple[int, int]] | None] = None
+    """A weight-only kernel's minimum SM with fp16 and with bf16 activations (newer SMs run
+    it too); None: its ``device_reasons`` state the rules."""
 
     def explain_unsupported(self, request: Request, profile: DeviceProfile) -> str | None:
         """None if this backend can run ``request`` on ``profile``, else every reason why not."""
@@ -126,9 +129,23 @@ class BackendFacts(ABC):
         """One short line naming the kernel families this backend runs for ``request``."""
         return self.variant(request, profile) or self.title
 
-    @abstractmethod
     def device_reasons(self, request: Request, profile: DeviceProfile) -> list[str]:
-        """Why the device (SM, dtype support, CUDA build) rules this backend out, if it does."""
+        """Why the device (SM, dtype support, CUDA build) rules this backend out, if it does.
+        Default: a CUDA GPU this torch drives, from :attr:`min_sm` on where that is set."""
+        gpu = self.gpu_reasons(profile)
+        if gpu or self.min_sm is None:
+            return gpu
+        return self.min_sm_reasons(profile, request, *self.min_sm)
+
+    @staticmethod
+    def group_reasons(request: Request) -> list[str]:
+        """K must hold whole scale groups of the request's format."""
+        from quantdispatch.formats import get_format
+
+        group, k = get_format(request.format).group_size, request.k
+        if group and k is not None and k % group != 0:
+            return [f"K={k} is not a multiple of the {request.format} group size {group}"]
+        return []
 
     def scheme_reasons(self, request: Request) -> list[str]:
         if not self.weight_only and request.scheme is Scheme.WEIGHT_ONLY:
@@ -165,6 +182,9 @@ class BackendFacts(ABC):
                 f"; runs the {request.scheme_label} checkpoint weight-only: activations stay "
                 f"{request.act_name}, not quantized (close to, not bit-equal with, a native run)"
             )
+        unverified = self.unverified_reason(request, profile)
+        if unverified:
+            note += f"; accepted only behind the first-use self-check: {unverified}"
         return note
 
     def unverified_reason(self, request: Request, profile: DeviceProfile) -> str | None:

@@ -76,23 +76,15 @@ class MarlinFacts(BackendFacts):
     }
     provider = None  # detected by marlin_providers (package metadata or load_library)
     weight_only = True
-
-    def device_reasons(self, request: Request, profile: DeviceProfile) -> list[str]:
-        gpu = self.gpu_reasons(profile)
-        if gpu:
-            return gpu
-        return self.min_sm_reasons(profile, request, fp16_min=(7, 5), bf16_min=(8, 0))
+    min_sm = ((7, 5), (8, 0))  # no bf16 tensor cores before Ampere
 
     def shape_reasons(self, request: Request) -> list[str]:
         k = request.k
-        group = get_format(request.format).group_size or 16
         if request.op is Op.MOE:
             if k is not None and moe_padded_intermediate(1, k) is None:
                 return [f"hidden size H={k} is not a multiple of 64 (Marlin MoE tiles need it)"]
             return []
-        if k is not None and k % group:
-            return [f"K={k} is not a multiple of the {request.format} group size {group}"]
-        return []
+        return self.group_reasons(request)
 
     def unsupported_reasons(self, request: Request, profile: DeviceProfile) -> list[str]:
         reasons = super().unsupported_reasons(request, profile)

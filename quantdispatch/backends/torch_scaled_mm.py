@@ -155,15 +155,6 @@ class TorchScaledMMFacts(BackendFacts):
             "alpha and bias in fp32"
         )
 
-    def accepted_note(
-        self, request: Request, profile: DeviceProfile, options: object = None
-    ) -> str:
-        note = super().accepted_note(request, profile, options)
-        unverified = self.unverified_reason(request, profile)
-        if unverified:
-            note += f"; accepted only behind the first-use self-check: {unverified}"
-        return note
-
     def selfcheck_identity(self, profile: DeviceProfile) -> str:
         """The kernel provider for the self-check's cache key: this torch build's cuBLASLt."""
         return f"torch {profile.torch_version}"

@@ -15,7 +15,6 @@ from quantdispatch.backends.triton import dispatch
 from quantdispatch.backends.triton import fp8_compute as _fp8
 from quantdispatch.backends.triton.options import TritonOptions, options_of
 from quantdispatch.errors import ConfigurationError, format_error
-from quantdispatch.formats import get_format
 from quantdispatch.formats.mxfp4 import FP16_MX_EXPONENTS
 from quantdispatch.kernels.mma_layout.layout import CHUNK_K, MX_SCALE_SPAN, TILE_N
 from quantdispatch.kernels.regimes import (
@@ -105,18 +104,10 @@ class TritonFacts(BackendFacts):
     implemented = {"nvfp4": _ALL, "mxfp4": _ALL, "fp8": _ALL}
     provider = "triton"
     weight_only = True
-
-    def device_reasons(self, request: Request, profile: DeviceProfile) -> list[str]:
-        gpu = self.gpu_reasons(profile)
-        if gpu:
-            return gpu
-        return self.min_sm_reasons(profile, request, fp16_min=(7, 5), bf16_min=(8, 0))
+    min_sm = ((7, 5), (8, 0))  # no bf16 tensor cores before Ampere
 
     def shape_reasons(self, request: Request) -> list[str]:
-        group = get_format(request.format).group_size
-        if group and request.k is not None and request.k % group != 0:
-            return [f"K={request.k} is not a multiple of the {request.format} group size {group}"]
-        return []
+        return self.group_reasons(request)
 
     def variant(self, request: Request, profile: DeviceProfile) -> str | None:
         if request.format == "fp8" and request.op is Op.LINEAR:

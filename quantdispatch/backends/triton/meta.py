@@ -25,30 +25,32 @@ __all__ = ["Fp8CheckpointMeta", "Fp8Mma16x64Meta", "fp8_compute_of_meta", "with_
 OFF = FP8_COMPUTE_MODES[0]
 
 
-def _check(meta: Fp8CheckpointMeta | Fp8Mma16x64Meta) -> None:
-    if meta.fp8_compute not in FP8_COMPUTE_MODES:
-        raise ConfigurationError(
-            format_error(
-                f"{type(meta).__name__}(fp8_compute={meta.fp8_compute!r})",
-                f"a weight's FP8 compute mode is one of {', '.join(FP8_COMPUTE_MODES)}",
-                "pass the mode the backend prepared the weight for",
+class _Fp8Mode:
+    """What both metas of a weight prepared for FP8 compute do with their mode."""
+
+    fp8_compute: str
+
+    def __post_init__(self) -> None:
+        if self.fp8_compute not in FP8_COMPUTE_MODES:
+            raise ConfigurationError(
+                format_error(
+                    f"{type(self).__name__}(fp8_compute={self.fp8_compute!r})",
+                    f"a weight's FP8 compute mode is one of {', '.join(FP8_COMPUTE_MODES)}",
+                    "pass the mode the backend prepared the weight for",
+                )
             )
-        )
+
+    def layer_note(self) -> str:
+        return f", fp8_compute={self.fp8_compute}"
 
 
 @dataclass(frozen=True)
-class Fp8CheckpointMeta(CheckpointMeta):
+class Fp8CheckpointMeta(_Fp8Mode, CheckpointMeta):
     """The checkpoint layout with FP8 compute: ``fp8_compute`` is ``prefill`` (the FP4 weight
     re-encoded per call) or ``prefill-resident`` (its resident FP8 copy is the last two
     tensors, :data:`.fp8_compute.RESIDENT_NAMES`)."""
 
     fp8_compute: str = OFF
-
-    def __post_init__(self) -> None:
-        _check(self)
-
-    def layer_note(self) -> str:
-        return f", fp8_compute={self.fp8_compute}"
 
     def to_ints(self) -> list[int]:
         return [*super().to_ints(), FP8_COMPUTE_MODES.index(self.fp8_compute)]
@@ -60,16 +62,10 @@ class Fp8CheckpointMeta(CheckpointMeta):
 
 
 @dataclass(frozen=True)
-class Fp8Mma16x64Meta(Mma16x64Meta):
+class Fp8Mma16x64Meta(_Fp8Mode, Mma16x64Meta):
     """The mma16x64 layout with FP8 compute (``fp8_compute``: as :class:`Fp8CheckpointMeta`'s)."""
 
     fp8_compute: str = OFF
-
-    def __post_init__(self) -> None:
-        _check(self)
-
-    def layer_note(self) -> str:
-        return f", fp8_compute={self.fp8_compute}"
 
     def to_ints(self) -> list[int]:
         return [dtype_code(self.packed_for), FP8_COMPUTE_MODES.index(self.fp8_compute)]

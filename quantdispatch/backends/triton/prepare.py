@@ -20,7 +20,7 @@ from quantdispatch.backends.base import (
 )
 from quantdispatch.backends.triton import dispatch
 from quantdispatch.backends.triton import fp8_compute as _fp8
-from quantdispatch.backends.triton.tensors import listed
+from quantdispatch.backends.triton.tensors import prepared
 from quantdispatch.errors import WeightFormatError, format_error
 from quantdispatch.kernels.common.device_facts import device_facts
 from quantdispatch.request import Request
@@ -47,17 +47,10 @@ def prepare_linear(weight, request: Request, fp8_compute: str = "off") -> Prepar
 
 
 def _fp8_weight(weight) -> PreparedWeight:  # type: ignore[no-untyped-def]
-    n, k = weight.shape
-    names, tensors = listed("fp8", (weight.weight, weight.scale), weight.input_scale)
     block = tuple(weight.block_size) if weight.block_size else None
-    return PreparedWeight(
-        names=names,
-        tensors=tensors,
-        layout=Layout.CHECKPOINT,
-        meta=CheckpointMeta(block_size=block),  # type: ignore[arg-type]
-        out_features=n,
-        in_features=k,
-    )
+    meta = CheckpointMeta(block_size=block)  # type: ignore[arg-type]
+    leading = (weight.weight, weight.scale)
+    return prepared("fp8", leading, meta, weight.shape, weight.input_scale)
 
 
 def _nvfp4(weight, request: Request) -> PreparedWeight:  # type: ignore[no-untyped-def]
@@ -68,18 +61,10 @@ def _nvfp4(weight, request: Request) -> PreparedWeight:  # type: ignore[no-untyp
         from quantdispatch.kernels.mma_layout.layout import repack
 
         words, scales = repack(weight.packed, weight.block_scale.view(torch.uint8), act)
-        names, tensors = listed("mma", (words, scales, weight.global_scale), weight.input_scale)
-        return PreparedWeight(
-            names=names,
-            tensors=tensors,
-            layout=Layout.MMA16X64,
-            meta=Mma16x64Meta(act),
-            out_features=n,
-            in_features=k,
-        )
+        leading = (words, scales, weight.global_scale)
+        return prepared("mma", leading, Mma16x64Meta(act), (n, k), weight.input_scale)
     leading = (weight.packed, weight.block_scale, weight.global_scale)
-    names, tensors = listed("nvfp4", leading, weight.input_scale)
-    return PreparedWeight(names=names, tensors=tensors, out_features=n, in_features=k)
+    return prepared("nvfp4", leading, CheckpointMeta(), (n, k), weight.input_scale)
 
 
 def _mxfp4(weight, request: Request) -> PreparedWeight:  # type: ignore[no-untyped-def]
@@ -94,37 +79,16 @@ def _mxfp4(weight, request: Request) -> PreparedWeight:  # type: ignore[no-untyp
         except WeightFormatError:  # scales too wide apart: the checkpoint layout
             pass
         else:
-            names, tensors = listed("mma", (words, scales, global_scale))
-            return PreparedWeight(
-                names=names,
-                tensors=tensors,
-                layout=Layout.MMA16X64,
-                meta=Mma16x64Meta(act),
-                out_features=n,
-                in_features=k,
-            )
+            return prepared("mma", (words, scales, global_scale), Mma16x64Meta(act), (n, k))
     if act == torch.float16:
         from quantdispatch.formats.mxfp4 import rebase_mx_scales_for_fp16
 
         codes, d = rebase_mx_scales_for_fp16(weight.packed, weight.block_scale)
         if d:  # scales outside fp16's exact range: rebased, 2^d in the fp32 epilogue
             factor = torch.tensor(2.0**d, dtype=torch.float32, device=device)
-            names, tensors = listed("mxfp4_rebased", (weight.packed, codes, factor))
-            return PreparedWeight(
-                names=names,
-                tensors=tensors,
-                layout=Layout.CHECKPOINT,
-                meta=CheckpointMeta(fp16_rebased=True),
-                out_features=n,
-                in_features=k,
-            )
-    names, tensors = listed("mxfp4", (weight.packed, weight.block_scale))
-    return PreparedWeight(
-        names=names,
-        tensors=tensors,
-        out_features=n,
-        in_features=k,
-    )
+            meta = CheckpointMeta(fp16_rebased=True)
+            return prepared("mxfp4_rebased", (weight.packed, codes, factor), meta, (n, k))
+    return prepared("mxfp4", (weight.packed, weight.block_scale), CheckpointMeta(), (n, k))
 
 
 def prepare_moe(

@@ -14,7 +14,13 @@ from typing import NamedTuple
 
 import torch
 
-from quantdispatch.backends.base import CheckpointMeta, Layout, LayoutMeta, op_view
+from quantdispatch.backends.base import (
+    CheckpointMeta,
+    Layout,
+    LayoutMeta,
+    PreparedWeight,
+    op_view,
+)
 
 __all__ = [
     "Fp4Tensors",
@@ -22,7 +28,7 @@ __all__ = [
     "MmaTensors",
     "Resident",
     "linear_tensors",
-    "listed",
+    "prepared",
 ]
 
 Tensor = torch.Tensor
@@ -101,13 +107,18 @@ def linear_tensors(
     return Fp4Tensors(tensors[0], op_view(tensors[1], torch.uint8), global_scale)
 
 
-def listed(
-    kind: str, leading: Sequence[Tensor], input_scale: Tensor | None = None
-) -> tuple[tuple[str, ...], tuple[Tensor, ...]]:
-    """(names, tensors) of a prepared weight of ``kind`` (:data:`NAMES`), with the
-    checkpoint's ``input_scale`` after them where it has one."""
+def prepared(
+    kind: str,
+    leading: Sequence[Tensor],
+    meta: LayoutMeta,
+    shape: tuple[int, int],
+    input_scale: Tensor | None = None,
+) -> PreparedWeight:
+    """The prepared N x K weight of ``kind`` (:data:`NAMES`) in ``meta``'s layout, with the
+    checkpoint's ``input_scale`` after its tensors where it has one."""
     names, tensors = NAMES[kind], tuple(leading)
     assert len(names) == len(tensors), (kind, len(tensors))
-    if input_scale is None:
-        return names, tensors
-    return (*names, "input_scale"), (*tensors, input_scale)
+    if input_scale is not None:
+        names, tensors = (*names, "input_scale"), (*tensors, input_scale)
+    n, k = shape
+    return PreparedWeight(names, tensors, meta.layout, meta, out_features=n, in_features=k)
