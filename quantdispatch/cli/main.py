@@ -49,6 +49,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"quantdispatch {__version__}")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
     doc = sub.add_parser("doctor", help="explain the device and every decision")
+    _doctor_arguments(doc)
+    pre = sub.add_parser("presets", help="list the GPU presets --device accepts")
+    ver = sub.add_parser("verify", help="run every runnable backend here against the reference")
+    ver.add_argument("--format", action="append", dest="formats", metavar="F")
+    ver.add_argument("--json", action="store_true")
+    ver.add_argument(
+        "--fp8-compute",
+        action="store_true",
+        help="also check FP8 compute (lossy; both modes), in its own section with its own "
+        "bounds (default: only when QUANTDISPATCH_FP8_COMPUTE or the policy turns it on)",
+    )
+    parser.commands = {"doctor": doc, "presets": pre, "verify": ver}
+    return parser
+
+
+def _doctor_arguments(doc: argparse.ArgumentParser) -> None:
+    """``doctor``'s options."""
     doc.add_argument("--device", help="simulate a preset GPU (see 'quantdispatch presets')")
     doc.add_argument(
         "--format",
@@ -112,18 +129,6 @@ def build_parser() -> argparse.ArgumentParser:
     doc.add_argument(
         "--matrix", action="store_true", help="chosen backend for every preset x format x op"
     )
-    pre = sub.add_parser("presets", help="list the GPU presets --device accepts")
-    ver = sub.add_parser("verify", help="run every runnable backend here against the reference")
-    ver.add_argument("--format", action="append", dest="formats", metavar="F")
-    ver.add_argument("--json", action="store_true")
-    ver.add_argument(
-        "--fp8-compute",
-        action="store_true",
-        help="also check FP8 compute (lossy; both modes), in its own section with its own "
-        "bounds (default: only when QUANTDISPATCH_FP8_COMPUTE or the policy turns it on)",
-    )
-    parser.commands = {"doctor": doc, "presets": pre, "verify": ver}
-    return parser
 
 
 def _weight_shape(text: str) -> tuple[int, int]:

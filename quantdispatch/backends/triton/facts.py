@@ -111,7 +111,7 @@ class TritonFacts(BackendFacts):
 
     def variant(self, request: Request, profile: DeviceProfile) -> str | None:
         if request.format == "fp8" and request.op is Op.LINEAR:
-            from quantdispatch.kernels.common.configs import SMALL_M_MAX
+            from quantdispatch.kernels.common.configs import SMALL_M_MAX, WIDE_N_MIN
 
             row = _row("fp8", "checkpoint", SmFamily.ANY)
             assert row.large is not None
@@ -121,7 +121,7 @@ class TritonFacts(BackendFacts):
             return (
                 "W8A16: a tl.dot kernel with K split inside each program or a tiled one, per "
                 f"shape and M from the tuned table or the heuristics (these split up to M = "
-                f"{SMALL_M_MAX} below 16384 rows); from M = {first + 1} "
+                f"{SMALL_M_MAX} below {WIDE_N_MIN} rows); from M = {first + 1} "
                 f"({first_large + 1} for weights {row.large.describe()}): "
                 "dequantized slabs + cuBLAS"
             )
