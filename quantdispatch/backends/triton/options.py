@@ -39,8 +39,9 @@ def fp8_compute_of(settings: Settings, policy: Policy) -> tuple[str, str]:
     override) where set, else the policy file's ``fp8_compute``, else off."""
     if settings.fp8_compute_by is not None:
         return settings.fp8_compute, settings.fp8_compute_by
-    if policy.fp8_compute is not None:
-        return policy.fp8_compute, f"fp8_compute in {policy.fp8_compute_source}"
+    found = policy.option("fp8_compute")
+    if found is not None:
+        return found[0], f"fp8_compute in {found[1]}"
     return FP8_COMPUTE_MODES[0], "default"
 
 
