@@ -6,7 +6,7 @@ are its facts (:mod:`.facts`), a separate object the resolver reads.
 from __future__ import annotations
 
 from abc import ABC
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, ClassVar, NoReturn
 
 import torch
@@ -158,22 +158,22 @@ class Backend(ABC):
     def linear(self, x: torch.Tensor, w: LinearBinding) -> torch.Tensor:
         """y = x @ W.T (+ bias) for 2-D x [M, K] and the prepared weight ``w`` (its tensors,
         bias, format, layout and meta; ``pdl``: kernels may use programmatic dependent launches,
-        the decision's Settings.pdl); returns [M, N] in x.dtype. The custom op's body, per call."""
+        the decision's Settings.pdl); returns [M, N] in x.dtype. The custom op's body, per call.
+        Default: :meth:`make_linear`'s callable, made for this call."""
+        return self.make_linear(w)(x)
+
+    def make_linear(self, w: LinearBinding) -> Callable[[torch.Tensor], torch.Tensor]:
+        """x -> y for the prepared weight ``w`` with its per-weight work (operand views, the
+        provider's op) done once: a backend with one kernel family per weight says only this."""
         raise BackendUnavailableError(
             format_error(f"backend {self.name} has no linear kernel", "not implemented yet", "")
         )
 
     def bind_linear(self, w: LinearBinding) -> BoundLinear:
         """The bound call path of one prepared weight (:mod:`.bound`): made once, then called
-        with x [M, K] for what :meth:`linear` computes, the same bits. Default: :meth:`linear`
-        with every other argument bound; backends override it to make the per-call work (meta,
-        regime lookup, launch arguments) once."""
-        linear = self.linear
-
-        def run(x: torch.Tensor) -> torch.Tensor:
-            return linear(x, w)
-
-        return BoundLinear(((None, run),), (self.name,))
+        with x [M, K] for what :meth:`linear` computes, the same bits. Default: one step, the
+        :meth:`make_linear` callable; backends with regime steps override it."""
+        return BoundLinear(((None, self.make_linear(w)),), (self.name,))
 
     def bind_moe(self, template: MoeCall) -> BoundMoe:
         """The bound call path of one prepared MoE layer: ``template`` holds everything but the

@@ -26,7 +26,6 @@ from quantdispatch.backends import fp4_providers
 from quantdispatch.backends.base import (
     Backend,
     BackendFacts,
-    BoundLinear,
     CutlassFp4Meta,
     Layout,
     LinearBinding,
@@ -230,11 +229,8 @@ class CutlassBackend(Backend):
             in_features=k,
         )
 
-    def linear(self, x: torch.Tensor, w: LinearBinding) -> torch.Tensor:
-        return _CutlassLinear(w.tensors, w.bias, w.meta)(x)
-
-    def bind_linear(self, w: LinearBinding) -> BoundLinear:
-        return BoundLinear(((None, _CutlassLinear(w.tensors, w.bias, w.meta)),), (self.name,))
+    def make_linear(self, w: LinearBinding) -> _CutlassLinear:
+        return _CutlassLinear(w.tensors, w.bias, w.meta)
 
 
 class _CutlassLinear:

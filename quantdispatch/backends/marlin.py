@@ -21,7 +21,6 @@ from quantdispatch.backends import marlin_providers as providers
 from quantdispatch.backends.base import (
     Backend,
     BackendFacts,
-    BoundLinear,
     CheckpointMeta,
     Layout,
     LinearBinding,
@@ -198,11 +197,8 @@ class MarlinBackend(Backend):
         meta = MarlinMeta(_contract_index(status.contract.key), act, n, k, t.n_pad, t.k_pad)
         return PreparedWeight(names, tensors, Layout.MARLIN, meta, out_features=n, in_features=k)
 
-    def linear(self, x: torch.Tensor, w: LinearBinding) -> torch.Tensor:
-        return _MarlinLinear(w.tensors, w.bias, w.fmt, w.meta)(x)
-
-    def bind_linear(self, w: LinearBinding) -> BoundLinear:
-        return BoundLinear(((None, _MarlinLinear(w.tensors, w.bias, w.fmt, w.meta)),), (self.name,))
+    def make_linear(self, w: LinearBinding) -> _MarlinLinear:
+        return _MarlinLinear(w.tensors, w.bias, w.fmt, w.meta)
 
     def prepare_moe(
         self,

@@ -12,7 +12,7 @@ fp32, then the two per-tensor scales), the contract native backends are compared
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -158,17 +158,22 @@ class ReferenceBackend(Backend):
             return _trusted(Fp8Weight, block_size=meta.block_size, **fields)
         raise ValueError(f"reference backend: unknown format {fmt!r}")
 
-    def linear(self, x: torch.Tensor, w: LinearBinding) -> torch.Tensor:
+    def make_linear(self, w: LinearBinding) -> Callable[[torch.Tensor], torch.Tensor]:
         meta, fmt, bias = w.meta, w.fmt, w.bias
         assert isinstance(meta, CheckpointMeta), meta  # prepare keeps the checkpoint layout
         weight = self.weight_object(fmt, w.tensors, meta)
         emulate = meta.emulate_activations
-        if emulate and fmt == "nvfp4":
-            return _keep_non_finite(_w4a4_matmul(x, weight, bias), x).to(x.dtype)
-        if emulate and fmt == "fp8":
-            xq = fake_quantize_fp8_activations(x, weight.input_scale)
-            return _keep_non_finite(_chunked_matmul(xq.float(), weight, fmt, bias), x).to(x.dtype)
-        return _chunked_matmul(x.to(torch.float32), weight, fmt, bias).to(x.dtype)
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            if emulate and fmt == "nvfp4":
+                return _keep_non_finite(_w4a4_matmul(x, weight, bias), x).to(x.dtype)
+            if emulate and fmt == "fp8":
+                xq = fake_quantize_fp8_activations(x, weight.input_scale)
+                y = _chunked_matmul(xq.float(), weight, fmt, bias)
+                return _keep_non_finite(y, x).to(x.dtype)
+            return _chunked_matmul(x.to(torch.float32), weight, fmt, bias).to(x.dtype)
+
+        return run
 
     def moe(self, call: MoeCall) -> torch.Tensor:
         """Loop over the experts that received tokens; fp32 accumulation, chunked dequant.

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, NamedTuple
 from quantdispatch.backends.base import (
     Backend,
     BackendFacts,
-    BoundLinear,
     Layout,
     LinearBinding,
     PreparedWeight,
@@ -211,11 +210,8 @@ class TorchScaledMMBackend(Backend):
             in_features=k,
         )
 
-    def linear(self, x: torch.Tensor, w: LinearBinding) -> torch.Tensor:
-        return _scaled_mm_linear(w.tensors, w.bias, w.fmt)(x)
-
-    def bind_linear(self, w: LinearBinding) -> BoundLinear:
-        return BoundLinear(((None, _scaled_mm_linear(w.tensors, w.bias, w.fmt)),), (self.name,))
+    def make_linear(self, w: LinearBinding):  # type: ignore[no-untyped-def]
+        return _scaled_mm_linear(w.tensors, w.bias, w.fmt)
 
 
 def _scaled_mm_linear(tensors: Sequence[torch.Tensor], bias: torch.Tensor | None, fmt: str):  # type: ignore[no-untyped-def]
