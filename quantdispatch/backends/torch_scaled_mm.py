@@ -199,16 +199,7 @@ class TorchScaledMMBackend(Backend):
         if request.format != "fp8" or weight.block_size is not None:  # type: ignore[union-attr]
             self.cannot_prepare(request)
         w, scale = prepare_fp8_scaled_mm(weight.weight, weight.scale)
-        names, tensors = named_tensors(Fp8Tensors(w, scale, weight.input_scale))
-        n, k = weight.shape
-        return PreparedWeight(
-            names=names,
-            tensors=tensors,
-            layout=Layout.SCALED_MM,
-            meta=ScaledMmMeta(),
-            out_features=n,
-            in_features=k,
-        )
+        return _prepared(Fp8Tensors(w, scale, weight.input_scale), weight.shape)
 
     def make_linear(self, w: LinearBinding):  # type: ignore[no-untyped-def]
         return _scaled_mm_linear(w.tensors, w.bias, w.fmt)
@@ -272,15 +263,12 @@ def _prepare_nvfp4(weight) -> PreparedWeight:
     p = prepare_nvfp4_scaled_mm(
         weight.packed, weight.block_scale, weight.global_scale, input_scale=weight.input_scale
     )
-    n, k = p.shape
-    names, tensors = named_tensors(
-        Nvfp4Tensors(p.weight_packed, p.weight_scale_swizzled, p.alpha, p.encode_scale)
-    )
-    return PreparedWeight(
-        names=names,
-        tensors=tensors,
-        layout=Layout.SCALED_MM,
-        meta=ScaledMmMeta(),
-        out_features=n,
-        in_features=k,
-    )
+    named = Nvfp4Tensors(p.weight_packed, p.weight_scale_swizzled, p.alpha, p.encode_scale)
+    return _prepared(named, p.shape)
+
+
+def _prepared(named: Nvfp4Tensors | Fp8Tensors, shape: tuple[int, int]) -> PreparedWeight:
+    """An N x K weight's named operands in the torch._scaled_mm layout."""
+    names, tensors = named_tensors(named)
+    n, k = shape
+    return PreparedWeight(names, tensors, Layout.SCALED_MM, ScaledMmMeta(), n, k)

@@ -71,7 +71,7 @@ class TritonBackend(Backend):
     def linear(self, x: torch.Tensor, w: LinearBinding) -> torch.Tensor:
         from quantdispatch.backends.triton import run
 
-        return run.linear(x, w.tensors, w.bias, w.fmt, w.layout, w.meta, w.pdl)
+        return run.linear(x, w)
 
     def bind_linear(self, w: LinearBinding) -> BoundLinear:
         from quantdispatch.backends.triton.bind import bind_linear

@@ -17,7 +17,6 @@ import torch
 from quantdispatch.backends.base import (
     CheckpointMeta,
     Layout,
-    LayoutMeta,
     Mma16x64Meta,
     MoeCall,
 )
@@ -64,7 +63,7 @@ def bind_linear(w: LinearBinding) -> BoundLinear:
     made: dict[Family, Run] = {}
     for top, family in dispatch.linear_steps(fmt, layout, meta, n, k, facts):
         if family is Family.FP8_PREFILL:
-            run = _op_path(tensors, bias, fmt, layout, meta, pdl)
+            run = _op_path(w)
         else:
             run = made.get(family) or make(family, n, k)
         made[family] = run
@@ -145,18 +144,11 @@ def _checkpoint_fp8(
     return make
 
 
-def _op_path(
-    tensors: tuple[torch.Tensor, ...],
-    bias: torch.Tensor | None,
-    fmt: str,
-    layout: Layout,
-    meta: LayoutMeta,
-    pdl: bool,
-) -> Run:
+def _op_path(w: LinearBinding) -> Run:
     from quantdispatch.backends.triton import run as op
 
     def run(x: torch.Tensor) -> torch.Tensor:
-        return op.linear(x, tensors, bias, fmt, layout, meta, pdl)
+        return op.linear(x, w)
 
     return run
 

@@ -15,6 +15,7 @@ from quantdispatch.backends.base import (
     CheckpointMeta,
     Layout,
     LayoutMeta,
+    LinearBinding,
     Mma16x64Meta,
     MoeCall,
 )
@@ -40,17 +41,10 @@ from quantdispatch.moe.activations import get_activation
 __all__ = ["linear", "moe"]
 
 
-def linear(
-    x: torch.Tensor,
-    tensors: Sequence[torch.Tensor],
-    bias: torch.Tensor | None,
-    fmt: str,
-    layout: Layout,
-    meta: LayoutMeta,
-    pdl: bool,
-) -> torch.Tensor:
+def linear(x: torch.Tensor, w: LinearBinding) -> torch.Tensor:
     """Fused weight-streaming kernels for small M, dequantized slabs + cuBLAS for large M, as
     the regime table says for this weight on this device."""
+    tensors, bias, fmt, layout, meta, pdl = w.tensors, w.bias, w.fmt, w.layout, w.meta, w.pdl
     facts = device_facts(x.device)
     if layout is Layout.MMA16X64:
         assert isinstance(meta, Mma16x64Meta), meta
