@@ -181,8 +181,7 @@ def measure(
     batch: int = 4, seq: int = 1024, fmt: str = "nvfp4", device: str = "cuda", modes=MODES
 ) -> dict[str, Any]:
     from quantdispatch import QuantLinear, load_settings
-    from quantdispatch.integrations.transformers import quantize_model
-    from quantdispatch.kernels.native import fp8_handoff
+    from quantdispatch.integrations.transformers import fp8_handoff, quantize_model
 
     dev = torch.device(device)
     base = float_model(dev)

@@ -277,10 +277,15 @@ def make_calls(p: Problem, kernel: str, m: int, gen, cfg: GemmConfig | None = No
                 (lambda x=x, w=w: _deq_nvfp4(x, w, p.gscale)) for x, w in zip(xs, p.nv, strict=True)
             ]
         else:  # what QuantLinear runs: prepare's layout, then the backend picks the path by M
+            from quantdispatch.backends.bound import LinearBinding
+
             weights, meta = p.prepared_nvfp4()
+            dev = p.gscale.device
+            binds = [
+                LinearBinding((*w, p.gscale), None, "nvfp4", *meta, True, dev) for w in weights
+            ]
             calls = [
-                (lambda x=x, w=w: backend.linear(x, [*w, p.gscale], None, "nvfp4", *meta))
-                for x, w in zip(xs, weights, strict=True)
+                (lambda x=x, b=b: backend.linear(x, b)) for x, b in zip(xs, binds, strict=True)
             ]
         ref = lambda: xs[0].double() @ p.w64["nvfp4"].T
     elif kernel in ("nvfp4", "nvfp4_f32"):
@@ -296,15 +301,14 @@ def make_calls(p: Problem, kernel: str, m: int, gen, cfg: GemmConfig | None = No
         ]
         ref = lambda: xs[0].double() @ p.w64["nvfp4"].T
     elif kernel == "mxfp4_auto":  # what QuantLinear runs for an MXFP4 weight
+        from quantdispatch.backends.bound import LinearBinding
         from quantdispatch.backends.triton import TritonBackend
 
         backend = TritonBackend()
         xs = p.xs(m, p.copies, gen)
         weights, meta = p.prepared_mxfp4()
-        calls = [
-            (lambda x=x, w=w: backend.linear(x, list(w), None, "mxfp4", *meta))
-            for x, w in zip(xs, weights, strict=True)
-        ]
+        binds = [LinearBinding(tuple(w), None, "mxfp4", *meta, True, w[0].device) for w in weights]
+        calls = [(lambda x=x, b=b: backend.linear(x, b)) for x, b in zip(xs, binds, strict=True)]
         ref = lambda: xs[0].double() @ p.w64["mxfp4"].T
     elif kernel == "mxfp4":
         xs = p.xs(m, p.copies, gen)

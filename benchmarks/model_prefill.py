@@ -61,7 +61,7 @@ def build(layers: int) -> Any:
 
 
 def time_prefill(model: Any, lens: list[int], reps: int) -> dict[int, dict[str, Any]]:
-    from quantdispatch.kernels.native import fp8_handoff
+    from quantdispatch.integrations.transformers import fp8_handoff
 
     out = {}
     g = torch.Generator().manual_seed(1)

@@ -224,13 +224,13 @@ def linear_calls(p, kernel: str, m: int, gen):
     from quantdispatch.backends.marlin import MarlinBackend
 
     fmt = kernel.removeprefix("marlin_")
+    from quantdispatch.backends.bound import LinearBinding
+
     weights, (layout, meta) = _prepared_linear(p, fmt)
     backend = MarlinBackend()
     xs = p.xs(m, len(weights), gen)
-    calls = [
-        (lambda x=x, w=w: backend.linear(x, w, None, fmt, layout, meta))
-        for x, w in zip(xs, weights, strict=True)
-    ]
+    binds = [LinearBinding(tuple(w), None, fmt, layout, meta, True, w[0].device) for w in weights]
+    calls = [(lambda x=x, b=b: backend.linear(x, b)) for x, b in zip(xs, binds, strict=True)]
     return calls, lambda: xs[0].double() @ p.w64[fmt].T
 
 

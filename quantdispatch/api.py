@@ -123,10 +123,9 @@ def _checked(decision: Decision, device: torch.device, settings: Settings, polic
 
 def _unverified(backend: str, request: Request, profile) -> str | None:
     """Why ``backend`` is accepted only behind the self-check here (None: it is not)."""
-    from quantdispatch.backends import get_backend
+    from quantdispatch.backends import get_facts
 
-    hook = getattr(get_backend(backend), "unverified_reason", None)
-    return hook(request, profile) if callable(hook) else None
+    return get_facts(backend).unverified_reason(request, profile)
 
 
 def _log_once(decision: Decision) -> None:

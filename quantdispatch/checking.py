@@ -247,7 +247,7 @@ def probe_linear(b, request: Request, device: torch.device) -> list[tuple[int, f
         y = torch.ops.quantdispatch.linear(
             x.to(device), tensors, dev_bias, b.name, request.format, meta, n
         )
-        ref = linear_reference64(request.format, weight, x, bias, emulate=not b.weight_only)
+        ref = linear_reference64(request.format, weight, x, bias, emulate=not b.facts.weight_only)
         out.append((m, rel_error(y, ref)))
     return out
 

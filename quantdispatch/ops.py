@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from quantdispatch.backends import get_backend
-from quantdispatch.backends.base import MoeCall, decode_meta
+from quantdispatch.backends.base import LinearBinding, MoeCall, decode_meta
 
 __all__ = [
     "add_rms_norm",
@@ -44,7 +44,8 @@ def run_linear(
 ) -> torch.Tensor:
     """y[M, N] = x[M, K] @ W.T (+ bias), W given as ``backend``'s prepared tensors."""
     layout, typed = decode_meta(meta)
-    return get_backend(backend).linear(x, weights, bias, fmt, layout, typed, pdl=pdl)
+    w = LinearBinding(tuple(weights), bias, fmt, layout, typed, pdl, x.device)
+    return get_backend(backend).linear(x, w)
 
 
 linear = torch.library.custom_op(f"{NAMESPACE}::linear", run_linear, mutates_args=())

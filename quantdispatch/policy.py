@@ -2,10 +2,11 @@
 
 The packaged default lives in ``policies/default.toml`` (shipped as ``quantdispatch.policies``).
 A user or engine file is laid over it: the (format, op) entries it has replace the default's,
-the others stay. A top-level ``fp8_compute = "off" | "prefill" | "prefill-resident"`` sets the
-FP8 compute mode (``QUANTDISPATCH_FP8_COMPUTE`` wins over it; quantdispatch.settings says what
-the modes do); the last file that sets it wins. Every problem in a file is an error naming the
-file, the key and the valid values.
+the others stay. Top-level keys besides ``version`` are backend options (:data:`OPTION_KEYS`),
+kept as strings for the backend that reads them: ``fp8_compute = "off" | "prefill" |
+"prefill-resident"`` is the triton backend's FP8 compute (``QUANTDISPATCH_FP8_COMPUTE`` wins over
+it; quantdispatch.settings says what the modes do). The last file that sets an option wins.
+Every problem in a file is an error naming the file, the key and the valid values.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import importlib.resources
 import os
 import stat
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict
 
@@ -28,6 +30,28 @@ __all__ = ["DEFAULT_POLICY_NAME", "Policy", "default_policy", "load_policy", "pa
 
 DEFAULT_POLICY_NAME = "default.toml"
 SCHEMA_VERSION = 1
+
+
+class _Option(NamedTuple):
+    """A top-level option: its value's parser (raises ValueError) and the error's words."""
+
+    parse: Callable[[object], str]
+    what: str
+    valid: str
+    fix: str
+
+
+#: The top-level option keys a policy file may set.
+OPTION_KEYS = {
+    "fp8_compute": _Option(
+        lambda v: parse_fp8_compute(v, "fp8_compute"),
+        "unknown FP8 compute mode",
+        f"valid values: {', '.join(FP8_COMPUTE_MODES)} (off: weight-only kernels at every M; "
+        "prefill: lossy FP8 compute, the weight re-encoded per call; prefill-resident: on a "
+        "resident FP8 copy)",
+        'write fp8_compute = "off" (or leave it out)',
+    ),
+}
 
 
 class PolicyEntry(BaseModel):
@@ -47,10 +71,12 @@ class Policy(BaseModel):
 
     entries: tuple[PolicyEntry, ...]
     sources: tuple[str, ...]
-    fp8_compute: str | None = None
-    """The top-level ``fp8_compute`` of the files (None: none sets it)."""
-    fp8_compute_source: str | None = None
-    """The file ``fp8_compute`` came from."""
+    options: tuple[tuple[str, str, str], ...] = ()
+    """The top-level options the files set: (key, value, the file it came from)."""
+
+    def option(self, key: str) -> tuple[str, str] | None:
+        """(value, file) of the top-level option ``key`` (None: no file sets it)."""
+        return next(((v, src) for k, v, src in self.options if k == key), None)
 
     def entry(self, fmt: str, op: Op) -> PolicyEntry:
         for e in self.entries:
@@ -68,19 +94,17 @@ class Policy(BaseModel):
         return self.entry(fmt, op).candidates
 
     def __hash__(self) -> int:
-        return hash((self.entries, self.sources, self.fp8_compute, self.fp8_compute_source))
+        return hash((self.entries, self.sources, self.options))
 
     def overlay(self, other: Policy) -> Policy:
         """This policy with ``other``'s entries replacing ours for the same (format, op), and
-        its ``fp8_compute`` where it sets one."""
+        its options replacing ours for the same key."""
         replaced = {(e.format, e.op) for e in other.entries}
         kept = tuple(e for e in self.entries if (e.format, e.op) not in replaced)
-        mine = other.fp8_compute is None
+        theirs = {k for k, _, _ in other.options}
+        options = tuple(o for o in self.options if o[0] not in theirs) + other.options
         return Policy(
-            entries=kept + other.entries,
-            sources=self.sources + other.sources,
-            fp8_compute=self.fp8_compute if mine else other.fp8_compute,
-            fp8_compute_source=self.fp8_compute_source if mine else other.fp8_compute_source,
+            entries=kept + other.entries, sources=self.sources + other.sources, options=options
         )
 
 
@@ -97,32 +121,8 @@ def parse_policy(data: dict[str, Any], source: str) -> Policy:
 
     formats = list(FORMATS)
     backends = backend_names()
-    entries: list[PolicyEntry] = []
     if not isinstance(data, dict):
         raise _fail(source, "<top>", "not a table", "a TOML file of [format] tables", "")
-    _check_version(data, source)
-    fp8_compute = _fp8_compute(data, source)
-    for fmt, table in data.items():
-        if fmt in ("version", "fp8_compute"):
-            continue
-        if fmt not in formats:
-            raise _fail(
-                source,
-                fmt,
-                "unknown format",
-                f"valid formats: {', '.join(formats)} (and the keys 'version', 'fp8_compute')",
-                "rename or remove that table",
-            )
-        entries += _format_entries(fmt, table, source, backends)
-    return Policy(
-        entries=tuple(entries),
-        sources=(source,),
-        fp8_compute=fp8_compute,
-        fp8_compute_source=None if fp8_compute is None else source,
-    )
-
-
-def _check_version(data: dict[str, Any], source: str) -> None:
     version = data.get("version", SCHEMA_VERSION)
     if version != SCHEMA_VERSION:
         raise _fail(
@@ -132,24 +132,31 @@ def _check_version(data: dict[str, Any], source: str) -> None:
             f"this quantdispatch reads version {SCHEMA_VERSION}",
             f"set version = {SCHEMA_VERSION}",
         )
+    options = tuple((k, _option(k, data[k], source), source) for k in OPTION_KEYS if k in data)
+    entries: list[PolicyEntry] = []
+    for fmt, table in data.items():
+        if fmt == "version" or fmt in OPTION_KEYS:
+            continue
+        if fmt not in formats:
+            keys = ", ".join(repr(k) for k in ("version", *OPTION_KEYS))
+            raise _fail(
+                source,
+                fmt,
+                "unknown format",
+                f"valid formats: {', '.join(formats)} (and the keys {keys})",
+                "rename or remove that table",
+            )
+        entries += _format_entries(fmt, table, source, backends)
+    return Policy(entries=tuple(entries), sources=(source,), options=options)
 
 
-def _fp8_compute(data: dict[str, Any], source: str) -> str | None:
-    """The file's top-level ``fp8_compute`` (None: not set)."""
-    if "fp8_compute" not in data:
-        return None
+def _option(key: str, value: object, source: str) -> str:
+    """A top-level option's value, checked by its parser (:data:`OPTION_KEYS`)."""
+    option = OPTION_KEYS[key]
     try:
-        return parse_fp8_compute(data["fp8_compute"], "fp8_compute")
+        return option.parse(value)
     except ValueError:
-        raise _fail(
-            source,
-            "fp8_compute",
-            f"unknown FP8 compute mode {data['fp8_compute']!r}",
-            f"valid values: {', '.join(FP8_COMPUTE_MODES)} (off: weight-only kernels at every "
-            "M; prefill: lossy FP8 compute, the weight re-encoded per call; "
-            "prefill-resident: on a resident FP8 copy)",
-            'write fp8_compute = "off" (or leave it out)',
-        ) from None
+        raise _fail(source, key, f"{option.what} {value!r}", option.valid, option.fix) from None
 
 
 def _format_entries(fmt: str, table: object, source: str, backends: list[str]) -> list[PolicyEntry]:
@@ -170,15 +177,15 @@ def _format_entries(fmt: str, table: object, source: str, backends: list[str]) -
             raise _fail(
                 source, key, "unknown op", f"valid ops: {', '.join(ops)}", "rename or remove it"
             )
-        names = _candidates(cands, op, key, source, backends)
+        names = _candidates(key, op, cands, source, backends)
         entries.append(PolicyEntry(format=fmt, op=Op(op), candidates=names, source=source))
     return entries
 
 
 def _candidates(
-    cands: object, op: str, key: str, source: str, backends: list[str]
+    key: str, op: str, cands: object, source: str, backends: list[str]
 ) -> tuple[str, ...]:
-    """One entry's backend list, lower-cased: non-empty, known names, no repeats."""
+    """One op's list of backend names, checked: names known, none twice, at least one."""
     if not isinstance(cands, list) or not all(isinstance(c, str) for c in cands):
         raise _fail(
             source,

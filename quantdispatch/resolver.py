@@ -5,8 +5,9 @@ run the request on the device. The first that can is chosen; every candidate sta
 trace, accepted or rejected with its reason. A forced backend that cannot run raises with its
 own reason: forcing never falls back. Backends whose first-use self-check failed in this process
 come in as data (``failed``: backend -> the measured reason) and are rejected with that reason.
-The FP8 compute mode (:func:`fp8_compute_of`: the settings' where set, else the policy file's)
-goes into the decision, which layers hand to prepare and doctor to the kernel ranges.
+The chosen backend's options (:meth:`Backend.options`, made from the settings and the policy)
+go into the decision unread: layers hand them to that backend's prepare, doctor to its kernel
+ranges.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from quantdispatch.backends import get_backend
-from quantdispatch.backends.base import Backend, KernelRange
+from quantdispatch.backends import get_facts
+from quantdispatch.backends.facts import BackendFacts, KernelRange
 from quantdispatch.device import DeviceProfile
 from quantdispatch.errors import BackendUnavailableError, ConfigurationError, format_error
 from quantdispatch.policy import Policy
@@ -25,7 +26,7 @@ from quantdispatch.request import Request
 from quantdispatch.resolver_errors import forced_error, none_can_run_error
 from quantdispatch.settings import ENV_PREFIX, Force, Settings
 
-__all__ = ["Candidate", "Decision", "fp8_compute_of", "resolve"]
+__all__ = ["Candidate", "Decision", "resolve"]
 
 
 @dataclass(frozen=True)
@@ -54,9 +55,9 @@ class Decision:
     pdl: bool = True
     """Kernels may use programmatic dependent launches (the Settings.pdl it was made with);
     layers pass it to every call."""
-    fp8_compute: str = "off"
-    """The FP8 compute mode it was made with (:func:`fp8_compute_of`); layers pass it to
-    prepare, which applies it where the backend's regime table does."""
+    options: object = None
+    """The chosen backend's options (:meth:`Backend.options`; None: it has none), opaque here:
+    layers pass them to its prepare, doctor to its kernel ranges."""
 
     @property
     def is_fallback(self) -> bool:
@@ -78,15 +79,20 @@ class Decision:
 
     def kernel_ranges(self, *, top_k: int | None = None) -> tuple[KernelRange, ...]:
         """The kernel family the chosen backend runs for each range of M, on this device."""
-        backend = get_backend(self.backend)
-        return backend.kernel_ranges(
-            self.request, self.device, top_k=top_k, pdl=self.pdl, fp8_compute=self.fp8_compute
+        facts = get_facts(self.backend)
+        return facts.kernel_ranges(
+            self.request, self.device, top_k=top_k, pdl=self.pdl, options=self.options
         )
 
-    def fp8_resident_bytes(self) -> int | None:
-        """Bytes a resident FP8 copy of the weight would take (FP8 compute's
-        ``prefill-resident``), where the chosen backend would keep one for this linear."""
-        return get_backend(self.backend).fp8_resident_bytes(self.request, self.device)
+    def options_dict(self) -> dict[str, Any]:
+        """The chosen backend's options, JSON-ready (empty: it has none)."""
+        return {} if self.options is None else dict(self.options.to_dict())  # type: ignore[attr-defined]
+
+    def option_facts(self) -> dict[str, Any]:
+        """What the chosen backend's options add to this decision's report (e.g. the bytes
+        of an opt-in resident copy); empty: nothing."""
+        facts = get_facts(self.backend)
+        return facts.option_facts(self.request, self.device, self.options)
 
     def kernel_for(self, m: int, *, top_k: int | None = None) -> KernelRange:
         """The kernel family a call with ``m`` rows runs (the trace down to the kernel)."""
@@ -102,12 +108,11 @@ class Decision:
     def unverified(self) -> str | None:
         """Why the chosen backend runs here only once its first-use self-check passes (None: it
         runs without that condition)."""
-        hook = getattr(get_backend(self.backend), "unverified_reason", None)
-        return hook(self.request, self.device) if callable(hook) else None
+        return get_facts(self.backend).unverified_reason(self.request, self.device)
 
     def kernel_summary(self) -> str:
         """One short line: the kernel families the chosen backend runs for this request."""
-        return get_backend(self.backend).kernel_summary(self.request, self.device)
+        return get_facts(self.backend).kernel_summary(self.request, self.device)
 
     def summary(self) -> str:
         """One log line: which kernel runs and why."""
@@ -127,26 +132,20 @@ class Decision:
             "reason": self.reason,
             "forced_by": self.forced_by,
             "policy": self.policy_source,
-            "fp8_compute": self.fp8_compute,
+            **self.options_dict(),
             "trace": [c.to_dict() for c in self.trace],
         }
 
 
-def fp8_compute_of(settings: Settings, policy: Policy) -> tuple[str, str]:
-    """The FP8 compute mode and where it comes from: the settings' (the variable or an
-    override) where set, else the policy file's ``fp8_compute``, else off."""
-    if settings.fp8_compute_by is not None:
-        return settings.fp8_compute, settings.fp8_compute_by
-    if policy.fp8_compute is not None:
-        return policy.fp8_compute, f"fp8_compute in {policy.fp8_compute_source}"
-    return "off", "default"
-
-
-def _note(backend: Backend, request: Request, profile: DeviceProfile, fp8: str) -> str:
-    """A candidate's accepted note with its compute clause (FP8 compute), if any."""
-    note = backend.accepted_note(request, profile)
-    extra = backend.compute_note(request, profile, fp8)
-    return f"{note}; {extra}" if extra else note
+def _note(
+    facts: BackendFacts,
+    request: Request,
+    profile: DeviceProfile,
+    settings: Settings,
+    policy: Policy,
+) -> str:
+    """A candidate's accepted note under its own options."""
+    return facts.accepted_note(request, profile, facts.options(settings, policy))
 
 
 def resolve(
@@ -172,7 +171,6 @@ def _resolve(
     failed_items: tuple[tuple[str, str], ...] = (),
 ) -> Decision:
     failed = dict(failed_items)
-    fp8, _by = fp8_compute_of(settings, policy)
     entry = policy.entry(request.format, request.op)
     forced = settings.forced(request.format, request.op)
     if forced is not None:
@@ -187,14 +185,14 @@ def _resolve(
                 )
             )
         return _resolve_forced(
-            request, profile, settings, entry.candidates, entry.source, forced, fp8
+            request, profile, settings, policy, entry.candidates, entry.source, forced
         )
 
     trace: list[Candidate] = []
     chosen: str | None = None
     chosen_reason = ""
     for name in entry.candidates:
-        backend = get_backend(name)
+        backend = get_facts(name)
         if name in settings.disable:
             trace.append(Candidate(name, False, f"disabled by {ENV_PREFIX}DISABLE"))
             continue
@@ -205,7 +203,7 @@ def _resolve(
         if why_not is not None:
             trace.append(Candidate(name, False, why_not))
             continue
-        note = _note(backend, request, profile, fp8)
+        note = _note(backend, request, profile, settings, policy)
         if chosen is None:
             chosen = name
             where = "first in" if not trace else "first that can run in"
@@ -227,7 +225,7 @@ def _resolve(
         forced_by=None,
         policy_source=entry.source,
         pdl=settings.pdl,
-        fp8_compute=fp8,
+        options=get_facts(chosen).options(settings, policy),
     )
 
 
@@ -235,17 +233,21 @@ def _resolve_forced(
     request: Request,
     profile: DeviceProfile,
     settings: Settings,
+    policy: Policy,
     candidates: tuple[str, ...],
     source: str,
     forced: Force,
-    fp8: str,
 ) -> Decision:
     name, by = forced.backend, forced.by
-    backend = get_backend(name)
+    backend = get_facts(name)
     why_not = backend.explain_unsupported(request, profile)
     if why_not is not None:
         raise forced_error(request, profile, settings, candidates, forced, why_not)
-    trace = [Candidate(name, True, f"forced by {by}: {_note(backend, request, profile, fp8)}")]
+    trace = [
+        Candidate(
+            name, True, f"forced by {by}: {_note(backend, request, profile, settings, policy)}"
+        )
+    ]
     for other in candidates:
         if other != name:
             trace.append(Candidate(other, False, f"not considered: {by} forces {name}"))
@@ -258,5 +260,5 @@ def _resolve_forced(
         forced_by=by,
         policy_source=source,
         pdl=settings.pdl,
-        fp8_compute=fp8,
+        options=backend.options(settings, policy),
     )

@@ -8,7 +8,7 @@ headline, the rejected candidates, the fix) for ``doctor`` to lay out on lines o
 
 from __future__ import annotations
 
-from quantdispatch.backends import get_backend
+from quantdispatch.backends import get_facts
 from quantdispatch.device import DeviceProfile
 from quantdispatch.errors import BackendUnavailableError, clauses, format_error
 from quantdispatch.request import Op, Request
@@ -18,7 +18,7 @@ __all__ = ["forced_error", "none_can_run_error"]
 
 
 def _runs(name: str, request: Request, profile: DeviceProfile) -> bool:
-    return get_backend(name).explain_unsupported(request, profile) is None
+    return get_facts(name).explain_unsupported(request, profile) is None
 
 
 def _unset(by: str) -> str:
@@ -45,7 +45,7 @@ def forced_error(
     fix = _unset(by) + (f" (the policy then picks {able[0]})" if able else "")
     if forced.op is None:  # the per-format form reaches every op of the format
         rule += f"; {by} forces every op of {fmt}"
-        computes = get_backend(name).supports.get(fmt, frozenset())
+        computes = get_facts(name).supports.get(fmt, frozenset())
         runs = [
             o.value
             for o in Op

@@ -99,18 +99,12 @@ def cache_path() -> Path:
 
 def _provider_identity(backend: str, profile: DeviceProfile) -> str:
     """The kernel provider's name and version for ``backend`` (part of the environment key)."""
-    from quantdispatch.backends import get_backend
+    from quantdispatch.backends import get_facts
 
-    b = get_backend(backend)
-    hook = getattr(b, "selfcheck_identity", None)
-    if callable(hook):
-        return str(hook(profile))
-    if backend == "marlin":
-        # The Marlin backend detects its provider itself (vLLM / sgl-kernel, not a profile field).
-        from quantdispatch.backends import marlin_providers
-
-        status = marlin_providers.active()
-        return f"{status.name} {status.version}" if status is not None else "no provider"
+    b = get_facts(backend)
+    identity = b.selfcheck_identity(profile)
+    if identity is not None:
+        return identity
     if b.provider is not None:
         info = profile.provider(b.provider)
         return f"{info.name} {info.version or '?'}"
@@ -278,7 +272,7 @@ def run_probe(backend: str, request: Request, device: torch.device) -> CheckResu
     from quantdispatch.checking import bound_for, probe_linear, probe_moe
 
     b = get_backend(backend)
-    native = not b.weight_only
+    native = not b.facts.weight_only
     bound = bound_for(request.act_dtype, native, moe=request.op.value == "moe")
     start = time.perf_counter()
     errors: list[tuple[int, float]] = []

@@ -61,7 +61,7 @@ class VerifyResult:
 def verify(formats: Sequence[str] | None = None) -> list[VerifyResult]:
     """Check every runnable backend on this machine; returns one result per (backend, shape)."""
     from quantdispatch.api import load_settings, select
-    from quantdispatch.backends import get_backend
+    from quantdispatch.backends import get_facts
     from quantdispatch.device import device_profile
     from quantdispatch.formats import FORMATS, get_format
     from quantdispatch.layers import QuantLinear
@@ -86,7 +86,7 @@ def verify(formats: Sequence[str] | None = None) -> list[VerifyResult]:
                         {}, backend={fmt: backend}, self_check="off", fp8_compute="off"
                     )
                     layer = QuantLinear(weight, act_dtype=act, device=device, settings=forced)
-                    native = not get_backend(backend).weight_only
+                    native = not get_facts(backend).weight_only
                     ref = linear_reference64(fmt, weight, x, emulate=native)
                     out = layer(x.to(device))
                     err = rel_error(out, ref)
@@ -135,7 +135,7 @@ def verify_fp8(
     """Check FP8 compute (``modes``) on this machine: the triton backend's NVFP4 / MXFP4 linear
     (N, K = FP8_NK) at the first M of its FP8 range, per activation dtype. Returns the results
     and, for what could not run here, why (``profile`` / ``device``: tests simulate a GPU)."""
-    from quantdispatch.backends import get_backend
+    from quantdispatch.backends import get_facts
     from quantdispatch.device import device_profile
     from quantdispatch.formats import get_format
     from quantdispatch.request import ACT_DTYPES, Request, Scheme
@@ -152,7 +152,7 @@ def verify_fp8(
     for fmt in [f for f in names if f in FP4_FORMATS]:
         for act_name, act in ACT_DTYPES.items():
             request = Request.make(fmt, "linear", act, Scheme.WEIGHT_ONLY, n=n, k=k)
-            why = get_backend("triton").explain_unsupported(request, profile)  # type: ignore[arg-type]
+            why = get_facts("triton").explain_unsupported(request, profile)  # type: ignore[arg-type]
             if why is not None:
                 skipped.append(f"{fmt} {act_name}: triton cannot run here: {why}")
                 continue
@@ -171,7 +171,8 @@ def _fp8_check(fmt, act, mode, profile, device, gen) -> VerifyResult | str:  # t
     from quantdispatch.api import load_settings, select
     from quantdispatch.backends import get_backend
     from quantdispatch.backends.base import as_op_tensors
-    from quantdispatch.backends.triton.fp8_compute import recipe_for
+    from quantdispatch.backends.triton import fp8_compute
+    from quantdispatch.backends.triton.meta import fp8_compute_of_meta
     from quantdispatch.request import Scheme, dtype_name
 
     n, k = FP8_NK
@@ -181,11 +182,12 @@ def _fp8_check(fmt, act, mode, profile, device, gen) -> VerifyResult | str:  # t
                settings=settings)  # fmt: skip
     first = [r.first_m for r in d.kernel_ranges() if r.family == "fp8 prefill"]
     if not first:
-        return triton.compute_note(d.request, d.device, mode)
+        cuda = fp8_compute.cuda_of(profile.cuda_version)
+        return fp8_compute.trace_note(fmt, n, k, act, profile.capability, mode, cuda)
     m = first[0]
     weight = probe_weight(fmt, n, k, gen, input_scale=None)
-    prepared = triton.prepare(weight.to(device), d.request, fp8_compute=mode)
-    if getattr(prepared.meta, "fp8_compute", "off") != mode:
+    prepared = triton.prepare(weight.to(device), d.request, options=d.options)
+    if fp8_compute_of_meta(prepared.meta) != mode:
         return "prepare kept this weight weight-only here"
     x = torch.randn(m, k, generator=gen).to(act)
     out = torch.ops.quantdispatch.linear(
@@ -193,7 +195,7 @@ def _fp8_check(fmt, act, mode, profile, device, gen) -> VerifyResult | str:  # t
         prepared.meta_args(), n,
     )  # fmt: skip
     err = rel_error(out, linear_reference64(fmt, weight, x))
-    ratio = fp8_bound_ratio(fmt, weight, x, out, recipe_for(k))
+    ratio = fp8_bound_ratio(fmt, weight, x, out, fp8_compute.recipe_for(k))
     return VerifyResult(
         fmt, dtype_name(act), "triton", m, n, k, err, FP8_REL_BOUND,
         err <= FP8_REL_BOUND and ratio <= FP8_BOUND_RATIO, f"{mode}, from M >= {m}",

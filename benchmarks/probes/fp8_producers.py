@@ -57,8 +57,14 @@ def log(*a: object) -> None:
 
 
 def producers(kind: str | None, k: int, eps: float = 1e-5):
-    """(eager, ours(quantize)) producer callables of one input tuple."""
+    """(eager, ours(quantize)) producer callables of one input tuple (ours offers its codes
+    to the open sharing scope, as the HF integration's fused ops do)."""
+    from quantdispatch.integrations.transformers import fp8_handoff
     from quantdispatch.kernels.native.fp8_producers import rmsnorm_fp8, silu_mul_fp8
+
+    def offered(out):  # (y, codes) -> y, the codes offered
+        fp8_handoff.offer(*out)
+        return out[0]
 
     if kind is None:
         return (lambda inp: inp[0]), (lambda inp, quantize: inp[0])
@@ -70,17 +76,20 @@ def producers(kind: str | None, k: int, eps: float = 1e-5):
             h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
             return w * h.to(torch.bfloat16)
 
-        return eager, lambda inp, quantize: rmsnorm_fp8(inp[0], w, eps, quantize=quantize)[0]
+        return eager, lambda inp, quantize: offered(rmsnorm_fp8(inp[0], w, eps, quantize=quantize))
 
     def eager_silu(inp):
         return F.silu(inp[0]) * inp[1]
 
-    return eager_silu, lambda inp, quantize: silu_mul_fp8(inp[0], inp[1], quantize=quantize)[0]
+    return eager_silu, lambda inp, quantize: offered(
+        silu_mul_fp8(inp[0], inp[1], quantize=quantize)
+    )
 
 
 def run_shape(model: str, name: str, n: int, k: int, ms: list[int]) -> list[dict]:
+    from quantdispatch.backends.triton.fp8_compute import handoff_in_use
     from quantdispatch.formats.nvfp4 import dequantize_nvfp4, quantize_nvfp4
-    from quantdispatch.kernels.native import fp8_handoff
+    from quantdispatch.integrations.transformers import fp8_handoff
     from quantdispatch.kernels.native import fp8_prefill as fp8p
 
     g = torch.Generator(device="cuda").manual_seed(n + k)
@@ -106,7 +115,13 @@ def run_shape(model: str, name: str, n: int, k: int, ms: list[int]) -> list[dict
 
         def fp8_linear(y, i):
             return fp8p.fp8_prefill_linear(
-                y, q.packed, sf, q.global_scale, fmt="nvfp4", resident=res[i]
+                y,
+                q.packed,
+                sf,
+                q.global_scale,
+                fmt="nvfp4",
+                resident=res[i],
+                handoff=handoff_in_use(),
             )
 
         def fused(i, inps=inps):

@@ -1,20 +1,18 @@
-"""What every backend is: facts that explain when it cannot run, and a prepare/run life cycle.
-
-A backend never reads env vars and never ranks itself: the policy ranks, the settings force or
-disable, the resolver decides. A backend only answers "can you run this request on this
-device, and if not, why" (``explain_unsupported``), and then runs it.
+"""What every backend does: its life cycle (can_implement -> prepare -> bind / apply) over a
+typed canonical weight and named prepared tensors. What it can run and the words doctor prints
+are its facts (:mod:`.facts`), a separate object the resolver reads.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from abc import ABC
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, ClassVar, NoReturn
 
 import torch
 
 from quantdispatch.backends.bound import BoundLinear, BoundMoe, LinearBinding
+from quantdispatch.backends.facts import BackendFacts, KernelRange
 from quantdispatch.backends.prepared import (
     CheckpointMeta,
     CutlassFp4Meta,
@@ -29,16 +27,16 @@ from quantdispatch.backends.prepared import (
     decode_meta,
     encode_meta,
 )
-from quantdispatch.capability import fmt_sm
 from quantdispatch.errors import BackendUnavailableError, format_error
-from quantdispatch.kernels.regimes import m_span
-from quantdispatch.request import Op, Request, Scheme
+from quantdispatch.request import Op, Request
 
 if TYPE_CHECKING:
+    from quantdispatch.checkpoints import QuantWeight
     from quantdispatch.device import DeviceProfile
 
 __all__ = [
     "Backend",
+    "BackendFacts",
     "BoundLinear",
     "BoundMoe",
     "CheckpointMeta",
@@ -77,176 +75,22 @@ def op_view(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.view(dtype)
 
 
-@dataclass(frozen=True)
-class KernelRange:
-    """Which kernel family runs calls of ``first_m`` .. ``last_m`` rows (``last_m`` None: and
-    above), with one line of detail (why, or its launch parameters)."""
-
-    first_m: int
-    last_m: int | None
-    family: str
-    detail: str = ""
-
-    def covers(self, m: int) -> bool:
-        return m >= self.first_m and (self.last_m is None or m <= self.last_m)
-
-    def span(self) -> str:
-        return m_span(self.first_m, self.last_m)
-
-    def to_dict(self) -> dict[str, object]:
-        return {
-            "m_min": self.first_m,
-            "m_max": self.last_m,
-            "family": self.family,
-            "detail": self.detail,
-        }
-
-
 class Backend(ABC):
-    """Base class: subclasses state facts in ``unsupported_reasons`` and implement the ops."""
+    """The life cycle of a backend: ``can_implement`` -> ``prepare`` (once, at load: a typed
+    canonical weight in, named prepared tensors out) -> ``bind_linear`` / ``bind_moe`` (once
+    per layer: the bound call path that applies it), with ``linear`` / ``moe`` the same per
+    call behind the custom ops. What it can run and says is its :attr:`facts`."""
 
-    name: ClassVar[str]
-    title: ClassVar[str]
-    """One line: what this backend is."""
-    supports: ClassVar[dict[str, frozenset[Op]]]
-    """The (format -> ops) this backend computes, implemented or not."""
-    implemented: ClassVar[dict[str, frozenset[Op]]] = {}
-    """The subset that quantdispatch has kernels for today."""
-    provider: ClassVar[str | None] = None
-    """Optional kernel library it needs (a name from ``quantdispatch.device.PROVIDERS``)."""
-    weight_only: ClassVar[bool] = True
-    """True if activations stay 16-bit (serves W4A16 and, saying so, W4A4 checkpoints)."""
+    facts: ClassVar[BackendFacts]
+    """Its declarative facts (:mod:`.facts`)."""
 
-    # -- facts ------------------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self.facts.name
 
-    def explain_unsupported(self, request: Request, profile: DeviceProfile) -> str | None:
-        """None if this backend can run ``request`` on ``profile``, else every reason why not."""
-        reasons = self.unsupported_reasons(request, profile)
-        return "; ".join(reasons) if reasons else None
-
-    def unsupported_reasons(self, request: Request, profile: DeviceProfile) -> list[str]:
-        """All reasons, capability first. Subclasses extend ``device_reasons``."""
-        reasons: list[str] = []
-        ops = self.supports.get(request.format)
-        if ops is None or request.op not in ops:
-            what = request.format if ops is None else f"{request.format} {request.op.value}"
-            return [f"{self.name} does not compute {what}"]
-        reasons += self.device_reasons(request, profile)
-        reasons += self.scheme_reasons(request)
-        reasons += self.shape_reasons(request)
-        if self.provider is not None:
-            info = profile.provider(self.provider)
-            if not info.available:
-                if (info.reason or "").startswith("ModuleNotFoundError"):
-                    reasons.append(f"{info.name} is not installed ({info.install_hint})")
-                else:
-                    reasons.append(
-                        f"{info.name} does not import ({info.reason}); {info.install_hint}"
-                    )
-        done = self.implemented.get(request.format, frozenset())
-        if request.op not in done:
-            variant = self.variant(request, profile)
-            reasons.append(
-                f"not implemented yet: quantdispatch has no {self.name} kernel binding for "
-                f"{request.format} {request.op.value}" + (f" ({variant})" if variant else "")
-            )
-        return reasons
-
-    def variant(self, request: Request, profile: DeviceProfile) -> str | None:
-        """Which kernel family this request would use on this device, for messages."""
-        return None
-
-    def kernel_ranges(
-        self,
-        request: Request,
-        profile: DeviceProfile,
-        *,
-        top_k: int | None = None,
-        pdl: bool = True,
-        fp8_compute: str = "off",
-    ) -> tuple[KernelRange, ...]:
-        """The kernel family for every range of M (MoE: ``top_k`` and the request's experts,
-        N = I and K = H; ``pdl``: the decision's Settings.pdl; ``fp8_compute``: its FP8
-        compute mode). Default: one family at every M."""
-        return (KernelRange(1, None, self.name, self.title),)
-
-    def kernel_summary(self, request: Request, profile: DeviceProfile) -> str:
-        """One short line naming the kernel families this backend runs for ``request``."""
-        return self.variant(request, profile) or self.title
-
-    @abstractmethod
-    def device_reasons(self, request: Request, profile: DeviceProfile) -> list[str]:
-        """Why the device (SM, dtype support, CUDA build) rules this backend out, if it does."""
-
-    def scheme_reasons(self, request: Request) -> list[str]:
-        if not self.weight_only and request.scheme is Scheme.WEIGHT_ONLY:
-            return [
-                f"{self.name} quantizes activations (W{request.scheme_label[1]}A"
-                f"{request.scheme_label[1]}), but this checkpoint is weight-only "
-                f"({request.scheme_label}): that would change its numerics"
-            ]
-        return []
-
-    def shape_reasons(self, request: Request) -> list[str]:
-        return []
-
-    def accepted_note(self, request: Request, profile: DeviceProfile) -> str:
-        """One line saying what will run, e.g. that a W4A4 checkpoint runs weight-only."""
-        note = self.title
-        variant = self.variant(request, profile)
-        if variant:
-            note += f" [{variant}]"
-        if self.weight_only and request.scheme is Scheme.WEIGHT_ACT:
-            note += (
-                f"; runs the {request.scheme_label} checkpoint weight-only: activations stay "
-                f"{request.act_name}, not quantized (close to, not bit-equal with, a native run)"
-            )
-        return note
-
-    def compute_note(self, request: Request, profile: DeviceProfile, fp8_compute: str) -> str:
-        """A clause on opt-in compute modes for the decision's trace (the triton backend's FP8
-        compute: from which M it runs, or that it exists); empty: nothing to say."""
-        return ""
-
-    def fp8_resident_bytes(self, request: Request, profile: DeviceProfile) -> int | None:
-        """What a resident FP8 copy of this linear's weight would take here (FP8 compute's
-        ``prefill-resident``); None: no such copy for this request."""
-        return None
-
-    # -- shared fact helpers ----------------------------------------------------------------
-
-    @staticmethod
-    def gpu_reasons(profile: DeviceProfile) -> list[str]:
-        """A CUDA GPU that this torch build can drive."""
-        if profile.kind != "cuda":
-            return ["needs a CUDA GPU; this device is a CPU"]
-        if not profile.torch_cuda:
-            return [
-                f"torch {profile.torch_version} cannot launch kernels on this GPU "
-                "(install a CUDA build of torch)"
-            ]
-        return []
-
-    @staticmethod
-    def min_sm_reasons(
-        profile: DeviceProfile,
-        request: Request,
-        fp16_min: tuple[int, int],
-        bf16_min: tuple[int, int],
-    ) -> list[str]:
-        """Weight-only kernels are forward compatible: a minimum SM per activation dtype."""
-        cc = profile.capability
-        if cc is None:
-            return []
-        need = bf16_min if request.act_name == "bf16" else fp16_min
-        if cc < fp16_min:
-            return [f"SM {fmt_sm(cc)} is below SM {fmt_sm(fp16_min)}, the minimum for this kernel"]
-        if cc < need:
-            return [
-                f"SM {fmt_sm(cc)} has no bf16 tensor cores (bf16 needs SM {fmt_sm(need)}+); "
-                "fp16 activations work here"
-            ]
-        return []
+    def can_implement(self, request: Request, profile: DeviceProfile) -> str | None:
+        """None if it can run ``request`` on ``profile``, else every reason why not."""
+        return self.facts.explain_unsupported(request, profile)
 
     def refuse_simulated(self, profile: DeviceProfile) -> None:
         if profile.simulated:
@@ -262,11 +106,24 @@ class Backend(ABC):
     # -- life cycle ---------------------------------------------------------------------------
 
     def prepare(
-        self, weight: object, request: Request, *, fp8_compute: str = "off"
+        self, weight: QuantWeight, request: Request, *, options: object = None
     ) -> PreparedWeight:
-        """Turn a canonical weight (formats.*Weight) into this backend's tensors, once, at load.
-        ``fp8_compute``: the decision's FP8 compute mode (``Decision.fp8_compute``); only the
-        triton backend has FP8 compute, the others ignore it."""
+        """Turn the canonical weight of ``request``'s format (formats.*Weight) into this
+        backend's named tensors, once, at load (``options``: the decision's options of this
+        backend, ``Decision.options``): :meth:`check_weight`, then :meth:`prepare_linear`."""
+        self.check_weight(weight, request)
+        return self.prepare_linear(weight, request, options)
+
+    def check_weight(self, weight: QuantWeight, request: Request) -> None:
+        """Refuse a weight that is not the canonical type of ``request``'s format, or a
+        format whose linear this backend has no kernel for."""
+        from quantdispatch.formats import get_format
+
+        done = self.facts.implemented.get(request.format, frozenset())
+        if Op.LINEAR not in done or not isinstance(weight, get_format(request.format).weight_type):
+            self.cannot_prepare(request)
+
+    def cannot_prepare(self, request: Request) -> NoReturn:
         raise BackendUnavailableError(
             format_error(
                 f"backend {self.name} cannot prepare {request.describe()}",
@@ -275,6 +132,12 @@ class Backend(ABC):
                 "'reference'",
             )
         )
+
+    def prepare_linear(
+        self, weight: QuantWeight, request: Request, options: object
+    ) -> PreparedWeight:
+        """This backend's tensors for a weight :meth:`check_weight` accepted."""
+        self.cannot_prepare(request)
 
     def prepare_moe(
         self,
@@ -292,35 +155,25 @@ class Backend(ABC):
         are."""
         return PreparedMoe(tuple(names), tuple(w13), tuple(w2), Layout.CHECKPOINT, meta)
 
-    def linear(
-        self,
-        x: torch.Tensor,
-        tensors: Sequence[torch.Tensor],
-        bias: torch.Tensor | None,
-        fmt: str,
-        layout: Layout,
-        meta: LayoutMeta,
-        *,
-        pdl: bool = True,
-    ) -> torch.Tensor:
-        """y = x @ W.T (+ bias) for 2-D x [M, K] and a weight prepared in ``layout`` with
-        ``meta``; returns [M, N] in x.dtype. ``pdl``: kernels may use programmatic dependent
-        launches (the decision's Settings.pdl)."""
+    def linear(self, x: torch.Tensor, w: LinearBinding) -> torch.Tensor:
+        """y = x @ W.T (+ bias) for 2-D x [M, K] and the prepared weight ``w`` (its tensors,
+        bias, format, layout and meta; ``pdl``: kernels may use programmatic dependent launches,
+        the decision's Settings.pdl); returns [M, N] in x.dtype. The custom op's body, per call.
+        Default: :meth:`make_linear`'s callable, made for this call."""
+        return self.make_linear(w)(x)
+
+    def make_linear(self, w: LinearBinding) -> Callable[[torch.Tensor], torch.Tensor]:
+        """x -> y for the prepared weight ``w`` with its per-weight work (operand views, the
+        provider's op) done once: a backend with one kernel family per weight says only this."""
         raise BackendUnavailableError(
             format_error(f"backend {self.name} has no linear kernel", "not implemented yet", "")
         )
 
     def bind_linear(self, w: LinearBinding) -> BoundLinear:
         """The bound call path of one prepared weight (:mod:`.bound`): made once, then called
-        with x [M, K] for what :meth:`linear` computes, the same bits. Default: :meth:`linear`
-        with every other argument bound; backends override it to make the per-call work (meta,
-        regime lookup, launch arguments) once."""
-        linear = self.linear
-
-        def run(x: torch.Tensor) -> torch.Tensor:
-            return linear(x, w.tensors, w.bias, w.fmt, w.layout, w.meta, pdl=w.pdl)
-
-        return BoundLinear(((None, run),), (self.name,))
+        with x [M, K] for what :meth:`linear` computes, the same bits. Default: one step, the
+        :meth:`make_linear` callable; backends with regime steps override it."""
+        return BoundLinear(((None, self.make_linear(w)),), (self.name,))
 
     def bind_moe(self, template: MoeCall) -> BoundMoe:
         """The bound call path of one prepared MoE layer: ``template`` holds everything but the

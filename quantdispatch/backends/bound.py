@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from quantdispatch.backends.prepared import Layout, LayoutMeta
+    from quantdispatch.backends.prepared import Layout, LayoutMeta, PreparedWeight
 
 __all__ = ["BoundLinear", "BoundMoe", "LinearBinding", "Step"]
 
@@ -40,6 +40,20 @@ class LinearBinding:
     meta: LayoutMeta
     pdl: bool
     device: torch.device
+
+    @classmethod
+    def of(
+        cls,
+        prepared: PreparedWeight,
+        fmt: str,
+        bias: torch.Tensor | None = None,
+        *,
+        pdl: bool = True,
+    ) -> LinearBinding:
+        """The binding of a backend's prepared weight (what a layer would bind)."""
+        t = tuple(prepared.tensors)
+        return cls(t, bias, fmt, prepared.layout, prepared.meta, pdl, t[0].device)
+
 
 #: One step of a bound call: calls of up to ``max_m`` rows (None: any) run ``fn``.
 Step = tuple[int | None, Callable[..., torch.Tensor]]

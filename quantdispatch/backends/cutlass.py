@@ -18,20 +18,21 @@ stays on the triton backend. FP8 through CUTLASS is stated but not bound.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from quantdispatch.backends import fp4_providers
 from quantdispatch.backends.base import (
     Backend,
-    BoundLinear,
+    BackendFacts,
     CutlassFp4Meta,
     Layout,
-    LayoutMeta,
     LinearBinding,
     PreparedWeight,
+    op_view,
 )
+from quantdispatch.backends.prepared import named_tensors
 from quantdispatch.capability import (
     CUTLASS_NVFP4,
     CUTLASS_NVFP4_UNVERIFIED,
@@ -44,13 +45,31 @@ from quantdispatch.errors import CheckpointError, format_error
 from quantdispatch.request import Op, Request, Scheme
 
 if TYPE_CHECKING:
+    from quantdispatch.checkpoints import QuantWeight
     from quantdispatch.device import DeviceProfile
 
-__all__ = ["NVFP4_MULTIPLE", "CutlassBackend"]
+__all__ = ["NVFP4_MULTIPLE", "CutlassBackend", "CutlassFacts"]
 
 #: K and N multiples the providers' NVFP4 GEMM checks ("Expected k / n to be divisible by 32").
 NVFP4_MULTIPLE = 32
-_NAMES = ("cutlass_weight", "cutlass_weight_scale", "cutlass_alpha", "cutlass_encode_scale")
+
+
+class CutlassTensors(NamedTuple):
+    """The prepared operands, in order (the field names are the layer's buffer names): packed
+    codes, swizzled e4m3 block scales, alpha and the activation encode scale."""
+
+    cutlass_weight: torch.Tensor
+    cutlass_weight_scale: torch.Tensor
+    cutlass_alpha: torch.Tensor
+    cutlass_encode_scale: torch.Tensor
+
+    @classmethod
+    def from_list(cls, tensors: Sequence[torch.Tensor]) -> CutlassTensors:
+        """The op's tensor list, named, with the codes and scales viewed as the GEMM takes."""
+        w, scale, alpha, encode = tensors
+        return cls(op_view(w, torch.uint8), op_view(scale, torch.float8_e4m3fn), alpha, encode)
+
+
 _NO_MOE = (
     "cutlass does not compute nvfp4 moe: no fused NVFP4 MoE kernel is bound: the providers "
     "ship grouped FP4 GEMMs and expert quantizers (sgl-kernel cutlass_fp4_group_mm, vLLM "
@@ -59,15 +78,15 @@ _NO_MOE = (
 )
 
 
-class CutlassBackend(Backend):
+class CutlassFacts(BackendFacts):
+    """What the cutlass backend runs, by the NVFP4 GEMM provider detected in this process."""
+
     name = "cutlass"
     title = "CUTLASS native FP4 tensor-core GEMM from sgl-kernel / vLLM (quantized activations)"
     supports = {"nvfp4": frozenset({Op.LINEAR}), "fp8": frozenset({Op.LINEAR})}
     implemented = {"nvfp4": frozenset({Op.LINEAR})}
     provider = None  # detected by fp4_providers (package metadata, or vLLM's registered library)
     weight_only = False
-
-    # -- facts --------------------------------------------------------------------------------
 
     def unsupported_reasons(self, request: Request, profile: DeviceProfile) -> list[str]:
         if request.format == "nvfp4" and request.op is Op.MOE:
@@ -149,24 +168,20 @@ class CutlassBackend(Backend):
             "they run here only if they are family builds, which the wheels do not show"
         )
 
-    def accepted_note(self, request: Request, profile: DeviceProfile) -> str:
-        note = super().accepted_note(request, profile)
-        unverified = self.unverified_reason(request, profile)
-        if unverified:
-            note += f"; accepted only behind the first-use self-check: {unverified}"
-        return note
-
     def selfcheck_identity(self, profile: DeviceProfile) -> str:
         """The NVFP4 provider and version (the self-check's cache key)."""
         status = fp4_providers.active()
         return f"{status.name} {status.version}" if status is not None else "no provider"
 
-    # -- life cycle ---------------------------------------------------------------------------
 
-    def prepare(
-        self, weight: object, request: Request, *, fp8_compute: str = "off"
+class CutlassBackend(Backend):
+    """The cutlass backend's life cycle: the provider's operands at load, its GEMM per call."""
+
+    facts = CutlassFacts()
+
+    def prepare_linear(
+        self, weight: QuantWeight, request: Request, options: object
     ) -> PreparedWeight:
-        from quantdispatch.formats import Nvfp4Weight
         from quantdispatch.formats.nvfp4_act import (
             activation_scale,
             gemm_alpha,
@@ -174,8 +189,8 @@ class CutlassBackend(Backend):
             swizzled_scale_shape,
         )
 
-        if not isinstance(weight, Nvfp4Weight) or request.scheme is not Scheme.WEIGHT_ACT:
-            return super().prepare(weight, request)
+        if request.scheme is not Scheme.WEIGHT_ACT:
+            self.cannot_prepare(request)
         if weight.input_scale is None:
             raise CheckpointError(
                 format_error(
@@ -196,15 +211,17 @@ class CutlassBackend(Backend):
         device = weight.packed.device
         scale = activation_scale(input_scale=weight.input_scale, device=device)
         w_scale = swizzle_block_scales(weight.block_scale.view(torch.float8_e4m3fn))
-        tensors = (
-            weight.packed.contiguous(),
-            w_scale.reshape(swizzled_scale_shape(n, k // 16)),
-            gemm_alpha(scale.decode, weight.global_scale.to(device)),
-            scale.encode,
+        names, tensors = named_tensors(
+            CutlassTensors(
+                weight.packed.contiguous(),
+                w_scale.reshape(swizzled_scale_shape(n, k // 16)),
+                gemm_alpha(scale.decode, weight.global_scale.to(device)),
+                scale.encode,
+            )
         )
         index = fp4_providers.BINDINGS.index(status.binding)  # type: ignore[arg-type]
         return PreparedWeight(
-            _NAMES,
+            names,
             tensors,
             layout=Layout.CUTLASS_FP4,
             meta=CutlassFp4Meta(index),
@@ -212,21 +229,8 @@ class CutlassBackend(Backend):
             in_features=k,
         )
 
-    def linear(
-        self,
-        x: torch.Tensor,
-        tensors: Sequence[torch.Tensor],
-        bias: torch.Tensor | None,
-        fmt: str,
-        layout: Layout,
-        meta: LayoutMeta,
-        *,
-        pdl: bool = True,
-    ) -> torch.Tensor:
-        return _CutlassLinear(tensors, bias, meta)(x)
-
-    def bind_linear(self, w: LinearBinding) -> BoundLinear:
-        return BoundLinear(((None, _CutlassLinear(w.tensors, w.bias, w.meta)),), (self.name,))
+    def make_linear(self, w: LinearBinding) -> _CutlassLinear:
+        return _CutlassLinear(w.tensors, w.bias, w.meta)
 
 
 class _CutlassLinear:
@@ -236,17 +240,14 @@ class _CutlassLinear:
     def __init__(
         self, tensors: Sequence[torch.Tensor], bias: torch.Tensor | None, meta: object
     ) -> None:
-        from quantdispatch.backends.base import op_view
-
         assert isinstance(meta, CutlassFp4Meta), meta
         self.binding = binding = fp4_providers.BINDINGS[meta.binding]
         status = fp4_providers.active()
         if status is None or status.binding != binding:
             status = fp4_providers.Fp4ProviderStatus(binding.provider, None, binding)
         self.provider = fp4_providers.load(status)
-        self.w = op_view(tensors[0], torch.uint8)
-        self.w_scale = op_view(tensors[1], torch.float8_e4m3fn)
-        self.alpha, self.encode, self.bias = tensors[2], tensors[3], bias
+        self.w, self.w_scale, self.alpha, self.encode = CutlassTensors.from_list(tensors)
+        self.bias = bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         from quantdispatch.formats.nvfp4_act import (

@@ -13,17 +13,16 @@ grouped Marlin GEMM for both expert GEMMs (marlin_moe.py); routing and its weigh
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from quantdispatch.backends import marlin_providers as providers
 from quantdispatch.backends.base import (
     Backend,
-    BoundLinear,
+    BackendFacts,
     CheckpointMeta,
     Layout,
-    LayoutMeta,
     LinearBinding,
     MarlinMeta,
     MoeCall,
@@ -37,16 +36,16 @@ from quantdispatch.backends.marlin_contract import (
     padded_shape,
     prepare_linear,
 )
+from quantdispatch.backends.prepared import named_tensors
 from quantdispatch.errors import BackendUnavailableError, InputError, format_error
-from quantdispatch.formats import FP4_GROUP_SIZES
+from quantdispatch.formats import get_format
 from quantdispatch.request import Op, Request
 
 if TYPE_CHECKING:
+    from quantdispatch.checkpoints import QuantWeight
     from quantdispatch.device import DeviceProfile
 
-__all__ = ["MarlinBackend"]
-
-_GROUP = FP4_GROUP_SIZES
+__all__ = ["MarlinBackend", "MarlinFacts"]
 
 
 def _contract_index(key: str) -> int:
@@ -62,7 +61,9 @@ def _workspace(device: torch.device) -> torch.Tensor:
     return torch.zeros(sms * 4, dtype=torch.int32, device=device)
 
 
-class MarlinBackend(Backend):
+class MarlinFacts(BackendFacts):
+    """What the marlin backend runs, by the provider detected in this process."""
+
     name = "marlin"
     title = (
         "Marlin weight-only GEMM from the engine's own library (FP4 weights, 16-bit activations)"
@@ -74,25 +75,15 @@ class MarlinBackend(Backend):
     }
     provider = None  # detected by marlin_providers (package metadata or load_library)
     weight_only = True
-
-    # -- facts --------------------------------------------------------------------------------
-
-    def device_reasons(self, request: Request, profile: DeviceProfile) -> list[str]:
-        gpu = self.gpu_reasons(profile)
-        if gpu:
-            return gpu
-        return self.min_sm_reasons(profile, request, fp16_min=(7, 5), bf16_min=(8, 0))
+    min_sm = ((7, 5), (8, 0))  # no bf16 tensor cores before Ampere
 
     def shape_reasons(self, request: Request) -> list[str]:
         k = request.k
-        group = _GROUP.get(request.format, 16)
         if request.op is Op.MOE:
             if k is not None and moe_padded_intermediate(1, k) is None:
                 return [f"hidden size H={k} is not a multiple of 64 (Marlin MoE tiles need it)"]
             return []
-        if k is not None and k % group:
-            return [f"K={k} is not a multiple of the {request.format} group size {group}"]
-        return []
+        return self.group_reasons(request)
 
     def unsupported_reasons(self, request: Request, profile: DeviceProfile) -> list[str]:
         reasons = super().unsupported_reasons(request, profile)
@@ -134,8 +125,9 @@ class MarlinBackend(Backend):
         ns, op = row.ops["moe" if request.op is Op.MOE else "gemm"]
         parts = [f"{status.name} {status.version} {ns}::{op}"]
         n, k = request.n, request.k
-        if request.op is Op.LINEAR and n and k and request.format in _GROUP:
-            np_, kp = padded_shape(n, k, _GROUP[request.format])
+        group = get_format(request.format).group_size
+        if request.op is Op.LINEAR and n and k and group:
+            np_, kp = padded_shape(n, k, group)
             grown = [f"{d} {a}->{b}" for d, a, b in (("N", n, np_), ("K", k, kp)) if a != b]
             if grown:
                 parts.append(f"pads {', '.join(grown)} with zeros to Marlin's tiles")
@@ -146,7 +138,16 @@ class MarlinBackend(Backend):
         parts.append(row.gpu_verified or "contract from provider sources, not yet GPU-verified")
         return "; ".join(parts)
 
-    # -- life cycle ---------------------------------------------------------------------------
+    def selfcheck_identity(self, profile: DeviceProfile) -> str:
+        """The provider it detects itself (vLLM / sgl-kernel, not a profile field)."""
+        status = providers.active()
+        return f"{status.name} {status.version}" if status is not None else "no provider"
+
+
+class MarlinBackend(Backend):
+    """The marlin backend's life cycle: the provider's repack at load, its GEMMs per call."""
+
+    facts = MarlinFacts()
 
     def _provider(self, roles: tuple[str, ...]) -> providers.ProviderStatus:
         status = providers.active()
@@ -177,49 +178,27 @@ class MarlinBackend(Backend):
 
         return repack
 
-    def prepare(
-        self, weight: object, request: Request, *, fp8_compute: str = "off"
+    def prepare_linear(
+        self, weight: QuantWeight, request: Request, options: object
     ) -> PreparedWeight:
-        from quantdispatch.formats import Mxfp4Weight, Nvfp4Weight
-
-        if not isinstance(weight, (Nvfp4Weight, Mxfp4Weight)):
-            return super().prepare(weight, request)
         status = self._provider(("gemm", "repack"))
         assert status.contract is not None
         fmt = request.format
         act = request.act_dtype
-        g = weight.global_scale if isinstance(weight, Nvfp4Weight) else None
+        g = weight.global_scale if fmt == "nvfp4" else None  # type: ignore[union-attr]
         t = prepare_linear(
             fmt, weight.packed, weight.block_scale, g, act, self._repack(status.contract)
         )
         n, k = weight.shape
-        names = ["marlin_qweight", "marlin_scales"]
-        tensors = [t.qweight, t.scales]
-        if t.global_scale is not None:
-            names.append("marlin_global_scale")
-            tensors.append(t.global_scale)
-        names.append("marlin_workspace")
-        tensors.append(_workspace(weight.packed.device))
-        meta = MarlinMeta(_contract_index(status.contract.key), act, n, k, t.n_pad, t.k_pad)
-        return PreparedWeight(
-            tuple(names), tuple(tensors), Layout.MARLIN, meta, out_features=n, in_features=k
+        workspace = _workspace(weight.packed.device)
+        names, tensors = named_tensors(
+            MarlinTensors(t.qweight, t.scales, t.global_scale, workspace)
         )
+        meta = MarlinMeta(_contract_index(status.contract.key), act, n, k, t.n_pad, t.k_pad)
+        return PreparedWeight(names, tensors, Layout.MARLIN, meta, out_features=n, in_features=k)
 
-    def linear(
-        self,
-        x: torch.Tensor,
-        tensors: Sequence[torch.Tensor],
-        bias: torch.Tensor | None,
-        fmt: str,
-        layout: Layout,
-        meta: LayoutMeta,
-        *,
-        pdl: bool = True,
-    ) -> torch.Tensor:
-        return _MarlinLinear(tensors, bias, fmt, meta)(x)
-
-    def bind_linear(self, w: LinearBinding) -> BoundLinear:
-        return BoundLinear(((None, _MarlinLinear(w.tensors, w.bias, w.fmt, w.meta)),), (self.name,))
+    def make_linear(self, w: LinearBinding) -> _MarlinLinear:
+        return _MarlinLinear(w.tensors, w.bias, w.fmt, w.meta)
 
     def prepare_moe(
         self,
@@ -294,6 +273,25 @@ class MarlinBackend(Backend):
         )
 
 
+class MarlinTensors(NamedTuple):
+    """A Marlin linear weight's tensors, in order (the field names are the layer's buffer
+    names): tile-ordered codes, scales in Marlin's encoding, NVFP4's global scale (MXFP4: none)
+    and the GEMM's workspace."""
+
+    marlin_qweight: torch.Tensor
+    marlin_scales: torch.Tensor
+    marlin_global_scale: torch.Tensor | None
+    marlin_workspace: torch.Tensor
+
+    @classmethod
+    def from_list(cls, tensors: Sequence[torch.Tensor], fmt: str) -> MarlinTensors:
+        """The op's tensor list, named, the scales viewed as the GEMM takes them."""
+        scale_dtype = torch.float8_e4m3fn if fmt == "nvfp4" else torch.float8_e8m0fnu
+        scales = op_view(tensors[1], scale_dtype)
+        global_scale = tensors[2] if fmt == "nvfp4" else None
+        return cls(tensors[0], scales, global_scale, tensors[-1])
+
+
 class _MarlinLinear:
     """One Marlin weight with its provider op, scale views and global scale looked up once; a
     call pads K where needed, runs the provider GEMM and adds the bias."""
@@ -303,10 +301,9 @@ class _MarlinLinear:
     ) -> None:
         assert isinstance(meta, MarlinMeta), meta
         self.row, self.meta, self.bias = providers.CONTRACTS[meta.contract], meta, bias
-        scale_dtype = torch.float8_e4m3fn if fmt == "nvfp4" else torch.float8_e8m0fnu
-        self.qweight, self.workspace = tensors[0], tensors[-1]
-        self.scales = op_view(tensors[1], scale_dtype)
-        self.global_scale = tensors[2] if fmt == "nvfp4" else None
+        named = MarlinTensors.from_list(tensors, fmt)
+        self.qweight, self.workspace = named.marlin_qweight, named.marlin_workspace
+        self.scales, self.global_scale = named.marlin_scales, named.marlin_global_scale
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         meta = self.meta

@@ -4,7 +4,9 @@
 A prepared weight names its ``layout`` (:class:`Layout`) and carries a small frozen ``meta``
 dataclass of that layout. Only the custom ops (quantdispatch.ops) take flat arguments, because
 torch.library needs them: :func:`encode_meta` turns (layout, meta) into a ``list[int]`` for
-them and :func:`decode_meta` turns it back before any backend sees it.
+them and :func:`decode_meta` turns it back before any backend sees it. A backend with modes of
+its own subclasses a layout's meta and registers the subclass (:func:`register_meta`) under a
+code of its own (the triton backend's FP8 compute: backends/triton/meta.py).
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from typing import ClassVar
 import torch
 
 from quantdispatch.errors import ConfigurationError, format_error
-from quantdispatch.settings import FP8_COMPUTE_MODES
 
 __all__ = [
     "CheckpointMeta",
@@ -33,6 +34,8 @@ __all__ = [
     "ScaledMmMeta",
     "decode_meta",
     "encode_meta",
+    "named_tensors",
+    "register_meta",
 ]
 
 
@@ -47,52 +50,37 @@ class Layout(StrEnum):
 
 
 #: 16-bit activation dtypes as they cross the op boundary.
-_DTYPES = (torch.float16, torch.bfloat16)
+ACT_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def _dtype_code(dtype: torch.dtype) -> int:
-    return _DTYPES.index(dtype)
+def dtype_code(dtype: torch.dtype) -> int:
+    """A 16-bit activation dtype's code in a meta's flat form."""
+    return ACT_DTYPES.index(dtype)
 
 
-def _fp8_code(mode: str) -> int:
-    return FP8_COMPUTE_MODES.index(mode)
+class _Meta:
+    """What every layout meta answers besides its fields."""
 
+    def flags(self) -> frozenset[str]:
+        """The flags the regime table's rows may ask for (``when``)."""
+        return frozenset()
 
-def _fp8_mode(code: int) -> str:
-    if not 0 <= code < len(FP8_COMPUTE_MODES):
-        raise IndexError(code)
-    return FP8_COMPUTE_MODES[code]
-
-
-def _check_fp8(meta: object) -> None:
-    mode = getattr(meta, "fp8_compute", "off")
-    if mode not in FP8_COMPUTE_MODES:
-        raise ConfigurationError(
-            format_error(
-                f"{type(meta).__name__}(fp8_compute={mode!r})",
-                f"a weight's FP8 compute mode is one of {', '.join(FP8_COMPUTE_MODES)}",
-                "pass the mode the backend prepared the weight for",
-            )
-        )
+    def layer_note(self) -> str:
+        """A clause for the layer's repr (a backend's mode for this weight); empty: none."""
+        return ""
 
 
 @dataclass(frozen=True)
-class CheckpointMeta:
+class CheckpointMeta(_Meta):
     """The checkpoint layout. ``block_size``: FP8 block scales' (rows, columns).
     ``fp16_rebased``: MXFP4 block scales rebased for fp16, 2^d in the ``rebase_factor`` tensor
     (formats.mxfp4.rebase_mx_scales_for_fp16). ``emulate_activations``: the reference backend
-    quantizes activations as a native W4A4 / W8A8 kernel would. ``fp8_compute``: the triton
-    backend's FP8 compute mode for this weight (``off``, ``prefill``, ``prefill-resident``:
-    the resident FP8 copy is the last two tensors; quantdispatch.backends.triton.fp8_compute)."""
+    quantizes activations as a native W4A4 / W8A8 kernel would."""
 
     layout: ClassVar[Layout] = Layout.CHECKPOINT
     block_size: tuple[int, int] | None = None
     fp16_rebased: bool = False
     emulate_activations: bool = False
-    fp8_compute: str = "off"
-
-    def __post_init__(self) -> None:
-        _check_fp8(self)
 
     def flags(self) -> frozenset[str]:
         """The flags the regime table's rows may ask for (``when``)."""
@@ -101,38 +89,33 @@ class CheckpointMeta:
     def to_ints(self) -> list[int]:
         bn, bk = self.block_size or (0, 0)
         rebased, emulate = int(self.fp16_rebased), int(self.emulate_activations)
-        return [bn, bk, rebased, emulate, _fp8_code(self.fp8_compute)]
+        return [bn, bk, rebased, emulate]
 
     @classmethod
     def from_ints(cls, v: Sequence[int]) -> CheckpointMeta:
-        bn, bk, rebased, emulate, fp8 = v
+        bn, bk, rebased, emulate = v
         block = (bn, bk) if bn else None
-        return cls(block, bool(rebased), bool(emulate), _fp8_mode(fp8))
+        return cls(block, bool(rebased), bool(emulate))
 
 
 @dataclass(frozen=True)
-class Mma16x64Meta:
-    """The mma16x64 layout: the codes are placed for ``packed_for`` activations (bf16 or fp16).
-    ``fp8_compute``: as :class:`CheckpointMeta`'s."""
+class Mma16x64Meta(_Meta):
+    """The mma16x64 layout: the codes are placed for ``packed_for`` activations (bf16 or fp16)."""
 
     layout: ClassVar[Layout] = Layout.MMA16X64
     packed_for: torch.dtype
-    fp8_compute: str = "off"
-
-    def __post_init__(self) -> None:
-        _check_fp8(self)
 
     def to_ints(self) -> list[int]:
-        return [_dtype_code(self.packed_for), _fp8_code(self.fp8_compute)]
+        return [dtype_code(self.packed_for)]
 
     @classmethod
     def from_ints(cls, v: Sequence[int]) -> Mma16x64Meta:
-        code, fp8 = v
-        return cls(_DTYPES[code], _fp8_mode(fp8))
+        (code,) = v
+        return cls(ACT_DTYPES[code])
 
 
 @dataclass(frozen=True)
-class ScaledMmMeta:
+class ScaledMmMeta(_Meta):
     """The torch._scaled_mm layout (nothing besides the tensors)."""
 
     layout: ClassVar[Layout] = Layout.SCALED_MM
@@ -147,7 +130,7 @@ class ScaledMmMeta:
 
 
 @dataclass(frozen=True)
-class MarlinMeta:
+class MarlinMeta(_Meta):
     """Marlin: the provider contract's index (backends.marlin_providers.CONTRACTS), the
     activation dtype the scales were encoded for, the true and padded N x K (MoE: N = I, K = H
     of the w13 GEMM) and whether the MoE is gated."""
@@ -162,17 +145,17 @@ class MarlinMeta:
     gated: bool = False
 
     def to_ints(self) -> list[int]:
-        code = _dtype_code(self.act_dtype)
+        code = dtype_code(self.act_dtype)
         return [self.contract, code, self.n, self.k, self.n_pad, self.k_pad, int(self.gated)]
 
     @classmethod
     def from_ints(cls, v: Sequence[int]) -> MarlinMeta:
         contract, code, n, k, n_pad, k_pad, gated = v
-        return cls(contract, _DTYPES[code], n, k, n_pad, k_pad, bool(gated))
+        return cls(contract, ACT_DTYPES[code], n, k, n_pad, k_pad, bool(gated))
 
 
 @dataclass(frozen=True)
-class CutlassFp4Meta:
+class CutlassFp4Meta(_Meta):
     """A native FP4 GEMM provider's operands (packed codes, swizzled e4m3 block scales, alpha,
     the activation encode scale); ``binding``: the index of the provider binding they were
     prepared for (backends.fp4_providers.BINDINGS)."""
@@ -191,18 +174,28 @@ class CutlassFp4Meta:
 
 LayoutMeta = CheckpointMeta | Mma16x64Meta | ScaledMmMeta | MarlinMeta | CutlassFp4Meta
 
+#: The meta class of each layout (a registered subclass is one too).
 _META_OF: dict[Layout, type] = {
     m.layout: m for m in (CheckpointMeta, Mma16x64Meta, ScaledMmMeta, MarlinMeta, CutlassFp4Meta)
 }
-#: Codes of the layouts in the flat form (stable: ops' arguments only, never stored).
-_CODES = {
-    Layout.CHECKPOINT: 0,
-    Layout.MMA16X64: 1,
-    Layout.SCALED_MM: 2,
-    Layout.MARLIN: 3,
-    Layout.CUTLASS_FP4: 4,
+#: Codes of the meta classes in the flat form (stable: ops' arguments only, never stored).
+_CLASS_OF: dict[int, type] = {
+    0: CheckpointMeta,
+    1: Mma16x64Meta,
+    2: ScaledMmMeta,
+    3: MarlinMeta,
+    4: CutlassFp4Meta,
 }
-_LAYOUT_OF = {code: layout for layout, code in _CODES.items()}
+_CODE_OF: dict[type, int] = {cls: code for code, cls in _CLASS_OF.items()}
+
+
+def register_meta(cls: type, code: int) -> None:
+    """Register a backend's subclass of a layout's meta under ``code`` (its flat form is that
+    code, then its ``to_ints``), so the ops decode it as that subclass."""
+    base = _META_OF[cls.layout]  # type: ignore[attr-defined]
+    if not issubclass(cls, base) or _CLASS_OF.get(code, cls) is not cls:
+        raise ValueError(f"cannot register {cls.__name__} as meta code {code}")
+    _CLASS_OF[code], _CODE_OF[cls] = cls, code
 
 
 def _check(layout: object, meta: object) -> None:
@@ -221,7 +214,7 @@ def _check(layout: object, meta: object) -> None:
 def encode_meta(layout: Layout, meta: LayoutMeta) -> list[int]:
     """(layout, meta) as the ``list[int]`` the custom ops take."""
     _check(layout, meta)
-    return [_CODES[layout], *meta.to_ints()]
+    return [_CODE_OF[type(meta)], *meta.to_ints()]
 
 
 def decode_meta(values: Sequence[int]) -> tuple[Layout, LayoutMeta]:
@@ -231,19 +224,26 @@ def decode_meta(values: Sequence[int]) -> tuple[Layout, LayoutMeta]:
 
 @functools.lru_cache(maxsize=256)
 def _decode(values: tuple[int, ...]) -> tuple[Layout, LayoutMeta]:
-    layout = _LAYOUT_OF.get(values[0]) if values else None
-    if layout is not None:
+    cls = _CLASS_OF.get(values[0]) if values else None
+    if cls is not None:
         try:
-            return layout, _META_OF[layout].from_ints(values[1:])
+            return cls.layout, cls.from_ints(values[1:])  # type: ignore[attr-defined]
         except (ValueError, IndexError, TypeError):
             pass
     raise ConfigurationError(
         format_error(
             f"op meta {list(values)}",
-            "the ops' meta is encode_meta(layout, meta): a layout code, then that layout's fields",
+            "the ops' meta is encode_meta(layout, meta): a meta code, then that meta's fields",
             "pass the layer's own meta (QuantLinear / QuantMoE keep it)",
         )
     )
+
+
+def named_tensors(named: tuple) -> tuple[tuple[str, ...], tuple[torch.Tensor, ...]]:
+    """(names, tensors) of a backend's NamedTuple of prepared tensors (its fields are the
+    buffer names, in the kernels' order); fields left None are not stored."""
+    pairs = [(f, t) for f, t in zip(named._fields, named, strict=True) if t is not None]  # type: ignore[attr-defined]
+    return tuple(f for f, _ in pairs), tuple(t for _, t in pairs)
 
 
 @dataclass(frozen=True)
@@ -251,8 +251,8 @@ class PreparedWeight:
     """The tensors a backend's kernel reads, in its own order, in ``layout`` with ``meta``.
 
     ``names`` label the tensors (they become the layer's buffer names). Nothing here may be a
-    dequantized copy of the weight; the one copy allowed is the opt-in resident FP8 copy of FP8
-    compute (``prefill-resident``), whose bytes ``extra["fp8_resident_bytes"]`` says.
+    dequantized copy of the weight; the one copy allowed is an opt-in lossy one a backend's mode
+    keeps (the triton backend's FP8 compute), whose bytes ``extra`` says.
     """
 
     names: tuple[str, ...]

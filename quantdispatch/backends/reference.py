@@ -12,25 +12,27 @@ fp32, then the two per-tensor scales), the contract native backends are compared
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from quantdispatch.backends.base import (
     Backend,
+    BackendFacts,
     CheckpointMeta,
     Layout,
-    LayoutMeta,
+    LinearBinding,
     MoeCall,
     PreparedWeight,
 )
 from quantdispatch.request import Op, Request, Scheme
 
 if TYPE_CHECKING:
+    from quantdispatch.checkpoints import QuantWeight
     from quantdispatch.device import DeviceProfile
 
-__all__ = ["CHUNK_ELEMENTS", "ReferenceBackend", "fake_quantize_fp8_activations"]
+__all__ = ["CHUNK_ELEMENTS", "ReferenceBackend", "ReferenceFacts", "fake_quantize_fp8_activations"]
 
 #: Weights dequantized per chunk (2M: 8 MiB as fp32). Peak extra memory ~ 4x that (32 MiB).
 CHUNK_ELEMENTS = 2**21
@@ -61,7 +63,9 @@ def _trusted(cls: type, **fields: Any) -> Any:
     return obj
 
 
-class ReferenceBackend(Backend):
+class ReferenceFacts(BackendFacts):
+    """The reference backend runs every format and op, on any device."""
+
     name = "reference"
     title = "plain torch, weight dequantized in bounded chunks (correct everywhere, slow)"
     supports = {
@@ -79,20 +83,24 @@ class ReferenceBackend(Backend):
     def device_reasons(self, request: Request, profile: DeviceProfile) -> list[str]:
         return []
 
-    # -- life cycle ---------------------------------------------------------------------------
+
+class ReferenceBackend(Backend):
+    """The reference backend's life cycle: the canonical tensors as they are, dequantized in
+    bounded chunks per call."""
+
+    facts = ReferenceFacts()
 
     def prepare(
         self,
-        weight: object,
+        weight: QuantWeight,
         request: Request,
         *,
+        options: object = None,
         emulate_activations: bool = False,
-        fp8_compute: str = "off",
     ) -> PreparedWeight:
-        from quantdispatch.formats import Fp8Weight, Mxfp4Weight, Nvfp4Weight
-
-        if not isinstance(weight, (Nvfp4Weight, Mxfp4Weight, Fp8Weight)):
-            return super().prepare(weight, request)
+        """The canonical tensors; ``emulate_activations``: quantize activations as a native
+        W4A4 / W8A8 kernel would (the layer's flag, for W4A4 / W8A8 checkpoints)."""
+        self.check_weight(weight, request)
         if emulate_activations and request.scheme is not Scheme.WEIGHT_ACT:
             from quantdispatch.errors import ConfigurationError, format_error
 
@@ -104,7 +112,7 @@ class ReferenceBackend(Backend):
                 )
             )
         tensors = {k: v for k, v in weight.tensors().items() if v is not None}
-        if isinstance(weight, Nvfp4Weight) and emulate_activations and "input_scale" not in tensors:
+        if request.format == "nvfp4" and emulate_activations and "input_scale" not in tensors:
             from quantdispatch.errors import CheckpointError, format_error
 
             raise CheckpointError(
@@ -114,7 +122,7 @@ class ReferenceBackend(Backend):
                     "load the checkpoint's input_scale / input_global_scale with the weight",
                 )
             )
-        block = weight.block_size if isinstance(weight, Fp8Weight) else None
+        block = weight.block_size if request.format == "fp8" else None  # type: ignore[union-attr]
         meta = CheckpointMeta(
             block_size=tuple(block) if block is not None else None,  # type: ignore[arg-type]
             emulate_activations=emulate_activations,
@@ -141,7 +149,8 @@ class ReferenceBackend(Backend):
             fields["block_scale"] = op_view(fields["block_scale"], e4m3)
             return _trusted(Nvfp4Weight, **fields)
         if fmt == "mxfp4":
-            return _trusted(Mxfp4Weight, packed=tensors[0], block_scale=tensors[1])
+            names = ("packed", "block_scale")
+            return _trusted(Mxfp4Weight, **dict(zip(names, tensors, strict=False)))
         if fmt == "fp8":
             names = ("weight", "scale", "input_scale")
             fields = dict(zip(names, tensors, strict=False))
@@ -149,26 +158,22 @@ class ReferenceBackend(Backend):
             return _trusted(Fp8Weight, block_size=meta.block_size, **fields)
         raise ValueError(f"reference backend: unknown format {fmt!r}")
 
-    def linear(
-        self,
-        x: torch.Tensor,
-        tensors: Sequence[torch.Tensor],
-        bias: torch.Tensor | None,
-        fmt: str,
-        layout: Layout,
-        meta: LayoutMeta,
-        *,
-        pdl: bool = True,
-    ) -> torch.Tensor:
+    def make_linear(self, w: LinearBinding) -> Callable[[torch.Tensor], torch.Tensor]:
+        meta, fmt, bias = w.meta, w.fmt, w.bias
         assert isinstance(meta, CheckpointMeta), meta  # prepare keeps the checkpoint layout
-        weight = self.weight_object(fmt, tensors, meta)
+        weight = self.weight_object(fmt, w.tensors, meta)
         emulate = meta.emulate_activations
-        if emulate and fmt == "nvfp4":
-            return _keep_non_finite(_w4a4_matmul(x, weight, bias), x).to(x.dtype)
-        if emulate and fmt == "fp8":
-            xq = fake_quantize_fp8_activations(x, weight.input_scale)
-            return _keep_non_finite(_chunked_matmul(xq.float(), weight, fmt, bias), x).to(x.dtype)
-        return _chunked_matmul(x.to(torch.float32), weight, fmt, bias).to(x.dtype)
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            if emulate and fmt == "nvfp4":
+                return _keep_non_finite(_w4a4_matmul(x, weight, bias), x).to(x.dtype)
+            if emulate and fmt == "fp8":
+                xq = fake_quantize_fp8_activations(x, weight.input_scale)
+                y = _chunked_matmul(xq.float(), weight, fmt, bias)
+                return _keep_non_finite(y, x).to(x.dtype)
+            return _chunked_matmul(x.to(torch.float32), weight, fmt, bias).to(x.dtype)
+
+        return run
 
     def moe(self, call: MoeCall) -> torch.Tensor:
         """Loop over the experts that received tokens; fp32 accumulation, chunked dequant.

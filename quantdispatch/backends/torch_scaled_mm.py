@@ -17,17 +17,17 @@ established either, so there it is taken only behind the first-use self-check.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from quantdispatch.backends.base import (
     Backend,
-    BoundLinear,
+    BackendFacts,
     Layout,
-    LayoutMeta,
     LinearBinding,
     PreparedWeight,
     ScaledMmMeta,
 )
+from quantdispatch.backends.prepared import named_tensors
 from quantdispatch.capability import (
     FP4_MMA,
     FP8_MMA,
@@ -43,10 +43,26 @@ from quantdispatch.request import Op, Request, Scheme
 if TYPE_CHECKING:
     import torch
 
+    from quantdispatch.checkpoints import QuantWeight
     from quantdispatch.device import DeviceProfile
 
 
-_NVFP4_NAMES = ("fp4_weight", "fp4_weight_scale_swizzled", "fp4_alpha", "fp4_encode_scale")
+class Nvfp4Tensors(NamedTuple):
+    """A W4A4 NVFP4 weight as torch._scaled_mm takes it, in order (the field names are the
+    layer's buffer names): packed codes, swizzled e4m3 block scales, alpha, encode scale."""
+
+    fp4_weight: torch.Tensor
+    fp4_weight_scale_swizzled: torch.Tensor
+    fp4_alpha: torch.Tensor
+    fp4_encode_scale: torch.Tensor
+
+
+class Fp8Tensors(NamedTuple):
+    """A W8A8 FP8 weight (e4m3 [N, K], its scale, the checkpoint's static input scale if any)."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+    input_scale: torch.Tensor | None = None
 
 
 def _at_least(version: str | None, need: tuple[int, int]) -> bool:
@@ -66,7 +82,9 @@ def _cuda_at_least(version: str | None, need: tuple[int, int]) -> bool:
     return _at_least(version, need)
 
 
-class TorchScaledMMBackend(Backend):
+class TorchScaledMMFacts(BackendFacts):
+    """What the torch backend runs: this torch build's torch._scaled_mm on this GPU."""
+
     name = "torch"
     title = "torch._scaled_mm native tensor-core GEMM (quantized activations)"
     supports = {"fp8": frozenset({Op.LINEAR}), "nvfp4": frozenset({Op.LINEAR})}
@@ -136,13 +154,6 @@ class TorchScaledMMBackend(Backend):
             "alpha and bias in fp32"
         )
 
-    def accepted_note(self, request: Request, profile: DeviceProfile) -> str:
-        note = super().accepted_note(request, profile)
-        unverified = self.unverified_reason(request, profile)
-        if unverified:
-            note += f"; accepted only behind the first-use self-check: {unverified}"
-        return note
-
     def selfcheck_identity(self, profile: DeviceProfile) -> str:
         """The kernel provider for the self-check's cache key: this torch build's cuBLASLt."""
         return f"torch {profile.torch_version}"
@@ -172,47 +183,26 @@ class TorchScaledMMBackend(Backend):
                 reasons.append(f"{label}={value} is not a multiple of 16 (cuBLASLt FP8 rule)")
         return reasons
 
-    def prepare(
-        self, weight: object, request: Request, *, fp8_compute: str = "off"
+
+class TorchScaledMMBackend(Backend):
+    """The torch backend's life cycle: operands as torch._scaled_mm takes them, once."""
+
+    facts = TorchScaledMMFacts()
+
+    def prepare_linear(
+        self, weight: QuantWeight, request: Request, options: object
     ) -> PreparedWeight:
-        from quantdispatch.formats import Nvfp4Weight
-        from quantdispatch.formats.fp8 import Fp8Weight
         from quantdispatch.kernels.native.scaled_mm import prepare_fp8_scaled_mm
 
-        if isinstance(weight, Nvfp4Weight) and request.scheme is Scheme.WEIGHT_ACT:
+        if request.format == "nvfp4" and request.scheme is Scheme.WEIGHT_ACT:
             return _prepare_nvfp4(weight)
-        if not isinstance(weight, Fp8Weight) or weight.block_size is not None:
-            return super().prepare(weight, request)
+        if request.format != "fp8" or weight.block_size is not None:  # type: ignore[union-attr]
+            self.cannot_prepare(request)
         w, scale = prepare_fp8_scaled_mm(weight.weight, weight.scale)
-        names, tensors = ["weight", "scale"], [w, scale]
-        if weight.input_scale is not None:
-            names.append("input_scale")
-            tensors.append(weight.input_scale)
-        n, k = weight.shape
-        return PreparedWeight(
-            names=tuple(names),
-            tensors=tuple(tensors),
-            layout=Layout.SCALED_MM,
-            meta=ScaledMmMeta(),
-            out_features=n,
-            in_features=k,
-        )
+        return _prepared(Fp8Tensors(w, scale, weight.input_scale), weight.shape)
 
-    def linear(
-        self,
-        x: torch.Tensor,
-        tensors: Sequence[torch.Tensor],
-        bias: torch.Tensor | None,
-        fmt: str,
-        layout: Layout,
-        meta: LayoutMeta,
-        *,
-        pdl: bool = True,
-    ) -> torch.Tensor:
-        return _scaled_mm_linear(tensors, bias, fmt)(x)
-
-    def bind_linear(self, w: LinearBinding) -> BoundLinear:
-        return BoundLinear(((None, _scaled_mm_linear(w.tensors, w.bias, w.fmt)),), (self.name,))
+    def make_linear(self, w: LinearBinding):  # type: ignore[no-untyped-def]
+        return _scaled_mm_linear(w.tensors, w.bias, w.fmt)
 
 
 def _scaled_mm_linear(tensors: Sequence[torch.Tensor], bias: torch.Tensor | None, fmt: str):  # type: ignore[no-untyped-def]
@@ -228,11 +218,12 @@ def _scaled_mm_linear(tensors: Sequence[torch.Tensor], bias: torch.Tensor | None
             nvfp4_scaled_mm_linear,
         )
 
+        w = Nvfp4Tensors(*tensors)
         prepared = PreparedNvfp4ScaledMm(
-            weight_packed=op_view(tensors[0], torch.uint8),
-            weight_scale_swizzled=op_view(tensors[1], torch.float8_e4m3fn),
-            alpha=tensors[2],
-            encode_scale=tensors[3],
+            weight_packed=op_view(w.fp4_weight, torch.uint8),
+            weight_scale_swizzled=op_view(w.fp4_weight_scale_swizzled, torch.float8_e4m3fn),
+            alpha=w.fp4_alpha,
+            encode_scale=w.fp4_encode_scale,
         )
 
         def nvfp4(x: torch.Tensor) -> torch.Tensor:
@@ -241,9 +232,12 @@ def _scaled_mm_linear(tensors: Sequence[torch.Tensor], bias: torch.Tensor | None
 
         return nvfp4
 
-    weight = op_view(tensors[0], torch.float8_e4m3fn)
-    scale = tensors[1]
-    input_scale = tensors[2] if len(tensors) > 2 else None
+    named = Fp8Tensors(*tensors)
+    weight, scale, input_scale = (
+        op_view(named.weight, torch.float8_e4m3fn),
+        named.scale,
+        named.input_scale,
+    )
 
     def fp8(x: torch.Tensor) -> torch.Tensor:
         return fp8_scaled_mm_linear(x, weight, scale, input_scale=input_scale, bias=bias)
@@ -269,13 +263,12 @@ def _prepare_nvfp4(weight) -> PreparedWeight:
     p = prepare_nvfp4_scaled_mm(
         weight.packed, weight.block_scale, weight.global_scale, input_scale=weight.input_scale
     )
-    n, k = p.shape
-    tensors = (p.weight_packed, p.weight_scale_swizzled, p.alpha, p.encode_scale)
-    return PreparedWeight(
-        names=_NVFP4_NAMES,
-        tensors=tensors,
-        layout=Layout.SCALED_MM,
-        meta=ScaledMmMeta(),
-        out_features=n,
-        in_features=k,
-    )
+    named = Nvfp4Tensors(p.weight_packed, p.weight_scale_swizzled, p.alpha, p.encode_scale)
+    return _prepared(named, p.shape)
+
+
+def _prepared(named: Nvfp4Tensors | Fp8Tensors, shape: tuple[int, int]) -> PreparedWeight:
+    """An N x K weight's named operands in the torch._scaled_mm layout."""
+    names, tensors = named_tensors(named)
+    n, k = shape
+    return PreparedWeight(names, tensors, Layout.SCALED_MM, ScaledMmMeta(), n, k)

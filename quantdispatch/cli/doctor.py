@@ -167,11 +167,12 @@ def _resident_line(d, row: Row) -> list[str]:
     """What FP8 compute's resident copy of this linear's weight takes, where it can have one."""
     if row.experts:
         return []
-    size = d.fp8_resident_bytes()
+    size = d.option_facts().get("fp8_resident_bytes")
     if size is None:
         return []
     n, k = row.shape
-    used = "kept" if d.fp8_compute == "prefill-resident" else "with fp8_compute=prefill-resident"
+    kept = d.options_dict().get("fp8_compute") == "prefill-resident"
+    used = "kept" if kept else "with fp8_compute=prefill-resident"
     return [
         f"  resident FP8 copy ({used}): {size / 1e6:.1f} MB on top of the FP4 weight's "
         f"{n * k / 2e6:.1f} MB"

@@ -49,16 +49,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"quantdispatch {__version__}")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
     doc = sub.add_parser("doctor", help="explain the device and every decision")
-    _doctor_questions(doc)
-    _doctor_layer(doc)
-    _doctor_output(doc)
+    _doctor_arguments(doc)
     pre = sub.add_parser("presets", help="list the GPU presets --device accepts")
-    parser.commands = {"doctor": doc, "presets": pre, "verify": _verify_parser(sub)}
+    ver = sub.add_parser("verify", help="run every runnable backend here against the reference")
+    ver.add_argument("--format", action="append", dest="formats", metavar="F")
+    ver.add_argument("--json", action="store_true")
+    ver.add_argument(
+        "--fp8-compute",
+        action="store_true",
+        help="also check FP8 compute (lossy; both modes), in its own section with its own "
+        "bounds (default: only when QUANTDISPATCH_FP8_COMPUTE or the policy turns it on)",
+    )
+    parser.commands = {"doctor": doc, "presets": pre, "verify": ver}
     return parser
 
 
-def _doctor_questions(doc: argparse.ArgumentParser) -> None:
-    """Which device and which (format, op, activation dtype, scheme) doctor explains."""
+def _doctor_arguments(doc: argparse.ArgumentParser) -> None:
+    """``doctor``'s options."""
     doc.add_argument("--device", help="simulate a preset GPU (see 'quantdispatch presets')")
     doc.add_argument(
         "--format",
@@ -84,10 +91,6 @@ def _doctor_questions(doc: argparse.ArgumentParser) -> None:
     doc.add_argument(
         "--scheme", choices=SCHEMES, help="checkpoint scheme (default: each format's usual one)"
     )
-
-
-def _doctor_layer(doc: argparse.ArgumentParser) -> None:
-    """One layer (linear shape, MoE, tensor parallel split, or a whole checkpoint)."""
     doc.add_argument(
         "--shape",
         type=_weight_shape,
@@ -115,10 +118,6 @@ def _doctor_layer(doc: argparse.ArgumentParser) -> None:
         help="a checkpoint folder (config.json + safetensors): its quantized layer kinds and the "
         "backend and kernels each runs on this GPU (or --device)",
     )
-
-
-def _doctor_output(doc: argparse.ArgumentParser) -> None:
-    """The policy file and what doctor prints."""
     doc.add_argument("--policy", help="policy TOML file laid over the default")
     doc.add_argument("--json", action="store_true", help="one JSON object on stdout")
     doc.add_argument(
@@ -130,19 +129,6 @@ def _doctor_output(doc: argparse.ArgumentParser) -> None:
     doc.add_argument(
         "--matrix", action="store_true", help="chosen backend for every preset x format x op"
     )
-
-
-def _verify_parser(sub) -> argparse.ArgumentParser:
-    ver = sub.add_parser("verify", help="run every runnable backend here against the reference")
-    ver.add_argument("--format", action="append", dest="formats", metavar="F")
-    ver.add_argument("--json", action="store_true")
-    ver.add_argument(
-        "--fp8-compute",
-        action="store_true",
-        help="also check FP8 compute (lossy; both modes), in its own section with its own "
-        "bounds (default: only when QUANTDISPATCH_FP8_COMPUTE or the policy turns it on)",
-    )
-    return ver
 
 
 def _weight_shape(text: str) -> tuple[int, int]:

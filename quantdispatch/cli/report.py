@@ -180,7 +180,7 @@ def to_json(rows: list[Row], profile, settings, policy) -> dict[str, Any]:
 
 def _fp8(settings, policy) -> dict[str, Any]:
     """The FP8 compute mode in effect (the settings', else the policy file's) and its source."""
-    from quantdispatch.resolver import fp8_compute_of
+    from quantdispatch.backends.triton.options import fp8_compute_of
 
     mode, by = fp8_compute_of(settings, policy)
     return {"fp8_compute": mode, "fp8_compute_by": by}
@@ -203,7 +203,7 @@ def _decision_json(row: Row) -> dict[str, Any]:
         return out
     out["kernel_ranges"] = _ranges_json(a, row)
     if not row.experts:
-        out["fp8_resident_bytes"] = a.decision.fp8_resident_bytes()
+        out["fp8_resident_bytes"] = a.decision.option_facts().get("fp8_resident_bytes")
     if row.shards or row.shard_error:
         out["shards"] = [
             {

@@ -106,21 +106,21 @@ def _concise_header(h: Header) -> list[str]:
         lines.append(f"policy    {' + '.join(h.policy.sources)}")
     if pdl_applies(p) and not s["pdl"]:
         lines.append("PDL       dependent launches off (QUANTDISPATCH_PDL)")
-    if fp8_mode(h.settings, h.policy)[0] != "off":
+    if fp8_compute_in_effect(h.settings, h.policy)[0] != "off":
         lines += prefixed("fp8       ", fp8_line(h.settings, h.policy))
     return lines
 
 
-def fp8_mode(settings, policy) -> tuple[str, str]:
-    """The FP8 compute mode in effect and where it comes from."""
-    from quantdispatch.resolver import fp8_compute_of
+def fp8_compute_in_effect(settings, policy) -> tuple[str, str]:
+    """The triton backend's FP8 compute mode in effect and where it comes from."""
+    from quantdispatch.backends.triton.options import fp8_compute_of
 
     return fp8_compute_of(settings, policy)
 
 
 def fp8_line(settings, policy, *, verbose: bool = False) -> str:
     """The FP8 compute setting in one line (``verbose``: what the mode does, too)."""
-    mode, by = fp8_mode(settings, policy)
+    mode, by = fp8_compute_in_effect(settings, policy)
     if mode == "off":
         return f"off ({by}; QUANTDISPATCH_FP8_COMPUTE=prefill or prefill-resident turns it on)"
     if not verbose:
@@ -195,10 +195,10 @@ def _summary(d) -> str:
 
 def _as_weight_only(d) -> str:
     """ " as W4A16" where a weight-only backend runs a checkpoint that quantizes activations."""
-    from quantdispatch.backends import get_backend
+    from quantdispatch.backends import get_facts
     from quantdispatch.request import Scheme
 
-    if get_backend(d.backend).weight_only and d.request.scheme is Scheme.WEIGHT_ACT:
+    if get_facts(d.backend).weight_only and d.request.scheme is Scheme.WEIGHT_ACT:
         return f" as {d.request.scheme_label.split('A')[0]}A16"
     return ""
 

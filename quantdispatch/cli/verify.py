@@ -11,15 +11,15 @@ from dataclasses import asdict
 
 from quantdispatch.cli.common import EXIT_DECISION, EXIT_OK
 
-__all__ = ["fp8_modes", "run_verify"]
+__all__ = ["fp8_compute_modes", "run_verify"]
 
 
-def fp8_modes(flag: bool) -> tuple[str, ...]:
+def fp8_compute_modes(flag: bool) -> tuple[str, ...]:
     """The FP8 compute modes to check: both with ``--fp8-compute``, else the one in effect
     (the environment's, else the policy file's), none when it is off."""
     from quantdispatch.api import current_settings
+    from quantdispatch.backends.triton.options import fp8_compute_of
     from quantdispatch.policy import load_policy
-    from quantdispatch.resolver import fp8_compute_of
     from quantdispatch.verify import FP8_MODES
 
     if flag:
@@ -33,7 +33,7 @@ def run_verify(formats: Sequence[str] | None, *, as_json: bool, fp8: bool = Fals
     from quantdispatch.verify import verify, verify_fp8
 
     results = verify(formats)
-    modes = fp8_modes(fp8)
+    modes = fp8_compute_modes(fp8)
     fp8_results, skipped = verify_fp8(formats, modes) if modes else ([], [])
     if as_json:
         print(json.dumps([asdict(r) for r in results + fp8_results], indent=2))

@@ -2,7 +2,7 @@
 
 Life cycle: the decision is made once at construction (format, scheme, activation dtype, shape
 and the layer's device), the weights are prepared once for the chosen backend on that device
-(with the decision's FP8 compute mode, where the backend has one), and ``forward`` calls
+(with the decision's options of that backend), and ``forward`` calls
 ``torch.ops.quantdispatch.linear`` (a custom op with a fake implementation, so
 torch.compile(fullgraph=True) and CUDA graphs work). The layer holds only packed weights and
 scales as buffers, never a dequantized copy (FP8 compute's opt-in resident copy is a lossy
@@ -113,7 +113,7 @@ class QuantLinear(QuantLayer):
         if emulate_activations:
             prepared = backend.prepare(weight, decision.request, emulate_activations=True)  # type: ignore[call-arg]
         else:
-            prepared = backend.prepare(weight, decision.request, fp8_compute=decision.fp8_compute)
+            prepared = backend.prepare(weight, decision.request, options=decision.options)
         self.format = fmt
         self.in_features, self.out_features = k, n
         self._names = tuple(prepared.names)
@@ -304,13 +304,8 @@ class QuantLinear(QuantLayer):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"format={self.format}, scheme={r.scheme_label}, "
             f"act_dtype={dtype_name(self.act_dtype)}, backend={self.backend}, "
-            f"bias={self.bias is not None}" + self._fp8_repr()
+            f"bias={self.bias is not None}" + self._meta.layer_note()
         )
-
-    def _fp8_repr(self) -> str:
-        """``, fp8_compute=<mode>`` where the weight was prepared for FP8 compute."""
-        mode = getattr(self._meta, "fp8_compute", "off")
-        return "" if mode == "off" else f", fp8_compute={mode}"
 
 
 def load_linear(

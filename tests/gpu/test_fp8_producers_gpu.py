@@ -78,7 +78,7 @@ def test_linear_takes_the_producers_codes():
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the FP8 prefill rows are on SM 9.0 only")
     from quantdispatch import QuantLinear, load_settings
-    from quantdispatch.kernels.native import fp8_handoff
+    from quantdispatch.integrations.transformers import fp8_handoff
     from quantdispatch.kernels.native.fp8_producers import rmsnorm_fp8
 
     torch.manual_seed(0)
@@ -92,11 +92,13 @@ def test_linear_takes_the_producers_codes():
     w = torch.ones(4096, dtype=torch.bfloat16, device="cuda")
     fp8_handoff.clear()
     with fp8_handoff.sharing():
-        y, _ = rmsnorm_fp8(x.view(-1, 4096), w, 1e-6)
+        y, codes = rmsnorm_fp8(x.view(-1, 4096), w, 1e-6)
+        fp8_handoff.offer(y, codes)  # what the HF integration's fused norm does
         shared = layer(y.view(2, m // 2, 4096))
     assert fp8_handoff.counts() == {"hits": 1, "misses": 0}
     fp8_handoff.clear()
-    own = layer(y.clone().view(2, m // 2, 4096))
+    with fp8_handoff.sharing():
+        own = layer(y.clone().view(2, m // 2, 4096))
     assert fp8_handoff.counts() == {"hits": 0, "misses": 1}
     assert torch.equal(shared, own)
 

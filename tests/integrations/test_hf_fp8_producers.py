@@ -16,8 +16,7 @@ pytest.importorskip("transformers")
 
 from hf_models import PROMPT, float_model, make_config
 
-from quantdispatch.integrations.transformers import fp8_producers, quantize_model
-from quantdispatch.kernels.native import fp8_handoff
+from quantdispatch.integrations.transformers import fp8_handoff, fp8_producers, quantize_model
 
 
 def _quantized(arch):

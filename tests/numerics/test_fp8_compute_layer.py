@@ -20,6 +20,8 @@ import quantdispatch.ops  # noqa: F401  (registers torch.ops.quantdispatch.*)
 from quantdispatch import verify as verify_mod
 from quantdispatch.backends.base import Layout, as_op_tensors, decode_meta
 from quantdispatch.backends.triton import TritonBackend, fp8_compute, prepare, run
+from quantdispatch.backends.triton.meta import fp8_compute_of_meta
+from quantdispatch.backends.triton.options import TritonOptions
 from quantdispatch.cli import main
 from quantdispatch.device import preset_profile
 from quantdispatch.formats import quantize_mxfp4, quantize_nvfp4
@@ -52,7 +54,7 @@ def _weight(fmt, n, k, seed=0):
 def _prepare(weight, fmt, mode, act=torch.bfloat16):
     n, k = weight.shape
     request = Request.make(fmt, "linear", act, "weight_only", n=n, k=k)
-    return TritonBackend().prepare(weight, request, fp8_compute=mode)
+    return TritonBackend().prepare(weight, request, options=TritonOptions(mode))
 
 
 def _call(prepared, fmt, x, bias=None):
@@ -70,7 +72,9 @@ def test_prepare_keeps_the_resident_copy_and_the_mode_in_the_meta(hopper, fmt):
     res = _prepare(weight, fmt, "prefill-resident")
     per_call = _prepare(weight, fmt, "prefill")
     assert off.layout is res.layout is per_call.layout is Layout.MMA16X64
-    assert off.meta.fp8_compute == "off" and per_call.meta.fp8_compute == "prefill"
+    assert (
+        fp8_compute_of_meta(off.meta) == "off" and fp8_compute_of_meta(per_call.meta) == "prefill"
+    )
     assert per_call.names == off.names and "fp8_resident_bytes" not in per_call.extra
     assert res.names == (*off.names, "fp8_weight", "fp8_scale")
     q, scale = res.tensors[-2:]
@@ -91,9 +95,11 @@ def test_prepare_keeps_the_resident_copy_and_the_mode_in_the_meta(hopper, fmt):
 
 def test_prepare_leaves_weights_fp8_compute_cannot_take_weight_only(hopper, monkeypatch):
     odd = _prepare(_weight("nvfp4", 256, 320), "nvfp4", "prefill-resident")  # K % 128 != 0
-    assert odd.meta.fp8_compute == "off" and "fp8_weight" not in odd.names
+    assert fp8_compute_of_meta(odd.meta) == "off" and "fp8_weight" not in odd.names
     monkeypatch.setattr(prepare, "_capability", lambda device: (8, 9))  # row-wise: not measured
-    assert _prepare(_weight("nvfp4", 256, 512), "nvfp4", "prefill").meta.fp8_compute == "off"
+    assert (
+        fp8_compute_of_meta(_prepare(_weight("nvfp4", 256, 512), "nvfp4", "prefill").meta) == "off"
+    )
 
 
 def test_mxfp4_on_the_checkpoint_layout(hopper, caplog):
@@ -103,12 +109,12 @@ def test_mxfp4_on_the_checkpoint_layout(hopper, caplog):
     weight = _weight("mxfp4", n, k)
     weight.block_scale.view(torch.uint8)[0, 0] = 100  # 2^-27 next to ~2^-7: wide span
     res = _prepare(weight, "mxfp4", "prefill-resident")
-    assert res.layout is Layout.CHECKPOINT and res.meta.fp8_compute == "prefill-resident"
+    assert res.layout is Layout.CHECKPOINT and fp8_compute_of_meta(res.meta) == "prefill-resident"
     assert res.names[-2:] == fp8_compute.RESIDENT_NAMES
     weight.block_scale.view(torch.uint8)[0, 0] = 10  # 2^-117: outside 2^-100 .. 2^100
     with caplog.at_level(logging.WARNING, logger="quantdispatch"):
         kept = _prepare(weight, "mxfp4", "prefill-resident")
-    assert kept.meta.fp8_compute == "off" and "fp8_weight" not in kept.names
+    assert fp8_compute_of_meta(kept.meta) == "off" and "fp8_weight" not in kept.names
     assert "FP8 compute off for this 128x512 weight" in caplog.text
 
 

@@ -16,8 +16,9 @@ import torch
 pytest.importorskip("triton")
 from fp8_prefill_ref import encode64
 
+from quantdispatch.backends.triton.fp8_compute import handoff_in_use
 from quantdispatch.errors import InputError
-from quantdispatch.kernels.native import fp8_handoff
+from quantdispatch.integrations.transformers import fp8_handoff
 from quantdispatch.kernels.native import fp8_prefill as fp8p
 from quantdispatch.kernels.native.fp8_producers import rmsnorm, rmsnorm_fp8, silu_mul_fp8
 
@@ -163,8 +164,18 @@ def sharing():
 
 
 def run_linear(x2, w, recipe):
-    """The FP8 prefill linear's activation step as it runs in _run_slabs (torch rule)."""
-    return fp8_handoff.quantized(x2, lambda v: fp8p.quantize_activations(v, recipe, "torch"))
+    """The FP8 prefill linear's activation step as the triton backend runs it: through the
+    handoff a scope opened, else its own (torch rule)."""
+    handoff = handoff_in_use()
+
+    def quantize(v):
+        return fp8p.quantize_activations(v, recipe, "torch")
+
+    return quantize(x2) if handoff is None else handoff.quantized(x2, quantize)
+
+
+def slot():
+    return fp8_handoff.handoff().slot()
 
 
 def test_handoff_shares_between_readers(count_quantizer):
@@ -173,7 +184,7 @@ def test_handoff_shares_between_readers(count_quantizer):
         a = run_linear(x.reshape(-1, 256), None, "128x128")  # q_proj's view
         b = run_linear(x.reshape(-1, 256), None, "1x128")  # k_proj's own view of the same data
     assert count_quantizer == [(16, 256)] and a[0] is b[0]
-    assert getattr(fp8_handoff._local, "slot", None) is None  # emptied on leaving the scope
+    assert slot() is None  # emptied on leaving the scope
 
 
 def test_handoff_only_inside_a_scope(count_quantizer):
@@ -188,7 +199,7 @@ def test_handoff_only_inside_a_scope(count_quantizer):
     check_codes(buf, second)
     with fp8_handoff.sharing(), fp8_handoff.sharing():  # nested: the outer one empties
         run_linear(buf, None, "128x128")
-    assert getattr(fp8_handoff._local, "slot", None) is None
+    assert slot() is None
 
 
 def test_handoff_misses_what_differs(count_quantizer, sharing):
@@ -211,15 +222,16 @@ def test_handoff_misses_what_differs(count_quantizer, sharing):
 def test_handoff_lives_no_longer_than_the_activation(count_quantizer, sharing):
     x = torch.randn(16, 256).to(torch.bfloat16)
     run_linear(x, None, "128x128")
-    assert fp8_handoff.lookup(x) is not None
+    assert fp8_handoff.handoff().lookup(x) is not None
     del x
     gc.collect()
-    assert getattr(fp8_handoff._local, "slot", None) is None
+    assert slot() is None
 
 
 def test_producer_output_found_by_the_linear(count_quantizer, sharing):
     x = inputs(8, 256, torch.bfloat16, 3)
     y, codes = rmsnorm_fp8(x, torch.ones(256, dtype=torch.bfloat16), 1e-5)
+    fp8_handoff.offer(y, codes)  # what the HF integration's fused norm does
     got = run_linear(y.reshape(-1, 256), None, "128x128")
     assert count_quantizer == [] and got[0] is codes[0]
     y.add_(1)  # written after: quantized again

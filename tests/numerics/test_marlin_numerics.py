@@ -23,7 +23,7 @@ from ref64 import (
 
 from quantdispatch.api import load_settings
 from quantdispatch.backends import marlin_contract, marlin_providers
-from quantdispatch.backends.marlin import MarlinBackend
+from quantdispatch.backends.marlin import MarlinFacts
 from quantdispatch.formats import Mxfp4Weight, Nvfp4Weight
 from quantdispatch.layers import QuantLinear, QuantMoE
 from quantdispatch.resolver import _resolve
@@ -33,7 +33,7 @@ BOUND = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 @pytest.fixture
 def fake_vllm(monkeypatch):
-    monkeypatch.setattr(MarlinBackend, "device_reasons", lambda self, request, profile: [])
+    monkeypatch.setattr(MarlinFacts, "device_reasons", lambda self, request, profile: [])
     monkeypatch.setattr(marlin_providers, "_dist_version", lambda dist: None)
     marlin_providers.reset()
     _resolve.cache_clear()

@@ -17,7 +17,7 @@ pytest.importorskip("triton", reason="the checkpoint-layout kernels are Triton k
 from dataclasses import replace
 
 from quantdispatch.backends import get_backend
-from quantdispatch.backends.base import CheckpointMeta, Layout
+from quantdispatch.backends.base import CheckpointMeta, Layout, LinearBinding
 from quantdispatch.backends.triton import run
 from quantdispatch.formats.mxfp4 import Mxfp4Weight, rebase_mx_scales_for_fp16
 from quantdispatch.kernels import regimes
@@ -87,7 +87,7 @@ def test_all_zero_blocks_of_a_rebased_weight_stay_zero():
     req = Request.make("mxfp4", act_dtype=torch.float16, n=n, k=k)
     prepared = backend.prepare(Mxfp4Weight(packed=packed, block_scale=e8), req)
     x = (torch.randn(5, k, generator=torch.Generator().manual_seed(8)) * 2.0**12).half()
-    out = backend.linear(x, prepared.tensors, None, "mxfp4", prepared.layout, prepared.meta)
+    out = backend.linear(x, LinearBinding.of(prepared, "mxfp4"))
     ref = x.double() @ weight64(packed, e8).T
     assert bool(torch.isfinite(out).all())
     assert float((out.double() - ref).norm() / ref.norm()) < 2e-3
@@ -127,7 +127,7 @@ def test_triton_backend_fp16_matches_float64(monkeypatch, m, lo, hi):
     w64 = weight64(w.packed, w.block_scale)
     y64 = x.double() @ w64.T
     bias = (torch.randn(n, generator=g).double() * y64.std()).to(torch.float16)  # same scale
-    out = backend.linear(x, prepared.tensors, bias, "mxfp4", prepared.layout, prepared.meta)
+    out = backend.linear(x, LinearBinding.of(prepared, "mxfp4", bias))
     ref = y64 + bias.double()
     assert bool(torch.isfinite(out).all())
     assert float((out.double() - ref).norm() / ref.norm()) < 2e-3

@@ -18,8 +18,8 @@ from ref64 import random_codes, random_e4m3_scales, rel_err
 from quantdispatch import selfcheck
 from quantdispatch.api import load_settings, select
 from quantdispatch.backends import fp4_providers, marlin_providers
-from quantdispatch.backends.cutlass import CutlassBackend
-from quantdispatch.backends.torch_scaled_mm import TorchScaledMMBackend
+from quantdispatch.backends.cutlass import CutlassFacts
+from quantdispatch.backends.torch_scaled_mm import TorchScaledMMFacts
 from quantdispatch.device import preset_profile
 from quantdispatch.errors import BackendUnavailableError
 from quantdispatch.formats import Nvfp4Weight
@@ -74,7 +74,7 @@ def sgl(monkeypatch, clean):
     versions = {"sgl-kernel": "0.3.21"}
     monkeypatch.setattr(fp4_providers, "_dist_version", versions.get)
     monkeypatch.setattr(marlin_providers, "_dist_version", lambda dist: None)
-    monkeypatch.setattr(CutlassBackend, "device_reasons", lambda self, r, p: [])
+    monkeypatch.setattr(CutlassFacts, "device_reasons", lambda self, r, p: [])
     return fake
 
 
@@ -105,7 +105,7 @@ def test_cutlass_on_sgl_kernel_matches_the_w4a4_contract(sgl, act, m, n, k):
 def test_cutlass_on_vllm_op_matches_the_w4a4_contract(monkeypatch, clean):
     monkeypatch.setattr(fp4_providers, "_dist_version", lambda dist: None)
     monkeypatch.setattr(marlin_providers, "_dist_version", lambda dist: None)
-    monkeypatch.setattr(CutlassBackend, "device_reasons", lambda self, r, p: [])
+    monkeypatch.setattr(CutlassFacts, "device_reasons", lambda self, r, p: [])
     marlin_providers.register("vllm", "0.33.0")
     w = _w4a4(64, 128, seed=1)
     x = _x(7, 128, torch.bfloat16, seed=2)
@@ -122,7 +122,7 @@ def test_cutlass_on_vllm_op_matches_the_w4a4_contract(monkeypatch, clean):
 def test_vllm_op_with_another_schema_is_refused(monkeypatch, clean):
     monkeypatch.setattr(fp4_providers, "_dist_version", lambda dist: None)
     monkeypatch.setattr(marlin_providers, "_dist_version", lambda dist: None)
-    monkeypatch.setattr(CutlassBackend, "device_reasons", lambda self, r, p: [])
+    monkeypatch.setattr(CutlassFacts, "device_reasons", lambda self, r, p: [])
     marlin_providers.register("vllm", "0.33.0")
     args = "Tensor a, Tensor b, Tensor a_sf, Tensor b_sf, Tensor alpha"
     other = f"cutlass_scaled_fp4_mm({args}) -> Tensor"
@@ -156,7 +156,7 @@ def test_provider_outside_its_range_is_refused_with_its_version(
 def test_self_check_rejects_a_provider_that_ignores_alpha(sgl, monkeypatch):
     monkeypatch.setattr(selfcheck, "ELIGIBLE_DEVICE_TYPES", ("cuda", "cpu"))
     sgl.alpha_ignored = True
-    monkeypatch.setattr(TorchScaledMMBackend, "device_reasons", lambda self, r, p: [])
+    monkeypatch.setattr(TorchScaledMMFacts, "device_reasons", lambda self, r, p: [])
     monkeypatch.setattr(torch, "_scaled_mm", FakeScaledMM())
     layer = QuantLinear(_w4a4(64, 128, seed=3), device="cpu", settings=NO_ENV)
     line = next(c for c in layer.decision.trace if c.backend == "cutlass")
@@ -171,7 +171,7 @@ def test_self_check_rejects_a_provider_that_ignores_alpha(sgl, monkeypatch):
 @pytest.mark.parametrize("act", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [1, 33, 129])
 def test_torch_backend_matches_the_w4a4_contract(monkeypatch, clean, act, m):
-    monkeypatch.setattr(TorchScaledMMBackend, "device_reasons", lambda self, r, p: [])
+    monkeypatch.setattr(TorchScaledMMFacts, "device_reasons", lambda self, r, p: [])
     fake = FakeScaledMM()
     monkeypatch.setattr(torch, "_scaled_mm", fake)
     n, k = 144, 96

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from quantdispatch.api import current_settings, load_settings, select
+from quantdispatch.backends.triton.options import fp8_compute_of
 from quantdispatch.capability import SM89_PLUS
 from quantdispatch.cli import main
 from quantdispatch.device import preset_profile
@@ -21,7 +22,6 @@ from quantdispatch.kernels.regimes import (
     fp8_prefill_regime,
 )
 from quantdispatch.policy import default_policy, load_policy
-from quantdispatch.resolver import fp8_compute_of
 from quantdispatch.settings import FP8_COMPUTE_MODES
 
 VAR = "QUANTDISPATCH_FP8_COMPUTE"
@@ -100,7 +100,7 @@ def test_the_packaged_policy_says_off():
     import tomllib
 
     p = parse_policy(tomllib.loads(path.read_text()), str(path))
-    assert p.fp8_compute == "off" and p.fp8_compute_source == str(path)
+    assert p.option("fp8_compute") == ("off", str(path))
     assert fp8_compute_of(load_settings({}), p) == ("off", f"fp8_compute in {path}")
 
 
@@ -109,7 +109,7 @@ def test_a_policy_file_sets_it_and_the_variable_wins(tmp_path):
     f = tmp_path / "mine.toml"
     f.write_text('fp8_compute = "prefill-resident"\n')
     p = load_policy(f)
-    assert p.fp8_compute == "prefill-resident" and p.fp8_compute_source == str(f)
+    assert p.option("fp8_compute") == ("prefill-resident", str(f))
     assert p != default_policy() and hash(p) != hash(default_policy())
     assert fp8_compute_of(load_settings({}), p) == (
         "prefill-resident",
@@ -120,16 +120,17 @@ def test_a_policy_file_sets_it_and_the_variable_wins(tmp_path):
     # through select(): the decision carries the mode in effect
     settings = load_settings({}, backend={"nvfp4": "triton"})
     d = select("nvfp4", device=_h200(), settings=settings, policy=f, n=6144, k=4096)
-    assert d.fp8_compute == "prefill-resident" and d.to_dict()["fp8_compute"] == d.fp8_compute
+    mode = d.options.fp8_compute
+    assert mode == "prefill-resident" and d.to_dict()["fp8_compute"] == mode
     assert d.kernel_for(256).family == Family.FP8_PREFILL
     d = select("nvfp4", device=_h200(), settings=env, policy=f, n=6144, k=4096)
-    assert d.fp8_compute == "off" and d.kernel_for(256).family == Family.WGMMA_GEMM
+    assert d.options.fp8_compute == "off" and d.kernel_for(256).family == Family.WGMMA_GEMM
 
 
 def test_a_policy_file_without_the_key_keeps_the_default_and_a_bad_value_is_named(tmp_path):
     f = tmp_path / "mine.toml"
     f.write_text('[nvfp4]\nlinear = ["reference"]\n')
-    assert load_policy(f).fp8_compute == default_policy().fp8_compute
+    assert load_policy(f).option("fp8_compute")[0] == default_policy().option("fp8_compute")[0]
     assert fp8_compute_of(load_settings({}), load_policy(f))[0] == "off"
     f.write_text('fp8_compute = "fast"\n')
     with pytest.raises(ConfigurationError) as err:
@@ -221,7 +222,7 @@ def test_other_backends_and_formats_say_nothing_about_it():
     assert "FP8 compute" not in d.explain()
     settings = load_settings({}, backend={"nvfp4": "reference"}, fp8_compute="prefill")
     d = select("nvfp4", device=_h200(), settings=settings, n=6144, k=4096)
-    assert "FP8 compute" not in d.explain() and d.fp8_resident_bytes() is None
+    assert "FP8 compute" not in d.explain() and _resident(d) is None
 
 
 def test_the_resident_bytes_are_the_copys():
@@ -229,14 +230,15 @@ def test_the_resident_bytes_are_the_copys():
     from quantdispatch.kernels.native.fp8_prefill import resident_nbytes
 
     d = _select(n=6144, k=4096)
-    assert (
-        d.fp8_resident_bytes()
-        == 6144 * 4096 + 48 * 32 * 4
-        == resident_nbytes(6144, 4096, "128x128")
-    )
-    assert _select(n=4096, k=4224).fp8_resident_bytes() == resident_nbytes(4096, 4224, "1x128")
-    assert _select(n=6144, k=4160).fp8_resident_bytes() is None
-    assert _select(device=preset_profile("rtx4090"), n=6144, k=4096).fp8_resident_bytes() is None
+    assert _resident(d) == 6144 * 4096 + 48 * 32 * 4 == resident_nbytes(6144, 4096, "128x128")
+    assert _resident(_select(n=4096, k=4224)) == resident_nbytes(4096, 4224, "1x128")
+    assert _resident(_select(n=6144, k=4160)) is None
+    assert _resident(_select(device=preset_profile("rtx4090"), n=6144, k=4096)) is None
+
+
+def _resident(d):
+    """What the decision's report says a resident FP8 copy takes (None: no such copy)."""
+    return d.option_facts().get("fp8_resident_bytes")
 
 
 # ---- doctor ----------------------------------------------------------------------------------

@@ -116,24 +116,24 @@ def test_the_triton_moe_plans_and_launches_with_pdl(monkeypatch, pdl):
 
 @pytest.mark.parametrize("pdl", [True, False])
 def test_layers_pass_their_decisions_pdl_to_the_backend(monkeypatch, pdl):
-    """QuantLinear and QuantMoE call the op with decision.pdl, which reaches Backend.linear /
-    MoeCall.pdl (the reference backend here: it runs on the CPU)."""
+    """QuantLinear and QuantMoE call the op with decision.pdl, which reaches the backend's
+    linear binding / MoeCall.pdl (the reference backend here: it runs on the CPU)."""
     from quantdispatch.formats import quantize_nvfp4
     from quantdispatch.layers import QuantLinear, QuantMoE
 
     seen: list[bool] = []
-    real_linear = reference_backend.ReferenceBackend.linear
+    real_linear = reference_backend.ReferenceBackend.make_linear
     real_moe = reference_backend.ReferenceBackend.moe
 
-    def linear(self, *args, pdl=True):
-        seen.append(pdl)
-        return real_linear(self, *args, pdl=pdl)
+    def linear(self, w):
+        seen.append(w.pdl)
+        return real_linear(self, w)
 
     def moe(self, call):
         seen.append(call.pdl)
         return real_moe(self, call)
 
-    monkeypatch.setattr(reference_backend.ReferenceBackend, "linear", linear)
+    monkeypatch.setattr(reference_backend.ReferenceBackend, "make_linear", linear)
     monkeypatch.setattr(reference_backend.ReferenceBackend, "moe", moe)
     settings = load_settings({}, pdl=pdl)
     gen = torch.Generator().manual_seed(0)

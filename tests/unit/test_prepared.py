@@ -18,6 +18,7 @@ from quantdispatch.backends.base import (
     decode_meta,
     encode_meta,
 )
+from quantdispatch.backends.triton.meta import Fp8CheckpointMeta, Fp8Mma16x64Meta
 from quantdispatch.errors import ConfigurationError
 
 METAS = [
@@ -27,10 +28,10 @@ METAS = [
     (Layout.CHECKPOINT, CheckpointMeta(block_size=(1, 32), emulate_activations=True)),
     (Layout.MMA16X64, Mma16x64Meta(torch.bfloat16)),
     (Layout.MMA16X64, Mma16x64Meta(torch.float16)),
-    (Layout.MMA16X64, Mma16x64Meta(torch.bfloat16, fp8_compute="prefill")),
-    (Layout.MMA16X64, Mma16x64Meta(torch.float16, fp8_compute="prefill-resident")),
-    (Layout.CHECKPOINT, CheckpointMeta(fp8_compute="prefill-resident")),
-    (Layout.CHECKPOINT, CheckpointMeta(fp16_rebased=True, fp8_compute="prefill")),
+    (Layout.MMA16X64, Fp8Mma16x64Meta(torch.bfloat16, fp8_compute="prefill")),
+    (Layout.MMA16X64, Fp8Mma16x64Meta(torch.float16, fp8_compute="prefill-resident")),
+    (Layout.CHECKPOINT, Fp8CheckpointMeta(fp8_compute="prefill-resident")),
+    (Layout.CHECKPOINT, Fp8CheckpointMeta(fp16_rebased=True, fp8_compute="prefill")),
     (Layout.SCALED_MM, ScaledMmMeta()),
     (Layout.MARLIN, MarlinMeta(2, torch.float16, 720, 2880, 768, 2944)),
     (Layout.MARLIN, MarlinMeta(0, torch.bfloat16, 768, 2048, 768, 2048, gated=True)),
@@ -60,7 +61,18 @@ def test_a_meta_of_another_layout_or_an_int_tuple_is_refused():
 
 @pytest.mark.parametrize(
     "flat",
-    [[], [9], [0, 1, 2], [1, 5, 0], [1, 0], [1, 0, 3], [1, 0, -1], [0, 0, 0, 0, 0, 7], [2, 0]],
+    [
+        [],
+        [9],
+        [0, 1, 2],
+        [1, 5, 0],
+        [1, 5],
+        [1, 0, 3],
+        [1, 0, -1],
+        [0, 0, 0, 0, 0, 7],
+        [2, 0],
+        [16, 0, 0, 0, 0, 9],
+    ],
 )
 def test_malformed_flat_meta_names_itself(flat):
     with pytest.raises(ConfigurationError, match=r"op meta \["):
@@ -70,11 +82,11 @@ def test_malformed_flat_meta_names_itself(flat):
 def test_defaults_are_the_checkpoint_layout():
     prepared = PreparedWeight(("w",), (torch.zeros(1),))
     assert prepared.layout is Layout.CHECKPOINT and prepared.meta == CheckpointMeta()
-    assert prepared.meta_args() == [0, 0, 0, 0, 0, 0]  # layout, block (2), flags, FP8 mode
+    assert prepared.meta_args() == [0, 0, 0, 0, 0]  # meta code, block (2), flags
 
 
 def test_an_unknown_fp8_compute_mode_is_refused_where_the_meta_is_built():
     with pytest.raises(ConfigurationError, match="FP8 compute mode is one of off, prefill"):
-        Mma16x64Meta(torch.bfloat16, fp8_compute="on")
+        Fp8Mma16x64Meta(torch.bfloat16, fp8_compute="on")
     with pytest.raises(ConfigurationError, match="fp8_compute='prefill_resident'"):
-        CheckpointMeta(fp8_compute="prefill_resident")
+        Fp8CheckpointMeta(fp8_compute="prefill_resident")

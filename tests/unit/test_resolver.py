@@ -10,7 +10,7 @@ import torch
 
 from quantdispatch import select
 from quantdispatch.api import load_settings
-from quantdispatch.backends import BACKENDS, get_backend
+from quantdispatch.backends import get_facts
 from quantdispatch.device import PRESETS, preset_profile
 from quantdispatch.errors import BackendUnavailableError, ConfigurationError
 from quantdispatch.policy import default_policy, parse_policy
@@ -41,9 +41,9 @@ def test_every_preset_resolves_with_a_full_ordered_trace(preset, fmt, op, act, s
     # The chosen backend is the first accepted one, and its own check agrees.
     first_ok = next(c.backend for c in decision.trace if c.accepted)
     assert decision.backend == first_ok
-    assert get_backend(decision.backend).explain_unsupported(request, profile) is None
+    assert get_facts(decision.backend).explain_unsupported(request, profile) is None
     for c in decision.trace:
-        backend = get_backend(c.backend)
+        backend = get_facts(c.backend)
         assert (backend.explain_unsupported(request, profile) is None) == c.accepted
         # A W4A4/W8A8 kernel is never chosen for a weight-only checkpoint.
         if scheme == "weight_only" and not backend.weight_only:
@@ -52,7 +52,7 @@ def test_every_preset_resolves_with_a_full_ordered_trace(preset, fmt, op, act, s
     # that can run.
     if scheme == "weight_act":
         natives_ok = [
-            c.backend for c in decision.trace if c.accepted and not BACKENDS[c.backend].weight_only
+            c.backend for c in decision.trace if c.accepted and not get_facts(c.backend).weight_only
         ]
         if natives_ok:
             assert decision.backend in natives_ok
@@ -309,7 +309,7 @@ def test_triton_names_the_nvfp4_kernel_family_it_runs(preset, op, says, not_says
     """doctor's bracketed variant: which of the triton backend's kernels this GPU gets."""
     profile = preset_profile(preset)
     request = Request.make("nvfp4", op, "fp16", "weight_only", n=4096, k=4096)
-    text = get_backend("triton").variant(request, profile)
+    text = get_facts("triton").variant(request, profile)
     assert text is not None and says in text
     if not_says:
         assert not_says not in text
@@ -326,10 +326,10 @@ def test_triton_names_the_nvfp4_kernel_family_it_runs(preset, op, says, not_says
 def test_triton_names_the_mxfp4_kernel_family_it_runs(preset, op, says):
     profile = preset_profile(preset)
     request = Request.make("mxfp4", op, "fp16", "weight_only", n=4096, k=4096)
-    text = get_backend("triton").variant(request, profile)
+    text = get_facts("triton").variant(request, profile)
     assert text is not None and says in text
     moe = Request.make("mxfp4", "moe", "bf16", "weight_only", n=4096, k=4096)
-    moe_text = get_backend("triton").variant(moe, profile)
+    moe_text = get_facts("triton").variant(moe, profile)
     repacked = "gated layers with I and H multiples of 64 whose scales span <= 18 binades"
     assert repacked in moe_text if preset == "h200" else "checkpoint layout" in moe_text
 
@@ -348,7 +348,7 @@ def test_without_a_shape_triton_states_the_rules_by_weight_size(preset, fmt, say
     """doctor without --shape: the M ranges for every weight size, not one made-up shape's."""
     pytest.importorskip("triton")
     request = Request.make(fmt, "linear", "fp16", "weight_only")
-    text = get_backend("triton").variant(request, preset_profile(preset))
+    text = get_facts("triton").variant(request, preset_profile(preset))
     assert text is not None and says in text
     if not_says:
         assert not_says not in text
@@ -361,16 +361,16 @@ def test_triton_says_when_the_installed_triton_makes_the_gemm_wait_each_step(mon
     request = Request.make("nvfp4", "linear", "bf16", "weight_only", n=4096, k=4096)
     profile = preset_profile("h200")
     monkeypatch.setattr(wgmma_hazard, "triton_version", lambda: (3, 6))
-    text = get_backend("triton").variant(request, profile)
+    text = get_facts("triton").variant(request, profile)
     note = "each K step waits for its wgmmas: Triton 3.6 overlaps register-operand wgmma unsafely"
     assert note in text
     assert "triton-lang/triton#9433" in text
     monkeypatch.setattr(wgmma_hazard, "triton_version", lambda: (3, 9))
-    text = get_backend("triton").variant(request, profile)
+    text = get_facts("triton").variant(request, profile)
     note = "each K step waits for its wgmmas: Triton 3.9's fix of triton-lang/triton#9433 is not"
     assert note in text
     monkeypatch.setattr(wgmma_hazard, "VERIFIED_SAFE_FROM", (3, 9))
-    assert "waits for its wgmmas" not in get_backend("triton").variant(request, profile)
+    assert "waits for its wgmmas" not in get_facts("triton").variant(request, profile)
 
 
 def test_triton_says_whether_the_gemm_takes_activations_by_tma(monkeypatch):
@@ -383,7 +383,7 @@ def test_triton_says_whether_the_gemm_takes_activations_by_tma(monkeypatch):
     profile = preset_profile("h200")
     for has in (True, False):
         monkeypatch.setattr(device_facts, "has_host_descriptors", lambda has=has: has)
-        text = get_backend("triton").variant(request, profile)
+        text = get_facts("triton").variant(request, profile)
         assert ("activation tiles by TMA" in text) == has
 
 
@@ -391,7 +391,7 @@ def test_triton_states_the_mxfp4_fp16_rebase_and_the_fp8_w8a16_kernels():
     """doctor says what happens to MXFP4 scales fp16 cannot hold (rebased, fused kernels at
     every M) and which kernels FP8 weight-only runs; neither text for the other dtype/format."""
     pytest.importorskip("triton")
-    triton_backend = get_backend("triton")
+    triton_backend = get_facts("triton")
     t4 = preset_profile("t4")
     mx16 = triton_backend.variant(Request.make("mxfp4", "linear", "fp16", "weight_only"), t4)
     assert "block scales leave 2^-23..2^13 is rebased at load" in mx16

@@ -14,7 +14,7 @@ import torch
 from quantdispatch import selfcheck
 from quantdispatch.api import load_settings, select
 from quantdispatch.backends import BACKENDS
-from quantdispatch.backends.reference import ReferenceBackend
+from quantdispatch.backends.reference import ReferenceBackend, ReferenceFacts
 from quantdispatch.device import device_profile
 from quantdispatch.errors import BackendUnavailableError
 from quantdispatch.formats import quantize_nvfp4
@@ -26,25 +26,32 @@ NO_ENV = load_settings({})
 pytestmark = pytest.mark.filterwarnings("ignore::quantdispatch.selfcheck.SelfCheckWarning")
 
 
-class FakeNative(ReferenceBackend):
-    """The reference maths times ``factor`` (1.0: right, else wrong), on any device."""
+class FakeFacts(ReferenceFacts):
+    """Named like a native backend, runs nvfp4 on any device."""
 
     name = "cutlass"
     title = "fake backend for the self-check tests"
     supports = {"nvfp4": frozenset({Op.LINEAR, Op.MOE})}
     implemented = supports
 
+
+class FakeNative(ReferenceBackend):
+    """The reference maths times ``factor`` (1.0: right, else wrong), on any device."""
+
+    facts = FakeFacts()
+
     def __init__(self, factor: float) -> None:
         self.factor = factor
         self.calls = 0
 
-    def device_reasons(self, request, profile):
-        return []
+    def make_linear(self, w):
+        run = super().make_linear(w)
 
-    def linear(self, x, tensors, bias, fmt, layout, meta, *, pdl=True):
-        self.calls += 1
-        y = super().linear(x, tensors, bias, fmt, layout, meta, pdl=pdl)
-        return (y.float() * self.factor).to(x.dtype)
+        def scaled(x):
+            self.calls += 1
+            return (run(x).float() * self.factor).to(x.dtype)
+
+        return scaled
 
     def moe(self, call):
         self.calls += 1

@@ -20,12 +20,20 @@ import torch
 pytest.importorskip("triton")
 
 from quantdispatch.api import load_settings, select
-from quantdispatch.backends.base import CheckpointMeta, Layout, Mma16x64Meta, MoeCall
+from quantdispatch.backends.base import (
+    CheckpointMeta,
+    Layout,
+    LinearBinding,
+    Mma16x64Meta,
+    MoeCall,
+)
 from quantdispatch.backends.triton import dispatch, fp8_compute, run
 from quantdispatch.device import preset_profile
 from quantdispatch.errors import BackendUnavailableError
 from quantdispatch.kernels.common.device_facts import DeviceFacts
 from quantdispatch.kernels.regimes import Family
+
+CPU = torch.device("cpu")
 
 PRESETS = ("h200", "a100", "t4", "rtx4090", "b200", "rtx5090")
 FORMATS = ("nvfp4", "mxfp4", "fp8")
@@ -111,7 +119,7 @@ def test_kernel_for_with_fp8_compute_is_the_dispatch(preset, fmt, mode):
         d = _decision(fmt, "linear", act, profile, fp8=mode, n=n, k=k)
         if d is None:
             continue
-        assert d.fp8_compute == mode
+        assert d.options.fp8_compute == mode
         layout = dispatch.linear_layout(fmt, n, k, act, cap)
         got = fp8_compute.mode_for(fmt, n, k, act, cap, mode, (13, 0))
         on = cap == (9, 0) and n % 16 == 0 and k % 128 == 0
@@ -197,7 +205,8 @@ def test_the_run_path_calls_the_launcher_of_kernel_for(monkeypatch, calls, prese
         tensors = linear_tensors(fmt, layout, n, k)
         for m in (1, 16, 17, 33, 64, 65, 128, 129, 256, 257, 512, 513):
             calls.clear()
-            run.linear(torch.empty((m, k), dtype=act), tensors, None, fmt, layout, meta, True)
+            w = LinearBinding(tuple(tensors), None, fmt, layout, meta, True, CPU)
+            run.linear(torch.empty((m, k), dtype=act), w)
             ((name, _),) = calls
             assert LAUNCHERS[name] is d.kernel_for(m).family, (preset, act, n, k, m, name)
 
@@ -226,7 +235,8 @@ def test_the_fp8_compute_run_path_calls_the_launcher_of_kernel_for(
             tensors += [torch.empty((n, k), dtype=torch.uint8), torch.empty(stored)]
         for m in (1, 33, 255, 256, 257, 4095, 4096, 8192):
             calls.clear()
-            run.linear(torch.empty((m, k), dtype=act), tensors, None, fmt, layout, meta, True)
+            w = LinearBinding(tuple(tensors), None, fmt, layout, meta, True, CPU)
+            run.linear(torch.empty((m, k), dtype=act), w)
             ((name, kw),) = calls
             assert LAUNCHERS[name] is d.kernel_for(m).family, (preset, act, n, k, m, name)
             if LAUNCHERS[name] is Family.FP8_PREFILL:

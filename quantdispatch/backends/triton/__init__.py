@@ -9,8 +9,10 @@ ones with unquantized activations (it says so).
 
 The package: :mod:`.facts` (what it can run, doctor's words, kernel ranges), :mod:`.dispatch`
 (layout and kernel family from the regime table, quantdispatch.kernels.regimes),
-:mod:`.prepare` (layout choice and repack), :mod:`.fp8_compute` (the opt-in, lossy FP8 compute
-for prefill: which weights take it, the resident copy, the trace's words), :mod:`.run` (a call
+:mod:`.prepare` (layout choice and repack), :mod:`.options` (the backend's options, from the
+settings and policy), :mod:`.fp8_compute` (its one option: the opt-in, lossy FP8 compute for
+prefill: which weights take it, the resident copy, the trace's words), :mod:`.meta` (the metas
+of weights prepared for it), :mod:`.run` (a call
 -> its kernel family -> one kernel file's launcher; imported at the first call, as it imports
 triton), :mod:`.bind` (the bound call path: the same launchers, built once per weight).
 """
@@ -18,15 +20,15 @@ triton), :mod:`.bind` (the bound call path: the same launchers, built once per w
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from quantdispatch.backends.base import (
+    Backend,
     BoundLinear,
     BoundMoe,
     CheckpointMeta,
-    Layout,
-    LayoutMeta,
     LinearBinding,
     MoeCall,
     PreparedMoe,
@@ -34,26 +36,25 @@ from quantdispatch.backends.base import (
 )
 from quantdispatch.backends.triton import prepare as _prepare
 from quantdispatch.backends.triton.facts import TritonFacts
-from quantdispatch.request import Op, Request
+from quantdispatch.backends.triton.options import TritonOptions
+from quantdispatch.request import Request
 
-__all__ = ["TritonBackend"]
+if TYPE_CHECKING:
+    from quantdispatch.checkpoints import QuantWeight
 
-_ALL = frozenset({Op.LINEAR, Op.MOE})
+__all__ = ["TritonBackend", "TritonFacts"]
 
 
-class TritonBackend(TritonFacts):
-    name = "triton"
-    title = "quantdispatch Triton weight-only GEMM (weights dequantized in registers)"
-    supports = {"nvfp4": _ALL, "mxfp4": _ALL, "fp8": _ALL}
-    implemented = {"nvfp4": _ALL, "mxfp4": _ALL, "fp8": _ALL}
-    provider = "triton"
-    weight_only = True
+class TritonBackend(Backend):
+    """The triton backend's life cycle (its facts: :class:`.facts.TritonFacts`)."""
 
-    def prepare(
-        self, weight: object, request: Request, *, fp8_compute: str = "off"
+    facts = TritonFacts()
+
+    def prepare_linear(
+        self, weight: QuantWeight, request: Request, options: object
     ) -> PreparedWeight:
-        prepared = _prepare.prepare_linear(weight, request, fp8_compute)
-        return prepared if prepared is not None else super().prepare(weight, request)
+        mode = (options if isinstance(options, TritonOptions) else TritonOptions()).fp8_compute
+        return _prepare.prepare_linear(weight, request, mode)
 
     def prepare_moe(
         self,
@@ -67,20 +68,10 @@ class TritonBackend(TritonFacts):
     ) -> PreparedMoe:
         return _prepare.prepare_moe(w13, w2, names, meta, request, gated=gated)
 
-    def linear(
-        self,
-        x: torch.Tensor,
-        tensors: Sequence[torch.Tensor],
-        bias: torch.Tensor | None,
-        fmt: str,
-        layout: Layout,
-        meta: LayoutMeta,
-        *,
-        pdl: bool = True,
-    ) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, w: LinearBinding) -> torch.Tensor:
         from quantdispatch.backends.triton import run
 
-        return run.linear(x, tensors, bias, fmt, layout, meta, pdl)
+        return run.linear(x, w)
 
     def bind_linear(self, w: LinearBinding) -> BoundLinear:
         from quantdispatch.backends.triton.bind import bind_linear

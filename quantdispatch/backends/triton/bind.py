@@ -17,13 +17,17 @@ import torch
 from quantdispatch.backends.base import (
     CheckpointMeta,
     Layout,
-    LayoutMeta,
     Mma16x64Meta,
     MoeCall,
-    op_view,
 )
 from quantdispatch.backends.bound import BoundLinear, BoundMoe, LinearBinding
 from quantdispatch.backends.triton import dispatch
+from quantdispatch.backends.triton.tensors import (
+    Fp4Tensors,
+    Fp8Tensors,
+    MmaTensors,
+    linear_tensors,
+)
 from quantdispatch.errors import InputError, format_error
 from quantdispatch.kernels.checkpoint_layout.dequant import Fp4DequantRows, Fp8DequantRows
 from quantdispatch.kernels.checkpoint_layout.fp8 import Fp8Linear
@@ -33,7 +37,6 @@ from quantdispatch.kernels.common.slabs import DequantGemm
 from quantdispatch.kernels.mma_layout.dequant import MmaDequantRows
 from quantdispatch.kernels.mma_layout.gemm import MmaGemm
 from quantdispatch.kernels.mma_layout.gemv import MmaGemv
-from quantdispatch.kernels.mma_layout.layout import CHUNK_K, TILE_N
 from quantdispatch.kernels.regimes import Family
 
 __all__ = ["bind_linear", "bind_moe"]
@@ -46,23 +49,21 @@ def bind_linear(w: LinearBinding) -> BoundLinear:
     call), each bound to its launcher object."""
     facts = device_facts(w.device)
     tensors, bias, fmt, layout, meta, pdl = w.tensors, w.bias, w.fmt, w.layout, w.meta, w.pdl
-    if layout is Layout.MMA16X64:
+    named = linear_tensors(tensors, fmt, layout, meta)
+    n, k = named.nk
+    if isinstance(named, MmaTensors):
         assert isinstance(meta, Mma16x64Meta), meta
-        n, k = tensors[0].shape[0] * TILE_N, tensors[0].shape[1] * CHUNK_K
-        make = _mma_layout(tensors, bias, meta, pdl, facts)
-    elif fmt in dispatch.FP4:
-        assert isinstance(meta, CheckpointMeta), meta
-        n, k = tensors[0].shape[0], tensors[0].shape[1] * 2
-        make = _checkpoint_fp4(tensors, bias, fmt, meta, facts)
+        make = _mma_layout(named, bias, meta, pdl, facts)
+    elif isinstance(named, Fp4Tensors):
+        make = _checkpoint_fp4(named, bias, fmt, facts)
     else:
         assert isinstance(meta, CheckpointMeta), meta
-        n, k = tensors[0].shape[0], tensors[0].shape[1]
-        make = _checkpoint_fp8(tensors, bias, meta, facts)
+        make = _checkpoint_fp8(named, bias, meta, facts)
     steps, families = [], []
     made: dict[Family, Run] = {}
     for top, family in dispatch.linear_steps(fmt, layout, meta, n, k, facts):
         if family is Family.FP8_PREFILL:
-            run = _op_path(tensors, bias, fmt, layout, meta, pdl)
+            run = _op_path(w)
         else:
             run = made.get(family) or make(family, n, k)
         made[family] = run
@@ -72,13 +73,13 @@ def bind_linear(w: LinearBinding) -> BoundLinear:
 
 
 def _mma_layout(
-    tensors: tuple[torch.Tensor, ...],
+    named: MmaTensors,
     bias: torch.Tensor | None,
     meta: Mma16x64Meta,
     pdl: bool,
     facts: DeviceFacts,
 ) -> Callable[[Family, int, int], Run]:
-    words, scales, gs = tensors[0], tensors[1], tensors[2]
+    words, scales, gs = named
 
     def make(family: Family, n: int, k: int) -> Run:
         if family is Family.MMA_GEMV:
@@ -111,16 +112,10 @@ def _packed_for(run: Run, dtype: torch.dtype) -> Run:
 
 
 def _checkpoint_fp4(
-    tensors: tuple[torch.Tensor, ...],
-    bias: torch.Tensor | None,
-    fmt: str,
-    meta: CheckpointMeta,
-    facts: DeviceFacts,
+    named: Fp4Tensors, bias: torch.Tensor | None, fmt: str, facts: DeviceFacts
 ) -> Callable[[Family, int, int], Run]:
     scale_format = "e4m3" if fmt == "nvfp4" else "e8m0"
-    packed, block_scale = tensors[0], op_view(tensors[1], torch.uint8)
-    rebase = fmt == "mxfp4" and meta.fp16_rebased
-    gs = tensors[2] if fmt == "nvfp4" or rebase else None
+    packed, block_scale, gs = named
 
     def make(family: Family, n: int, k: int) -> Run:
         if family is Family.CHECKPOINT_TL_DOT:
@@ -135,12 +130,9 @@ def _checkpoint_fp4(
 
 
 def _checkpoint_fp8(
-    tensors: tuple[torch.Tensor, ...],
-    bias: torch.Tensor | None,
-    meta: CheckpointMeta,
-    facts: DeviceFacts,
+    named: Fp8Tensors, bias: torch.Tensor | None, meta: CheckpointMeta, facts: DeviceFacts
 ) -> Callable[[Family, int, int], Run]:
-    weight, scale = op_view(tensors[0], torch.uint8), tensors[1]
+    weight, scale = named
     block = meta.block_size
 
     def make(family: Family, n: int, k: int) -> Run:
@@ -152,18 +144,11 @@ def _checkpoint_fp8(
     return make
 
 
-def _op_path(
-    tensors: tuple[torch.Tensor, ...],
-    bias: torch.Tensor | None,
-    fmt: str,
-    layout: Layout,
-    meta: LayoutMeta,
-    pdl: bool,
-) -> Run:
+def _op_path(w: LinearBinding) -> Run:
     from quantdispatch.backends.triton import run as op
 
     def run(x: torch.Tensor) -> torch.Tensor:
-        return op.linear(x, tensors, bias, fmt, layout, meta, pdl)
+        return op.linear(x, w)
 
     return run
 

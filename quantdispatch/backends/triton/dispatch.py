@@ -18,6 +18,7 @@ from quantdispatch.backends.base import (
     LayoutMeta,
     Mma16x64Meta,
 )
+from quantdispatch.backends.triton.meta import fp8_compute_of_meta, with_fp8_compute
 from quantdispatch.capability import SM80_PLUS
 from quantdispatch.formats import FP4_FORMATS
 from quantdispatch.kernels.common.device_facts import DeviceFacts, device_facts
@@ -94,10 +95,9 @@ def linear_row(
 
 
 def fp8_row(fmt: str, meta: LayoutMeta, facts: DeviceFacts) -> Fp8PrefillRegime | None:
-    """The enabled FP8 compute row of a weight prepared for FP8 compute (its meta's
-    ``fp8_compute``, set by prepare where the row applies: backends.triton.fp8_compute), else
-    None."""
-    mode = getattr(meta, "fp8_compute", "off")
+    """The enabled FP8 compute row of a weight prepared for FP8 compute (its meta's mode, set
+    by prepare where the row applies: backends.triton.fp8_compute), else None."""
+    mode = fp8_compute_of_meta(meta)
     if mode == "off":
         return None
     row = fp8_prefill_regime(fmt, facts.capability, mode)
@@ -137,16 +137,15 @@ def _detail(step: Step, meta: LayoutMeta) -> str:
     """A range's detail; FP8 compute's says whether the weight is re-encoded per call."""
     if step.family is not Family.FP8_PREFILL:
         return step.family.detail
-    resident = getattr(meta, "fp8_compute", "off") == "prefill-resident"
+    resident = fp8_compute_of_meta(meta) == "prefill-resident"
     return f"{step.family.detail}; {'resident FP8 copy' if resident else 're-encoded per call'}"
 
 
 def prepared_meta(layout: Layout, act_dtype: torch.dtype, fp8_compute: str = "off") -> LayoutMeta:
     """The meta prepare gives a weight of ``layout`` (the common case: no rebase, no block)
     with FP8 compute mode ``fp8_compute`` (as prepare's ``fp8_compute.mode_for`` answers)."""
-    if layout is Layout.MMA16X64:
-        return Mma16x64Meta(act_dtype, fp8_compute)
-    return CheckpointMeta(fp8_compute=fp8_compute)
+    base = Mma16x64Meta(act_dtype) if layout is Layout.MMA16X64 else CheckpointMeta()
+    return with_fp8_compute(base, fp8_compute)
 
 
 # --------------------------------------------------------------------------------------------

@@ -9,12 +9,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from quantdispatch.backends.base import Backend, KernelRange, Layout
+from quantdispatch.backends.facts import BackendFacts, KernelRange
+from quantdispatch.backends.prepared import Layout
 from quantdispatch.backends.triton import dispatch
 from quantdispatch.backends.triton import fp8_compute as _fp8
+from quantdispatch.backends.triton.options import TritonOptions, options_of
 from quantdispatch.capability import ANY_DEVICE, SM9X, SM80_PLUS, SM90_PLUS, CapabilitySet
 from quantdispatch.errors import ConfigurationError, format_error
-from quantdispatch.formats import FP4_GROUP_SIZES
+from quantdispatch.formats.mxfp4 import FP16_MX_EXPONENTS
+from quantdispatch.kernels.mma_layout.layout import CHUNK_K, MX_SCALE_SPAN, TILE_N
 from quantdispatch.kernels.regimes import (
     LINEAR_REGIMES,
     MMA_LAYOUT_MOE,
@@ -26,17 +29,21 @@ from quantdispatch.request import Op, Request
 if TYPE_CHECKING:
     from quantdispatch.device import DeviceProfile
     from quantdispatch.kernels.common.device_facts import DeviceFacts
+    from quantdispatch.policy import Policy
+    from quantdispatch.settings import Settings
 
 __all__ = ["TritonFacts"]
-
-_GROUP = FP4_GROUP_SIZES
-#: The mma16x64 layout's granules: 16-row tiles, 64-column chunks (kernels/mma_layout/layout.py).
-MMA_TILE_ROWS, MMA_CHUNK_COLS = 16, 64
 
 _CHECKPOINT_LAYOUT_TEXT = (
     "tl.dot kernels on the checkpoint layout; large M: dequantized slabs + cuBLAS"
 )
-_MX_SPAN_TEXT = "weights whose block scales span <= 18 binades"
+#: The MXFP4 weights the mma16x64 layout takes (the rest keep the checkpoint layout).
+_MX_SPAN_TEXT = f"weights whose block scales span <= {MX_SCALE_SPAN} binades"
+
+
+def _mode(options: object) -> str:
+    """The FP8 compute mode of the backend's options (None: the defaults')."""
+    return (options if isinstance(options, TritonOptions) else TritonOptions()).fp8_compute
 
 
 def _row(fmt: str, layout: str, sm: CapabilitySet) -> LinearRegime:
@@ -85,24 +92,26 @@ def _fp4_ranges_text(mma_top: str, gemm_top: str | None, facts: DeviceFacts) -> 
     return text + "; larger M: dequantized slabs + cuBLAS"
 
 
-class TritonFacts(Backend):
+_ALL = frozenset({Op.LINEAR, Op.MOE})
+
+
+class TritonFacts(BackendFacts):
     """The triton backend's facts: device and shape rules, doctor's words, kernel ranges."""
 
-    def device_reasons(self, request: Request, profile: DeviceProfile) -> list[str]:
-        gpu = self.gpu_reasons(profile)
-        if gpu:
-            return gpu
-        return self.min_sm_reasons(profile, request, fp16_min=(7, 5), bf16_min=(8, 0))
+    name = "triton"
+    title = "quantdispatch Triton weight-only GEMM (weights dequantized in registers)"
+    supports = {"nvfp4": _ALL, "mxfp4": _ALL, "fp8": _ALL}
+    implemented = {"nvfp4": _ALL, "mxfp4": _ALL, "fp8": _ALL}
+    provider = "triton"
+    weight_only = True
+    min_sm = ((7, 5), (8, 0))  # no bf16 tensor cores before Ampere
 
     def shape_reasons(self, request: Request) -> list[str]:
-        group = _GROUP.get(request.format)
-        if group and request.k is not None and request.k % group != 0:
-            return [f"K={request.k} is not a multiple of the {request.format} group size {group}"]
-        return []
+        return self.group_reasons(request)
 
     def variant(self, request: Request, profile: DeviceProfile) -> str | None:
         if request.format == "fp8" and request.op is Op.LINEAR:
-            from quantdispatch.kernels.common.configs import SMALL_M_MAX
+            from quantdispatch.kernels.common.configs import SMALL_M_MAX, WIDE_N_MIN
 
             row = _row("fp8", "checkpoint", ANY_DEVICE)
             assert row.large is not None
@@ -112,7 +121,7 @@ class TritonFacts(Backend):
             return (
                 "W8A16: a tl.dot kernel with K split inside each program or a tiled one, per "
                 f"shape and M from the tuned table or the heuristics (these split up to M = "
-                f"{SMALL_M_MAX} below 16384 rows); from M = {first + 1} "
+                f"{SMALL_M_MAX} below {WIDE_N_MIN} rows); from M = {first + 1} "
                 f"({first_large + 1} for weights {row.large.describe()}): "
                 "dequantized slabs + cuBLAS"
             )
@@ -124,9 +133,10 @@ class TritonFacts(Backend):
             return None
         text = self._fp4_linear_text(request, profile)
         if request.format == "mxfp4" and request.act_dtype == torch.float16:
+            lo, hi = FP16_MX_EXPONENTS
             text += (
-                "; fp16 on the checkpoint layout: a weight whose block scales leave "
-                "2^-23..2^13 is rebased at load (2^d in the fused kernels' fp32 epilogue, "
+                f"; fp16 on the checkpoint layout: a weight whose block scales leave "
+                f"2^{lo}..2^{hi} is rebased at load (2^d in the fused kernels' fp32 epilogue, "
                 "which it then runs at every M)"
             )
         return text
@@ -140,9 +150,11 @@ class TritonFacts(Backend):
             f"{row.dequant.min_tokens_per_expert}+ tokens per expert on experts of "
             f"2^{row.dequant.min_expert_elements.bit_length() - 1}+ elements"
         )
-        spans = " whose scales span <= 18 binades" if request.format == "mxfp4" else ""
+        spans = (
+            f" whose scales span <= {MX_SCALE_SPAN} binades" if request.format == "mxfp4" else ""
+        )
         text = (
-            f"gated layers with I and H multiples of 64{spans}: experts repacked once "
+            f"gated layers with I and H multiples of {CHUNK_K}{spans}: experts repacked once "
             f"(mma16x64, same bytes); {few} tokens per expert: mma.sync kernels with PTX "
             "decode (the top-k sum inside the down kernel where each pair has its own "
             "expert); more: a grouped tl.dot GEMM decoding the same weight"
@@ -179,7 +191,7 @@ class TritonFacts(Backend):
         """The kernel ranges of an FP4 linear whose shape is not given (doctor without
         ``--shape``): the rules by weight size, not one made-up shape's answer."""
         cap, fmt = profile.capability, request.format
-        granule = (MMA_TILE_ROWS, MMA_CHUNK_COLS)
+        granule = (TILE_N, CHUNK_K)
         if dispatch.linear_layout(fmt, *granule, request.act_dtype, cap) is not Layout.MMA16X64:
             return _CHECKPOINT_LAYOUT_TEXT
         facts = dispatch.facts_for(profile)
@@ -201,7 +213,7 @@ class TritonFacts(Backend):
             big = f"for weights {row.large.describe()}"
             mma = Family.MMA_GEMV
             text = _fp4_ranges_text(f"{_top(row, mma)} ({_top(row, mma, True)} {big})", None, facts)
-        where = f"N a multiple of {MMA_TILE_ROWS} and K of {MMA_CHUNK_COLS}"
+        where = f"N a multiple of {TILE_N} and K of {CHUNK_K}"
         if fmt == "mxfp4":
             where = f"{_MX_SPAN_TEXT}, {where}"
         return (
@@ -216,12 +228,12 @@ class TritonFacts(Backend):
         *,
         top_k: int | None = None,
         pdl: bool = True,
-        fp8_compute: str = "off",
+        options: object = None,
     ) -> tuple[KernelRange, ...]:
         """Linear: needs the request's N and K. MoE: needs ``top_k``, the request's experts,
         N = I and K = H (gated experts assumed). The layout and meta are the ones prepare gives
-        such a weight (MXFP4: scales within 18 binades, and within fp16's range in fp16),
-        ``fp8_compute`` included where it applies (:func:`.fp8_compute.mode_for`)."""
+        such a weight (MXFP4: scales within the layout's span, and fp16's range in fp16),
+        the options' FP8 compute included where it applies (:func:`.fp8_compute.mode_for`)."""
         if request.op is Op.MOE:
             return self._moe_ranges(request, profile, top_k, pdl)
         if request.n is None or request.k is None:
@@ -235,27 +247,38 @@ class TritonFacts(Backend):
         n, k, fmt, act = request.n, request.k, request.format, request.act_dtype
         layout = dispatch.linear_layout(fmt, n, k, act, profile.capability)
         cuda = _fp8.cuda_of(profile.cuda_version)
-        mode = _fp8.mode_for(fmt, n, k, act, profile.capability, fp8_compute, cuda)
+        mode = _fp8.mode_for(fmt, n, k, act, profile.capability, _mode(options), cuda)
         meta = dispatch.prepared_meta(layout, act, mode)
         return dispatch.linear_ranges(fmt, layout, meta, n, k, dispatch.facts_for(profile))
 
-    def compute_note(self, request: Request, profile: DeviceProfile, fp8_compute: str) -> str:
-        if request.op is not Op.LINEAR or request.format not in dispatch.FP4:
-            return ""
-        return _fp8.trace_note(
-            request.format, request.n, request.k, request.act_dtype, profile.capability,
-            fp8_compute, _fp8.cuda_of(profile.cuda_version),
-        )  # fmt: skip
+    def options(self, settings: Settings, policy: Policy) -> TritonOptions:
+        return options_of(settings, policy)
 
-    def fp8_resident_bytes(self, request: Request, profile: DeviceProfile) -> int | None:
+    def accepted_note(
+        self, request: Request, profile: DeviceProfile, options: object = None
+    ) -> str:
+        """The base note, then FP8 compute's clause for an FP4 linear (from which M it runs,
+        or that it exists)."""
+        note = super().accepted_note(request, profile, options)
+        if request.op is not Op.LINEAR or request.format not in dispatch.FP4:
+            return note
+        extra = _fp8.trace_note(
+            request.format, request.n, request.k, request.act_dtype, profile.capability,
+            _mode(options), _fp8.cuda_of(profile.cuda_version),
+        )  # fmt: skip
+        return f"{note}; {extra}" if extra else note
+
+    def option_facts(self, request: Request, profile: DeviceProfile, options: object) -> dict:
+        """``fp8_resident_bytes``: what a resident FP8 copy of this linear's weight would take
+        here (FP8 compute's ``prefill-resident``; None: no such copy for it)."""
         n, k = request.n, request.k
         if request.op is not Op.LINEAR or n is None or k is None:
-            return None
+            return {"fp8_resident_bytes": None}
         cuda = _fp8.cuda_of(profile.cuda_version)
         _row, reasons = _fp8.availability(
             request.format, n, k, request.act_dtype, profile.capability, _fp8.RESIDENT, cuda
         )
-        return None if reasons else _fp8.resident_bytes(n, k)
+        return {"fp8_resident_bytes": None if reasons else _fp8.resident_bytes(n, k)}
 
     def _moe_ranges(
         self, request: Request, profile: DeviceProfile, top_k: int | None, pdl: bool

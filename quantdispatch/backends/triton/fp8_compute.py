@@ -4,8 +4,9 @@ Which weights take it: an NVFP4 / MXFP4 linear whose FP8 compute row in the regi
 (:data:`quantdispatch.kernels.regimes.FP8_PREFILL_REGIMES`) is enabled on the device and that
 ``kernels.native.fp8_prefill.prefill_reasons`` accepts with the block-scaled recipe (the enabled
 rows are SM 9.0 ones: the H200 sweep timed those recipes). :func:`mode_for` is that rule;
-``prepare`` records its answer in the weight's meta (``fp8_compute``) and ``kernel_ranges``
-asks it for the meta prepare would give, so a layer and doctor agree. With
+``prepare`` records its answer in the weight's meta (:mod:`.meta`) and ``kernel_ranges``
+asks it for the meta prepare would give, so a layer and doctor agree. The mode comes from the
+backend's options (:class:`.options.TritonOptions`). With
 ``prefill-resident`` the re-encoded weight is kept as two more tensors (:data:`RESIDENT_NAMES`).
 Also the words for the decision trace. No triton import at module level: the FP8 prefill
 kernels' module (which imports triton) is imported when a rule is asked, which only happens for
@@ -14,19 +15,27 @@ a request the triton backend accepted (its provider, triton, importable).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import logging
+from collections.abc import Iterator
 from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch
 
 from quantdispatch.backends.base import CheckpointMeta, Layout, PreparedWeight, op_view
+from quantdispatch.backends.triton.meta import with_fp8_compute
+from quantdispatch.backends.triton.tensors import linear_tensors
 from quantdispatch.capability import fmt_sm
 from quantdispatch.errors import WeightFormatError
+from quantdispatch.format_facts import FP4_FORMATS
 from quantdispatch.kernels.regimes import Fp8PrefillRegime, fp8_prefill_regime
+from quantdispatch.settings import FP8_COMPUTE_MODES
 
 if TYPE_CHECKING:
+    from quantdispatch.kernels.native.fp8_handoff import ActivationHandoff
     from quantdispatch.kernels.native.fp8_prefill import PrefillWeight
 
 __all__ = [
@@ -37,6 +46,8 @@ __all__ = [
     "add_fp8_compute",
     "availability",
     "cuda_of",
+    "handing_off",
+    "handoff_in_use",
     "mode_for",
     "recipe_for",
     "resident_bytes",
@@ -46,12 +57,35 @@ __all__ = [
 
 logger = logging.getLogger("quantdispatch")
 
-OFF, PREFILL, RESIDENT = "off", "prefill", "prefill-resident"
+OFF, PREFILL, RESIDENT = FP8_COMPUTE_MODES
 #: The resident copy's buffers, after the weight's own: e4m3 [N, K] and its fp32 block scales
 #: stored contiguous (:func:`resident_weight` views them as the GEMM takes them).
 RESIDENT_NAMES = ("fp8_weight", "fp8_scale")
-_FP4 = ("nvfp4", "mxfp4")
+_FP4 = FP4_FORMATS
 _SETTING = "QUANTDISPATCH_FP8_COMPUTE"
+
+
+_handoff: contextvars.ContextVar[ActivationHandoff | None] = contextvars.ContextVar(
+    "quantdispatch_fp8_handoff", default=None
+)
+
+
+@contextlib.contextmanager
+def handing_off(handoff: ActivationHandoff) -> Iterator[None]:
+    """While open, the FP8 prefill kernels of this thread take x's codes from ``handoff`` and
+    offer theirs to it (its owner, e.g. the HF integration's scope, promises what
+    kernels/native/fp8_handoff.py asks)."""
+    token = _handoff.set(handoff)
+    try:
+        yield
+    finally:
+        _handoff.reset(token)
+
+
+def handoff_in_use() -> ActivationHandoff | None:
+    """The handoff a caller opened with :func:`handing_off`, else None (each linear quantizes
+    its own input)."""
+    return _handoff.get()
 
 
 def _kernels() -> ModuleType:
@@ -128,18 +162,12 @@ def resident_weight(q: torch.Tensor, scale: torch.Tensor) -> PrefillWeight:
 
 def _build_resident(prepared: PreparedWeight, fmt: str, recipe: str) -> PrefillWeight:
     fp8p = _kernels()
-    t = prepared.tensors
     meta = prepared.meta
+    a, b, c = linear_tensors(prepared.tensors, fmt, prepared.layout, meta)  # type: ignore[misc]
     if prepared.layout is Layout.MMA16X64:
-        return fp8p.make_resident_mma(
-            t[0],
-            t[1],
-            t[2],
-            recipe=recipe,
-            act_dtype=meta.packed_for,  # type: ignore[union-attr]
-        )
-    gs = t[2] if fmt == "nvfp4" else None
-    return fp8p.make_resident(t[0], op_view(t[1], torch.uint8), gs, fmt=fmt, recipe=recipe)
+        act = meta.packed_for  # type: ignore[union-attr]
+        return fp8p.make_resident_mma(a, b, c, recipe=recipe, act_dtype=act)
+    return fp8p.make_resident(a, b, c, fmt=fmt, recipe=recipe)
 
 
 def add_fp8_compute(
@@ -161,7 +189,8 @@ def add_fp8_compute(
         from quantdispatch.formats.fp8_prefill import check_mx_exponents
 
         try:
-            check_mx_exponents(op_view(prepared.tensors[1], torch.uint8), "FP8 compute")
+            named = linear_tensors(prepared.tensors, fmt, prepared.layout, meta)
+            check_mx_exponents(named[1], "FP8 compute")
         except WeightFormatError as exc:
             logger.warning("quantdispatch: FP8 compute off for this %dx%d weight: %s", n, k, exc)
             return prepared
@@ -176,7 +205,7 @@ def add_fp8_compute(
         prepared,
         names=names,
         tensors=tensors,
-        meta=dataclasses.replace(meta, fp8_compute=mode),  # type: ignore[type-var]
+        meta=with_fp8_compute(meta, mode),  # type: ignore[arg-type]
         extra=extra,
     )
 

@@ -1,7 +1,7 @@
 """The triton backend's prepare step: the layout a weight (or a MoE layer's experts) is put in,
 once, at load (:func:`.dispatch.linear_layout`, :func:`.dispatch.moe_layout`), and the repack
 into it. The mma16x64 layout holds the same bytes as the checkpoint (no second copy). With FP8
-compute on (:mod:`.fp8_compute`), the weight's meta records the mode it runs and
+compute on (:mod:`.fp8_compute`), the weight's meta (:mod:`.meta`) records the mode it runs and
 ``prefill-resident`` adds the resident FP8 copy.
 """
 
@@ -18,7 +18,9 @@ from quantdispatch.backends.base import (
     PreparedMoe,
     PreparedWeight,
 )
-from quantdispatch.backends.triton import dispatch, fp8_compute
+from quantdispatch.backends.triton import dispatch
+from quantdispatch.backends.triton import fp8_compute as _fp8
+from quantdispatch.backends.triton.tensors import prepared
 from quantdispatch.errors import WeightFormatError, format_error
 from quantdispatch.kernels.common.device_facts import device_facts
 from quantdispatch.request import Request
@@ -30,35 +32,25 @@ def _capability(device: torch.device) -> tuple[int, int] | None:
     return device_facts(device).capability
 
 
-def prepare_linear(
-    weight: object, request: Request, fp8_mode: str = "off"
-) -> PreparedWeight | None:
-    """The backend's tensors for an NVFP4 / MXFP4 / FP8 weight (None: not one of those);
-    ``fp8_mode``: the decision's FP8 compute mode (FP4 weights)."""
-    from quantdispatch.formats.fp8 import Fp8Weight
-    from quantdispatch.formats.mxfp4 import Mxfp4Weight
-    from quantdispatch.formats.nvfp4 import Nvfp4Weight
+def prepare_linear(weight, request: Request, fp8_compute: str = "off") -> PreparedWeight:  # type: ignore[no-untyped-def]
+    """The backend's tensors for the NVFP4 / MXFP4 / FP8 weight of ``request``'s format
+    (checked by ``Backend.check_weight``); ``fp8_compute``: the options' FP8 compute mode (FP4
+    weights)."""
+    fmt = request.format
+    if fmt == "fp8":
+        return _fp8_weight(weight)
+    prepared = _nvfp4(weight, request) if fmt == "nvfp4" else _mxfp4(weight, request)
+    if fp8_compute == _fp8.OFF:
+        return prepared
+    cap = _capability(weight.packed.device)
+    return _fp8.add_fp8_compute(prepared, fmt, request.act_dtype, cap, fp8_compute)
 
-    if isinstance(weight, (Nvfp4Weight, Mxfp4Weight)):
-        fmt = "nvfp4" if isinstance(weight, Nvfp4Weight) else "mxfp4"
-        prepared = _nvfp4(weight, request) if fmt == "nvfp4" else _mxfp4(weight, request)
-        if fp8_mode == fp8_compute.OFF:
-            return prepared
-        cap = _capability(weight.packed.device)
-        return fp8_compute.add_fp8_compute(prepared, fmt, request.act_dtype, cap, fp8_mode)
-    if isinstance(weight, Fp8Weight):
-        n, k = weight.shape
-        extra = () if weight.input_scale is None else (weight.input_scale,)
-        block = tuple(weight.block_size) if weight.block_size else None
-        return PreparedWeight(
-            names=("weight", "scale", "input_scale")[: 2 + len(extra)],
-            tensors=(weight.weight, weight.scale, *extra),
-            layout=Layout.CHECKPOINT,
-            meta=CheckpointMeta(block_size=block),  # type: ignore[arg-type]
-            out_features=n,
-            in_features=k,
-        )
-    return None
+
+def _fp8_weight(weight) -> PreparedWeight:  # type: ignore[no-untyped-def]
+    block = tuple(weight.block_size) if weight.block_size else None
+    meta = CheckpointMeta(block_size=block)  # type: ignore[arg-type]
+    leading = (weight.weight, weight.scale)
+    return prepared("fp8", leading, meta, weight.shape, weight.input_scale)
 
 
 def _nvfp4(weight, request: Request) -> PreparedWeight:  # type: ignore[no-untyped-def]
@@ -69,25 +61,10 @@ def _nvfp4(weight, request: Request) -> PreparedWeight:  # type: ignore[no-untyp
         from quantdispatch.kernels.mma_layout.layout import repack
 
         words, scales = repack(weight.packed, weight.block_scale.view(torch.uint8), act)
-        names = ["mma_words", "mma_scales", "global_scale"]
-        tensors = [words, scales, weight.global_scale]
-        if weight.input_scale is not None:
-            names.append("input_scale")
-            tensors.append(weight.input_scale)
-        return PreparedWeight(
-            names=tuple(names),
-            tensors=tuple(tensors),
-            layout=Layout.MMA16X64,
-            meta=Mma16x64Meta(act),
-            out_features=n,
-            in_features=k,
-        )
-    names = ["packed", "block_scale", "global_scale"]
-    tensors = [weight.packed, weight.block_scale, weight.global_scale]
-    if weight.input_scale is not None:  # kept so the state dict keeps the checkpoint's
-        names.append("input_scale")
-        tensors.append(weight.input_scale)
-    return PreparedWeight(names=tuple(names), tensors=tuple(tensors), out_features=n, in_features=k)
+        leading = (words, scales, weight.global_scale)
+        return prepared("mma", leading, Mma16x64Meta(act), (n, k), weight.input_scale)
+    leading = (weight.packed, weight.block_scale, weight.global_scale)
+    return prepared("nvfp4", leading, CheckpointMeta(), (n, k), weight.input_scale)
 
 
 def _mxfp4(weight, request: Request) -> PreparedWeight:  # type: ignore[no-untyped-def]
@@ -102,34 +79,16 @@ def _mxfp4(weight, request: Request) -> PreparedWeight:  # type: ignore[no-untyp
         except WeightFormatError:  # scales too wide apart: the checkpoint layout
             pass
         else:
-            return PreparedWeight(
-                names=("mma_words", "mma_scales", "global_scale"),
-                tensors=(words, scales, global_scale),
-                layout=Layout.MMA16X64,
-                meta=Mma16x64Meta(act),
-                out_features=n,
-                in_features=k,
-            )
+            return prepared("mma", (words, scales, global_scale), Mma16x64Meta(act), (n, k))
     if act == torch.float16:
         from quantdispatch.formats.mxfp4 import rebase_mx_scales_for_fp16
 
         codes, d = rebase_mx_scales_for_fp16(weight.packed, weight.block_scale)
         if d:  # scales outside fp16's exact range: rebased, 2^d in the fp32 epilogue
             factor = torch.tensor(2.0**d, dtype=torch.float32, device=device)
-            return PreparedWeight(
-                names=("packed", "block_scale_fp16_rebased", "rebase_factor"),
-                tensors=(weight.packed, codes, factor),
-                layout=Layout.CHECKPOINT,
-                meta=CheckpointMeta(fp16_rebased=True),
-                out_features=n,
-                in_features=k,
-            )
-    return PreparedWeight(
-        names=("packed", "block_scale"),
-        tensors=(weight.packed, weight.block_scale),
-        out_features=n,
-        in_features=k,
-    )
+            meta = CheckpointMeta(fp16_rebased=True)
+            return prepared("mxfp4_rebased", (weight.packed, codes, factor), meta, (n, k))
+    return prepared("mxfp4", (weight.packed, weight.block_scale), CheckpointMeta(), (n, k))
 
 
 def prepare_moe(

@@ -1,8 +1,8 @@
 """The triton backend's run step: a call -> its kernel family (:mod:`.dispatch`, read from the
 regime table) -> one kernel file's launcher. The family depends only on host-side shapes, so
 nothing synchronizes. The device facts are asked once per call (a cached lookup) and handed
-down with the decision's PDL switch. A weight prepared for FP8 compute (its meta's
-``fp8_compute``) runs the FP8 prefill linear from its row's M on.
+down with the decision's PDL switch. A weight prepared for FP8 compute (its meta, :mod:`.meta`)
+runs the FP8 prefill linear from its row's M on.
 """
 
 from __future__ import annotations
@@ -15,11 +15,13 @@ from quantdispatch.backends.base import (
     CheckpointMeta,
     Layout,
     LayoutMeta,
+    LinearBinding,
     Mma16x64Meta,
     MoeCall,
-    op_view,
 )
 from quantdispatch.backends.triton import dispatch, fp8_compute
+from quantdispatch.backends.triton.meta import fp8_compute_of_meta
+from quantdispatch.backends.triton.tensors import Resident, linear_tensors
 from quantdispatch.errors import InputError, format_error
 from quantdispatch.kernels.checkpoint_layout.dequant import dequant_fp4_rows, dequant_fp8_rows
 from quantdispatch.kernels.checkpoint_layout.fp8 import fp8_weight_only_linear
@@ -40,17 +42,10 @@ from quantdispatch.moe.activations import get_activation
 __all__ = ["linear", "moe"]
 
 
-def linear(
-    x: torch.Tensor,
-    tensors: Sequence[torch.Tensor],
-    bias: torch.Tensor | None,
-    fmt: str,
-    layout: Layout,
-    meta: LayoutMeta,
-    pdl: bool,
-) -> torch.Tensor:
+def linear(x: torch.Tensor, w: LinearBinding) -> torch.Tensor:
     """Fused weight-streaming kernels for small M, dequantized slabs + cuBLAS for large M, as
     the regime table says for this weight on this device."""
+    tensors, bias, fmt, layout, meta, pdl = w.tensors, w.bias, w.fmt, w.layout, w.meta, w.pdl
     facts = device_facts(x.device)
     if layout is Layout.MMA16X64:
         assert isinstance(meta, Mma16x64Meta), meta
@@ -70,7 +65,7 @@ def _mma_layout(
     pdl: bool,
     facts: DeviceFacts,
 ) -> torch.Tensor:
-    words, scales, global_scale = tensors[0], tensors[1], tensors[2]
+    words, scales, global_scale = linear_tensors(tensors, fmt, Layout.MMA16X64, meta)
     if x.dtype != meta.packed_for:
         raise InputError(
             format_error(
@@ -85,6 +80,7 @@ def _mma_layout(
         return fp8_prefill_linear_mma(
             x, words, scales, global_scale, fmt=fmt, bias=bias, recipe=fp8_compute.recipe_for(k),
             resident=_resident(tensors, meta), capability=facts.capability,
+            handoff=fp8_compute.handoff_in_use(),
         )  # fmt: skip
     if family is Family.MMA_GEMV:
         return mma_linear(x, words, scales, global_scale, bias)
@@ -107,9 +103,7 @@ def _checkpoint_fp4(
     facts: DeviceFacts,
 ) -> torch.Tensor:
     scale_format = "e4m3" if fmt == "nvfp4" else "e8m0"
-    packed, block_scale = tensors[0], op_view(tensors[1], torch.uint8)
-    rebase = fmt == "mxfp4" and meta.fp16_rebased
-    global_scale = tensors[2] if fmt == "nvfp4" or rebase else None
+    packed, block_scale, global_scale = linear_tensors(tensors, fmt, Layout.CHECKPOINT, meta)
     # A rebased MXFP4 weight keeps the fused kernels at every M (its own row of the table):
     # their fp32 epilogue applies 2^d, where dequantized fp16 slabs would need it inside cuBLAS
     # (a host scalar, and fp16 partial sums of 2^|d| times the output when d < 0).
@@ -119,7 +113,7 @@ def _checkpoint_fp4(
         return fp8_prefill_linear(
             x, packed, block_scale, global_scale, fmt=fmt, bias=bias,
             recipe=fp8_compute.recipe_for(k), resident=_resident(tensors, meta),
-            capability=facts.capability,
+            capability=facts.capability, handoff=fp8_compute.handoff_in_use(),
         )  # fmt: skip
     if family is Family.CHECKPOINT_TL_DOT:
         return fp4_linear(
@@ -137,9 +131,9 @@ def _checkpoint_fp4(
 def _resident(tensors: Sequence[torch.Tensor], meta: LayoutMeta):  # type: ignore[no-untyped-def]
     """The resident FP8 copy (the last two tensors) of a ``prefill-resident`` weight, else
     None (re-encoded per call)."""
-    if meta.fp8_compute != fp8_compute.RESIDENT:  # type: ignore[union-attr]
+    if fp8_compute_of_meta(meta) != fp8_compute.RESIDENT:
         return None
-    return fp8_compute.resident_weight(tensors[-2], tensors[-1])
+    return fp8_compute.resident_weight(*Resident.from_list(tensors))
 
 
 def _checkpoint_fp8(
@@ -149,7 +143,7 @@ def _checkpoint_fp8(
     meta: CheckpointMeta,
     facts: DeviceFacts,
 ) -> torch.Tensor:
-    weight, scale = op_view(tensors[0], torch.uint8), tensors[1]
+    weight, scale = linear_tensors(tensors, "fp8", Layout.CHECKPOINT, meta)
     block = meta.block_size
     n, k = weight.shape[0], x.shape[1]
     family = dispatch.linear_family("fp8", Layout.CHECKPOINT, meta, x.shape[0], n, k, facts)

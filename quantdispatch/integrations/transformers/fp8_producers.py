@@ -4,12 +4,12 @@ With FP8 compute on (``QUANTDISPATCH_FP8_COMPUTE``), every FP8 linear quantizes 
 e4m3 first: a pass over the activation that, on the 8B shapes, costs about what separates
 1.35x from 1.55x of bf16. Here the kernels that make those activations do it instead
 (:mod:`quantdispatch.kernels.native.fp8_producers`), and the codes reach the linears through
-:mod:`quantdispatch.kernels.native.fp8_handoff` (q / k / v, and gate / up, share one set):
+:mod:`.fp8_handoff` (q / k / v, and gate / up, share one set):
 
 - a decoder layer's ``input_layernorm`` (read by ``self_attn``'s q / k / v projections) and
   ``post_attention_layernorm`` (read by the MLP's gate / up) run :func:`rmsnorm_fp8`;
 - a gated MLP runs :func:`silu_mul_fp8` before ``down_proj``;
-- the decoder layer runs inside :func:`quantdispatch.kernels.native.fp8_handoff.sharing`, the
+- the decoder layer runs inside :func:`.fp8_handoff.sharing`, the
   scope in which the linears may take codes from the handoff (an HF layer writes its
   activations through torch only, which is what the scope requires).
 
@@ -118,7 +118,7 @@ def install_fp8_producers(model: nn.Module) -> int:
 def _patch_scope_only(layer: nn.Module) -> None:
     """A decoder layer of a class the fused forward does not know: its own forward, inside a
     sharing scope from its start on."""
-    from quantdispatch.kernels.native import fp8_handoff
+    from quantdispatch.integrations.transformers import fp8_handoff
 
     def forward(self: nn.Module, *args: object, **kwargs: object) -> object:
         x = args[0] if args else kwargs.get("hidden_states")

@@ -163,7 +163,8 @@ def _norm2d(norm: nn.Module, x2: torch.Tensor, quantize: bool, residual=None):  
     if quantize or direct_call_ok(x2):
         from quantdispatch.kernels.native.fp8_producers import rmsnorm
 
-        y, s, _ = rmsnorm(x2, norm.weight, eps, residual=residual, quantize=quantize)
+        y, s, codes = rmsnorm(x2, norm.weight, eps, residual=residual, quantize=quantize)
+        _offer(y, codes)
         return y, s
     if residual is None:
         return torch.ops.quantdispatch.rms_norm(x2, norm.weight, eps), None
@@ -210,7 +211,8 @@ def _mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if quantize or direct_call_ok(g2):
         from quantdispatch.kernels.native.fp8_producers import silu_mul_fp8
 
-        h, _ = silu_mul_fp8(g2, u2, quantize=quantize)
+        h, codes = silu_mul_fp8(g2, u2, quantize=quantize)
+        _offer(h, codes)
     else:
         h = torch.ops.quantdispatch.silu_mul(g2, u2)
     return self.down_proj(h.view(gate.shape))
@@ -253,9 +255,17 @@ def _decoder_forward(self: nn.Module, hidden_states: torch.Tensor, *args, **kwar
 
 
 def _sharing():  # type: ignore[no-untyped-def]
-    from quantdispatch.kernels.native import fp8_handoff
+    from quantdispatch.integrations.transformers import fp8_handoff
 
     return fp8_handoff.sharing()
+
+
+def _offer(y: torch.Tensor, codes: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    """A producer's FP8 codes of y, for the linears reading it in the open scope."""
+    if codes is not None:
+        from quantdispatch.integrations.transformers import fp8_handoff
+
+        fp8_handoff.offer(y, codes)
 
 
 def _patch(module: nn.Module, forward: Callable[..., object]) -> None:

@@ -34,6 +34,7 @@ __all__ = [
     "MAX_TOKENS_PER_PROGRAM",
     "M_BUCKETS",
     "SMALL_M_MAX",
+    "WIDE_N_MIN",
     "GemmConfig",
     "candidate_configs",
     "fit_mma_config",
@@ -51,6 +52,8 @@ M_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048,
 # Up to here a call takes the small-M ("GEMV-like") path: one 16-row M tile, narrow N tiles and
 # long K tiles, so the grid has many programs streaming weights; above it the large-M path.
 SMALL_M_MAX = 16
+#: From this many weight rows (N) up, small-M calls take wider tiles (FP8: the tiled kernel).
+WIDE_N_MIN = 16384
 
 _TABLE_DIR = Path(__file__).resolve().parent
 _TABLES: dict[str, dict] = {}
@@ -125,18 +128,17 @@ def heuristic_config(kind: str, n: int, k: int, m: int, capability: tuple[int, i
 
     Small M (H200 winners): the small-M kernel, K split 4 ways in-program, one 16-row MMA
     tile per warp and slice (swap_ab; more warps than that would repeat each other's
-    dequantization); FP8 weights of 16384+ rows the tiled kernel instead. Mid M: 64-wide
+    dequantization); FP8 weights of WIDE_N_MIN+ rows the tiled kernel instead. Mid M: 64-wide
     swapped tiles. Large M: 128..256 x 128 tiles (wgmma).
     Pre-Ampere parts (64 KB of shared memory) get at most 2 stages and 128-wide K tiles.
     """
     old = capability not in SM80_PLUS
     if m <= SMALL_M_MAX:
-        if kind == "fp8" and n >= 16384:  # the tiled kernel beat the split ones here (H200)
+        wide = n >= WIDE_N_MIN
+        if kind == "fp8" and wide:  # the tiled kernel beat the split ones here (H200)
             cfg = GemmConfig(16, 64, 256, 4, 4)
         else:  # K split 4 ways in-program; one 16-row MMA tile per warp and slice
-            cfg = GemmConfig(
-                16, 32 if n >= 16384 else 16, 128, 8 if n >= 16384 else 4, 3, swap_ab=1, split=4
-            )
+            cfg = GemmConfig(16, 32 if wide else 16, 128, 8 if wide else 4, 3, swap_ab=1, split=4)
     elif m <= 64:
         cfg = GemmConfig(max(16, 1 << (m - 1).bit_length()), 64, 256, 4, 3, swap_ab=1)
     elif m <= 256:

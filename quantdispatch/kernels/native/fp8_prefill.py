@@ -36,7 +36,7 @@ from quantdispatch.errors import BackendUnavailableError, InputError, format_err
 from quantdispatch.formats import FP4_FORMATS
 from quantdispatch.formats import fp8_prefill as rule
 from quantdispatch.kernels.common.checks import check_native_call
-from quantdispatch.kernels.native import fp8_handoff
+from quantdispatch.kernels.native.fp8_handoff import ActivationHandoff
 
 __all__ = [
     "RECIPES",
@@ -312,18 +312,19 @@ def _run_slabs(
     impl: str,
     encode: Callable[[int, int, torch.Tensor], PrefillWeight] | None,
     resident: PrefillWeight | None = None,
+    handoff: ActivationHandoff | None = None,
 ) -> torch.Tensor:
-    """Quantize x once (or take its codes from :mod:`.fp8_handoff`), then per slab: encode
+    """Quantize x once (or take its codes from ``handoff``), then per slab: encode
     rows a..b into the workspace and run its GEMM into the output's columns a..b (or one GEMM
     on a resident copy)."""
     m = x.shape[0]
     out_dtype = x.dtype
     if m == 0:
         return torch.empty((0, n), dtype=out_dtype, device=x.device)
-    if recipe == "rowwise":
+    if recipe == "rowwise" or handoff is None:
         xq, scale_a = quantize_activations(x, recipe, impl)
     else:  # both block recipes take the 1x128 form: shared with x's other readers
-        xq, scale_a = fp8_handoff.quantized(x, lambda v: quantize_activations(v, recipe, impl))
+        xq, scale_a = handoff.quantized(x, lambda v: quantize_activations(v, recipe, impl))
     out = torch.empty((xq.shape[0], n), dtype=out_dtype, device=x.device)
     if resident is not None:
         _gemm(xq, scale_a, resident, bias, out)
@@ -350,13 +351,15 @@ def fp8_prefill_linear(
     workspace_bytes: int = WORKSPACE_BYTES,
     capability: tuple[int, int] | None = None,
     impl: str = "triton",
+    handoff: ActivationHandoff | None = None,
 ) -> torch.Tensor:
     """y [M, N] (x.dtype) = x @ W.T (+ bias) on FP8 tensor cores, W a checkpoint-layout NVFP4
     (``block_scale_u8`` e4m3 bits, fp32 ``global_scale``) or MXFP4 (e8m0 bytes) weight.
 
     ``resident``: the weight already re-encoded (:func:`make_resident`, same recipe), so no
-    per-call re-encoding. ``capability`` / ``impl="torch"`` exist for tests on the CPU (with
-    ``torch._scaled_mm`` emulated)."""
+    per-call re-encoding. ``handoff``: where x's codes may come from and go to (its caller's,
+    :class:`.fp8_handoff.ActivationHandoff`; None: quantized here). ``capability`` /
+    ``impl="torch"`` exist for tests on the CPU (with ``torch._scaled_mm`` emulated)."""
     n, k = packed.shape[0], packed.shape[1] * 2
     check_native_call(x, n, k, bias, _WHERE)
     recipe, _ = _plan(x, fmt, n, k, recipe if resident is None else resident.recipe, capability)
@@ -369,7 +372,7 @@ def fp8_prefill_linear(
                     "rebuild it with make_resident(...)",
                 )
             )
-        return _run_slabs(x, n, k, recipe, bias, 0, impl, None, resident)
+        return _run_slabs(x, n, k, recipe, bias, 0, impl, None, resident, handoff)
 
     def encode(a: int, b: int, ws: torch.Tensor) -> PrefillWeight:
         return reencode_rows(
@@ -377,7 +380,7 @@ def fp8_prefill_linear(
             impl=impl,
         )  # fmt: skip
 
-    return _run_slabs(x, n, k, recipe, bias, workspace_bytes, impl, encode)
+    return _run_slabs(x, n, k, recipe, bias, workspace_bytes, impl, encode, None, handoff)
 
 
 def fp8_prefill_linear_mma(
@@ -392,6 +395,7 @@ def fp8_prefill_linear_mma(
     resident: PrefillWeight | None = None,
     workspace_bytes: int = WORKSPACE_BYTES,
     capability: tuple[int, int] | None = None,
+    handoff: ActivationHandoff | None = None,
 ) -> torch.Tensor:
     """:func:`fp8_prefill_linear` for a weight in the mma16x64 layout (``words``, ``scales``,
     ``global_scale`` as the triton backend holds them, packed for ``x.dtype``): re-encoded
@@ -400,12 +404,12 @@ def fp8_prefill_linear_mma(
     check_native_call(x, n, k, bias, _WHERE)
     recipe, _ = _plan(x, fmt, n, k, recipe if resident is None else resident.recipe, capability)
     if resident is not None:
-        return _run_slabs(x, n, k, recipe, bias, 0, "triton", None, resident)
+        return _run_slabs(x, n, k, recipe, bias, 0, "triton", None, resident, handoff)
 
     def encode(a: int, b: int, ws: torch.Tensor) -> PrefillWeight:
         return _reencode_mma(words, scales, global_scale, a, b, ws, recipe, x.dtype)
 
-    return _run_slabs(x, n, k, recipe, bias, workspace_bytes, "triton", encode)
+    return _run_slabs(x, n, k, recipe, bias, workspace_bytes, "triton", encode, None, handoff)
 
 
 def _reencode_mma(words, scales, global_scale, a, b, q, recipe, act_dtype) -> PrefillWeight:

@@ -12,8 +12,9 @@ fused ops, quantdispatch.integrations.transformers.fused_ops).
 Each writes the 16-bit output (the tensor the model passes on) and, with ``quantize``, its
 e4m3 codes and ``scale_a`` per token and per 128 columns (M padded to 16, zero rows), exactly
 what :func:`.fp8_prefill.quantize_activations` gives for that output: the same block rule,
-the same rounding helpers (:mod:`.fp8_prefill_quant`). The codes are offered to
-:mod:`.fp8_handoff`, where the next FP8 linears reading the output find them.
+the same rounding helpers (:mod:`.fp8_prefill_quant`). The caller offers the codes to its
+activation handoff (:class:`.fp8_handoff.ActivationHandoff`), where the next FP8 linears
+reading the output find them.
 
 The 16-bit results match torch's to within its own fp32 rounding: the sums of squares are
 added in another order, ``rsqrt`` and ``exp`` are other routines, so an element can land a
@@ -30,7 +31,6 @@ import triton.language as tl
 
 from quantdispatch.errors import InputError, format_error
 from quantdispatch.kernels.common.launch import Launcher, launch
-from quantdispatch.kernels.native import fp8_handoff
 from quantdispatch.kernels.native.fp8_prefill_quant import (
     _block_scales,
     _dense_amax,
@@ -178,9 +178,7 @@ def _outputs(x: torch.Tensor, quantize: bool):
 def _finish(y, q, scale, quantize: bool):
     if not quantize:
         return y, None
-    codes = (q.view(torch.float8_e4m3fn), scale)
-    fp8_handoff.offer(y, *codes)
-    return y, codes
+    return y, (q.view(torch.float8_e4m3fn), scale)
 
 
 def rmsnorm(
@@ -193,8 +191,8 @@ def rmsnorm(
 ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
     """(y, s, codes): the RMSNorm y of x [M, K] with ``weight`` [K] (same dtype); with
     ``residual`` [M, K], of s = x + residual (rounded to the dtype, returned: the residual
-    stream), else s is None; with ``quantize`` (K a multiple of 128) y's FP8 form, offered to
-    :mod:`.fp8_handoff`, else None."""
+    stream), else s is None; with ``quantize`` (K a multiple of 128) y's FP8 form, else
+    None."""
     _check("rmsnorm", x, "x", blocks=quantize)
     if residual is not None:
         _check("rmsnorm", residual, "residual", x.shape[1], blocks=quantize)
@@ -247,7 +245,7 @@ def silu_mul_fp8(
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """(y, (codes, scale_a) or None): ``silu(gate) * up`` for gate, up [M, I] (rows
     contiguous, any row stride: halves of one [M, 2I] projection work), and with
-    ``quantize`` its FP8 form, offered to :mod:`.fp8_handoff`. ``rows_per_program`` /
+    ``quantize`` its FP8 form. ``rows_per_program`` /
     ``num_warps``: the program shape (one 128-column block each), for tuning."""
     _check("silu_mul_fp8", gate, "gate")
     _check("silu_mul_fp8", up, "up", gate.shape[1])
