@@ -179,8 +179,9 @@ def decode_chunk(q0, q1, q2, q3, u, BF16: tl.constexpr, CKPT: tl.constexpr = Fal
     """A chunk's 4 code words and scale register -> 16 registers of 16-bit pairs (the A
     fragments); CKPT: the checkpoint layout's registers (:func:`_load_ckpt`)."""
     return tl.inline_asm_elementwise(
-        (_DECODE_CKPT_BF16 if BF16 else _DECODE_CKPT_F16) if CKPT else
-        (_DECODE_BF16 if BF16 else _DECODE_F16),
+        (_DECODE_CKPT_BF16 if BF16 else _DECODE_CKPT_F16)
+        if CKPT
+        else (_DECODE_BF16 if BF16 else _DECODE_F16),
         "=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r",
         [q0, q1, q2, q3, u],
         dtype=(tl.int32,) * 16,
