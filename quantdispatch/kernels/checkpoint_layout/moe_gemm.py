@@ -117,9 +117,10 @@ def _w_ptrs(w_base, s_base, rows, stride_wn, stride_sn, FMT: tl.constexpr, GROUP
 @triton.jit
 def _block_rows(ids_ptr, sorted_ptr, bexp_ptr, nvalid_ptr, T, E, BM: tl.constexpr,
                 DIRECT: tl.constexpr):  # fmt: skip
-    """(skip, expert (int64), pair index per row, row in use, intermediate row) of this
-    program's block (program id 0)."""
+    """(skip, expert, pair index per row, row in use, intermediate row) of this program's
+    block (program id 0), and its N tile (program id 1)."""
     b = tl.program_id(0)
+    pid_n = tl.program_id(1)
     offs_r = tl.arange(0, BM)
     if DIRECT:
         e = tl.load(ids_ptr + b).to(tl.int32)
@@ -133,15 +134,16 @@ def _block_rows(ids_ptr, sorted_ptr, bexp_ptr, nvalid_ptr, T, E, BM: tl.constexp
         pair = tl.load(sorted_ptr + b * BM + offs_r)
         row_ok = pair < T
         a_row = b * BM + offs_r
-    return skip, e.to(tl.int64), pair, row_ok, a_row
+    return skip, e, pair, row_ok, a_row, pid_n
 
 
 @triton.jit
-def _tile_cols(N, BN: tl.constexpr, BK: tl.constexpr):
-    """This program's N tile (program id 1): (K offsets of one step, output columns, the
-    weight rows they read, clamped in bounds, int64)."""
-    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
-    return tl.arange(0, BK), offs_n, tl.minimum(offs_n, N - 1).to(tl.int64)
+def _tile_cols(pid_n, N, BN: tl.constexpr, BK: tl.constexpr):
+    """N tile ``pid_n``: (K offsets of one step, output columns, the weight rows they read,
+    clamped in bounds, int64)."""
+    offs_k = tl.arange(0, BK)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    return offs_k, offs_n, tl.minimum(offs_n, N - 1).to(tl.int64)
 
 
 @triton.jit
@@ -202,13 +204,14 @@ def moe_gemm1_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
     """A[row, n] = act(x[tok] @ gate_e[n].T, x[tok] @ up_e[n].T) for one block and N tile."""
-    skip, e64, pair, row_ok, a_row = _block_rows(
+    skip, e, pair, row_ok, a_row, pid_n = _block_rows(
         ids_ptr, sorted_ptr, bexp_ptr, nvalid_ptr, T, E, BM, DIRECT
     )
     if skip:
         return
+    e64 = e.to(tl.int64)
     tok = tl.where(row_ok, pair // top_k, 0).to(tl.int64)
-    offs_k, offs_n, rn = _tile_cols(N, BN, BK)
+    offs_k, offs_n, rn = _tile_cols(pid_n, N, BN, BK)
     x_ptrs = x_ptr + tok[:, None] * stride_xm + offs_k[None, :]
     w_base = w_ptr + e64 * stride_we
     s_base = s_ptr + e64 * stride_se
@@ -262,12 +265,13 @@ def moe_gemm2_kernel(
 ):  # fmt: skip
     """Y[pair, n] = w[pair] * (A[row] @ down_e[n].T * scale + bias) for one block and N tile:
     one row per (token, slot) pair, which the top-k reduce sums per token."""
-    skip, e64, pair, row_ok, a_row = _block_rows(
+    skip, e, pair, row_ok, a_row, pid_n = _block_rows(
         ids_ptr, sorted_ptr, bexp_ptr, nvalid_ptr, T, E, BM, DIRECT
     )
     if skip:
         return
-    offs_k, offs_n, rn = _tile_cols(N, BN, BK)
+    e64 = e.to(tl.int64)
+    offs_k, offs_n, rn = _tile_cols(pid_n, N, BN, BK)
     a_ptrs = a_ptr + a_row.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
     w_base = w_ptr + e64 * stride_we
     s_base = s_ptr + e64 * stride_se
