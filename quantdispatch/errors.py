@@ -7,6 +7,11 @@ that cannot run), so generic handlers keep working.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import TypeVar
+
+_V = TypeVar("_V")
+
 __all__ = [
     "BackendUnavailableError",
     "CheckpointError",
@@ -16,6 +21,7 @@ __all__ = [
     "WeightFormatError",
     "clauses",
     "format_error",
+    "lookup",
 ]
 
 
@@ -63,6 +69,23 @@ def format_error(what: str, rule: str, fix: str) -> str:
     """Join the three parts every message must have: ``what. rule. fix.``"""
     parts = [p.strip().rstrip(".") for p in (what, rule, fix) if p and p.strip()]
     return ". ".join(parts) + "."
+
+
+def lookup(
+    table: Mapping[str, _V],
+    name: object,
+    *,
+    unknown: str,
+    valid: str,
+    fix: str,
+    exc: type[Exception] = ConfigurationError,
+) -> _V:
+    """``table`` at ``name`` stripped and lower-cased; else ``exc`` saying
+    ``"{unknown} {name!r}. {valid}: <the keys>. {fix}."``."""
+    key = str(name).strip().lower()
+    if key not in table:
+        raise exc(format_error(f"{unknown} {name!r}", f"{valid}: {', '.join(table)}", fix))
+    return table[key]
 
 
 def clauses(text: str) -> list[str]:

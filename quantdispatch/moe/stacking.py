@@ -131,14 +131,14 @@ def validate_stacked(fmt: str, w: Sequence[torch.Tensor], which: str, block: tup
     e, n = codes.shape[:2]
     flat_codes = codes.reshape(e * n, codes.shape[2])
     scale = w[1]
+    if fmt != "fp8" and (scale.dim() != 3 or scale.shape[:2] != codes.shape[:2]):
+        _fail(
+            f"{which}[1] has shape {tuple(scale.shape)}",
+            f"block scales are [E, N, K/{get_format(fmt).group_size}]",
+            "stack the experts' scales",
+            CheckpointError,
+        )
     if fmt == "nvfp4":
-        if scale.dim() != 3 or scale.shape[:2] != codes.shape[:2]:
-            _fail(
-                f"{which}[1] has shape {tuple(scale.shape)}",
-                "block scales are [E, N, K/16]",
-                "stack the experts' scales",
-                CheckpointError,
-            )
         Nvfp4Weight(flat_codes, scale.reshape(e * n, -1), torch.ones((), device=codes.device))
         gs = w[2]
         if gs.dtype != torch.float32 or tuple(gs.shape) != (e,):
@@ -156,13 +156,6 @@ def validate_stacked(fmt: str, w: Sequence[torch.Tensor], which: str, block: tup
                 CheckpointError,
             )
     elif fmt == "mxfp4":
-        if scale.dim() != 3 or scale.shape[:2] != codes.shape[:2]:
-            _fail(
-                f"{which}[1] has shape {tuple(scale.shape)}",
-                "block scales are [E, N, K/32]",
-                "stack the experts' scales",
-                CheckpointError,
-            )
         Mxfp4Weight(flat_codes, scale.reshape(e * n, -1))
     else:
         Fp8Weight(flat_codes, torch.ones((), device=codes.device))

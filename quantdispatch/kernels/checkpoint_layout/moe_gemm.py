@@ -115,9 +115,12 @@ def _w_ptrs(w_base, s_base, rows, stride_wn, stride_sn, FMT: tl.constexpr, GROUP
 
 
 @triton.jit
-def _block_rows(b, ids_ptr, sorted_ptr, bexp_ptr, nvalid_ptr, T, E, BM: tl.constexpr,
+def _block_rows(ids_ptr, sorted_ptr, bexp_ptr, nvalid_ptr, T, E, BM: tl.constexpr,
                 DIRECT: tl.constexpr):  # fmt: skip
-    """(skip, expert, pair index per row, row in use, intermediate row) of block ``b``."""
+    """(skip, expert, pair index per row, row in use, intermediate row) of this program's
+    block (program id 0), and its N tile (program id 1)."""
+    b = tl.program_id(0)
+    pid_n = tl.program_id(1)
     offs_r = tl.arange(0, BM)
     if DIRECT:
         e = tl.load(ids_ptr + b).to(tl.int32)
@@ -131,7 +134,60 @@ def _block_rows(b, ids_ptr, sorted_ptr, bexp_ptr, nvalid_ptr, T, E, BM: tl.const
         pair = tl.load(sorted_ptr + b * BM + offs_r)
         row_ok = pair < T
         a_row = b * BM + offs_r
-    return skip, e, pair, row_ok, a_row
+    return skip, e, pair, row_ok, a_row, pid_n
+
+
+@triton.jit
+def _tile_cols(pid_n, N, BN: tl.constexpr, BK: tl.constexpr):
+    """N tile ``pid_n``: (K offsets of one step, output columns, the weight rows they read,
+    clamped in bounds, int64)."""
+    offs_k = tl.arange(0, BK)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    return offs_k, offs_n, tl.minimum(offs_n, N - 1).to(tl.int64)
+
+
+@triton.jit
+def _load_rows(ptrs, row_ok, offs_k, rem, EVEN_K: tl.constexpr):
+    """One K step of the rows in use (zeros elsewhere, and past K unless EVEN_K)."""
+    if EVEN_K:
+        return tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+    else:
+        return tl.load(ptrs, mask=row_ok[:, None] & (offs_k[None, :] < rem), other=0.0)
+
+
+@triton.jit
+def _k_step(x, acc, w_ptrs, s_ptrs, s_base, rows, k0, rem, stride_sn, stride_sk,
+            FMT: tl.constexpr, GROUP: tl.constexpr, SCALE_KIND: tl.constexpr,
+            BLOCK_SN: tl.constexpr, BLOCK_SK: tl.constexpr, EVEN_K: tl.constexpr,
+            DOT_F32: tl.constexpr, DEQ16: tl.constexpr, BF16: tl.constexpr,
+            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+    """acc += x @ w.T over one K step of the weight ``rows``; FP8 block scales scale the step's
+    own product."""
+    w = _load_w(w_ptrs, s_ptrs, rem, FMT, GROUP, BN, BK, EVEN_K, DEQ16, BF16)
+    if SCALE_KIND == 2:
+        part = _mma(x, w, tl.zeros((BM, BN), dtype=tl.float32), DOT_F32)
+        sblk = s_base + (k0 // BLOCK_SK) * stride_sk
+        acc += part * tl.load(sblk + (rows // BLOCK_SN) * stride_sn)[None, :]
+    else:
+        acc = _mma(x, w, acc, DOT_F32)
+    return acc
+
+
+@triton.jit
+def _epilogue(acc, gs_ptr, s_base, bias_ptr, e64, rows, stride_sn, stride_be, FMT: tl.constexpr,
+              SCALE_KIND: tl.constexpr, HAS_BIAS: tl.constexpr, DEQ16: tl.constexpr):  # fmt: skip
+    """The scales the K loop left out (NVFP4 global, FP8 tensor or channel), then the bias, on
+    the outputs of the weight ``rows``."""
+    if FMT == 0:
+        acc = acc * _fp4_fold(gs_ptr, e64, DEQ16)
+    elif FMT == 2:
+        if SCALE_KIND == 0:
+            acc = acc * tl.load(s_base)
+        elif SCALE_KIND == 1:
+            acc = acc * tl.load(s_base + rows * stride_sn)[None, :]
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + e64 * stride_be + rows)[None, :]
+    return acc
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -148,18 +204,14 @@ def moe_gemm1_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
     """A[row, n] = act(x[tok] @ gate_e[n].T, x[tok] @ up_e[n].T) for one block and N tile."""
-    b = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    skip, e, pair, row_ok, a_row = _block_rows(
-        b, ids_ptr, sorted_ptr, bexp_ptr, nvalid_ptr, T, E, BM, DIRECT
+    skip, e, pair, row_ok, a_row, pid_n = _block_rows(
+        ids_ptr, sorted_ptr, bexp_ptr, nvalid_ptr, T, E, BM, DIRECT
     )
     if skip:
         return
     e64 = e.to(tl.int64)
     tok = tl.where(row_ok, pair // top_k, 0).to(tl.int64)
-    offs_k = tl.arange(0, BK)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    rn = tl.minimum(offs_n, N - 1).to(tl.int64)
+    offs_k, offs_n, rn = _tile_cols(pid_n, N, BN, BK)
     x_ptrs = x_ptr + tok[:, None] * stride_xm + offs_k[None, :]
     w_base = w_ptr + e64 * stride_we
     s_base = s_ptr + e64 * stride_se
@@ -174,47 +226,26 @@ def moe_gemm1_kernel(
     SSTEP: tl.constexpr = 0 if FMT == 2 else BK // GROUP
     for k0 in range(0, K, BK):
         rem = K - k0
-        if EVEN_K:
-            x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
-        else:
-            x = tl.load(x_ptrs, mask=row_ok[:, None] & (offs_k[None, :] < rem), other=0.0)
-        wg = _load_w(wg_ptrs, sg_ptrs, rem, FMT, GROUP, BN, BK, EVEN_K, DEQ16, BF16)
-        if SCALE_KIND == 2:  # fp8 block scales: scale each K step's partial product
-            sblk = s_base + (k0 // BLOCK_SK) * stride_sk
-            pg = _mma(x, wg, tl.zeros((BM, BN), dtype=tl.float32), DOT_F32)
-            acc_g += pg * tl.load(sblk + (rn // BLOCK_SN) * stride_sn)[None, :]
-        else:
-            acc_g = _mma(x, wg, acc_g, DOT_F32)
+        x = _load_rows(x_ptrs, row_ok, offs_k, rem, EVEN_K)
+        acc_g = _k_step(x, acc_g, wg_ptrs, sg_ptrs, s_base, rn, k0, rem, stride_sn, stride_sk,
+                        FMT, GROUP, SCALE_KIND, BLOCK_SN, BLOCK_SK, EVEN_K, DOT_F32, DEQ16,
+                        BF16, BM, BN, BK)  # fmt: skip
         if GATED:
-            wu = _load_w(wu_ptrs, su_ptrs, rem, FMT, GROUP, BN, BK, EVEN_K, DEQ16, BF16)
-            if SCALE_KIND == 2:
-                pu = _mma(x, wu, tl.zeros((BM, BN), dtype=tl.float32), DOT_F32)
-                acc_u += pu * tl.load(sblk + ((rn + N) // BLOCK_SN) * stride_sn)[None, :]
-            else:
-                acc_u = _mma(x, wu, acc_u, DOT_F32)
+            acc_u = _k_step(x, acc_u, wu_ptrs, su_ptrs, s_base, rn + N, k0, rem, stride_sn,
+                            stride_sk, FMT, GROUP, SCALE_KIND, BLOCK_SN, BLOCK_SK, EVEN_K,
+                            DOT_F32, DEQ16, BF16, BM, BN, BK)  # fmt: skip
             wu_ptrs += WSTEP
             su_ptrs += SSTEP
         x_ptrs += BK
         wg_ptrs += WSTEP
         sg_ptrs += SSTEP
 
-    if FMT == 0:
-        gs = _fp4_fold(gs_ptr, e64, DEQ16)
-        acc_g = acc_g * gs
-        acc_u = acc_u * gs
-    elif FMT == 2:
-        if SCALE_KIND == 0:
-            s0 = tl.load(s_base)
-            acc_g = acc_g * s0
-            acc_u = acc_u * s0
-        elif SCALE_KIND == 1:
-            acc_g = acc_g * tl.load(s_base + rn * stride_sn)[None, :]
-            if GATED:
-                acc_u = acc_u * tl.load(s_base + (rn + N) * stride_sn)[None, :]
-    if HAS_BIAS:
-        acc_g = acc_g + tl.load(bias_ptr + e64 * stride_be + rn)[None, :]
-        if GATED:
-            acc_u = acc_u + tl.load(bias_ptr + e64 * stride_be + rn + N)[None, :]
+    # non-gated activations read only acc_g
+    acc_g = _epilogue(acc_g, gs_ptr, s_base, bias_ptr, e64, rn, stride_sn, stride_be, FMT,
+                      SCALE_KIND, HAS_BIAS, DEQ16)  # fmt: skip
+    if GATED:
+        acc_u = _epilogue(acc_u, gs_ptr, s_base, bias_ptr, e64, rn + N, stride_sn, stride_be,
+                          FMT, SCALE_KIND, HAS_BIAS, DEQ16)  # fmt: skip
     h = apply_activation(acc_g, acc_u, alpha, limit, ACT)
     a_ptrs = a_ptr + a_row.to(tl.int64)[:, None] * stride_am + offs_n[None, :]
     tl.store(a_ptrs, h.to(a_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n[None, :] < N))
@@ -232,18 +263,15 @@ def moe_gemm2_kernel(
     DEQ16: tl.constexpr, BF16: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
-    """Y[pair, n] = w[pair] * (A[row] @ down_e[n].T * scale + bias) for one block and N tile."""
-    b = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    skip, e, pair, row_ok, a_row = _block_rows(
-        b, ids_ptr, sorted_ptr, bexp_ptr, nvalid_ptr, T, E, BM, DIRECT
+    """Y[pair, n] = w[pair] * (A[row] @ down_e[n].T * scale + bias) for one block and N tile:
+    one row per (token, slot) pair, which the top-k reduce sums per token."""
+    skip, e, pair, row_ok, a_row, pid_n = _block_rows(
+        ids_ptr, sorted_ptr, bexp_ptr, nvalid_ptr, T, E, BM, DIRECT
     )
     if skip:
         return
     e64 = e.to(tl.int64)
-    offs_k = tl.arange(0, BK)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    rn = tl.minimum(offs_n, N - 1).to(tl.int64)
+    offs_k, offs_n, rn = _tile_cols(pid_n, N, BN, BK)
     a_ptrs = a_ptr + a_row.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
     w_base = w_ptr + e64 * stride_we
     s_base = s_ptr + e64 * stride_se
@@ -253,30 +281,16 @@ def moe_gemm2_kernel(
     SSTEP: tl.constexpr = 0 if FMT == 2 else BK // GROUP
     for k0 in range(0, K, BK):
         rem = K - k0
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-        else:
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & (offs_k[None, :] < rem), other=0.0)
-        w = _load_w(w_ptrs, s_ptrs, rem, FMT, GROUP, BN, BK, EVEN_K, DEQ16, BF16)
-        if SCALE_KIND == 2:
-            part = _mma(a, w, tl.zeros((BM, BN), dtype=tl.float32), DOT_F32)
-            sblk = s_base + (k0 // BLOCK_SK) * stride_sk
-            acc += part * tl.load(sblk + (rn // BLOCK_SN) * stride_sn)[None, :]
-        else:
-            acc = _mma(a, w, acc, DOT_F32)
+        a = _load_rows(a_ptrs, row_ok, offs_k, rem, EVEN_K)
+        acc = _k_step(a, acc, w_ptrs, s_ptrs, s_base, rn, k0, rem, stride_sn, stride_sk, FMT,
+                      GROUP, SCALE_KIND, BLOCK_SN, BLOCK_SK, EVEN_K, DOT_F32, DEQ16, BF16, BM,
+                      BN, BK)  # fmt: skip
         a_ptrs += BK
         w_ptrs += WSTEP
         s_ptrs += SSTEP
 
-    if FMT == 0:
-        acc = acc * _fp4_fold(gs_ptr, e64, DEQ16)
-    elif FMT == 2:
-        if SCALE_KIND == 0:
-            acc = acc * tl.load(s_base)
-        elif SCALE_KIND == 1:
-            acc = acc * tl.load(s_base + rn * stride_sn)[None, :]
-    if HAS_BIAS:
-        acc = acc + tl.load(bias_ptr + e64 * stride_be + rn)[None, :]
+    acc = _epilogue(acc, gs_ptr, s_base, bias_ptr, e64, rn, stride_sn, stride_be, FMT,
+                    SCALE_KIND, HAS_BIAS, DEQ16)  # fmt: skip
     pair64 = tl.where(row_ok, pair, 0).to(tl.int64)
     acc = acc * tl.load(tw_ptr + pair64, mask=row_ok, other=0.0)[:, None]
     y_ptrs = y_ptr + pair64[:, None] * stride_ym + offs_n[None, :]

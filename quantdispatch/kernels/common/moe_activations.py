@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from quantdispatch.errors import ConfigurationError, format_error
+from quantdispatch.errors import lookup
 
 __all__ = ["ACTIVATIONS", "ActivationArgs", "ActivationSpec", "activation_args", "get_activation"]
 
@@ -45,16 +45,13 @@ ACTIVATIONS: dict[str, ActivationSpec] = {
 
 
 def get_activation(name: str) -> ActivationSpec:
-    key = str(name).strip().lower()
-    if key not in ACTIVATIONS:
-        raise ConfigurationError(
-            format_error(
-                f"unknown MoE activation {name!r}",
-                f"valid activations: {', '.join(ACTIVATIONS)}",
-                "pick the one the model's config names (hidden_act)",
-            )
-        )
-    return ACTIVATIONS[key]
+    return lookup(
+        ACTIVATIONS,
+        name,
+        unknown="unknown MoE activation",
+        valid="valid activations",
+        fix="pick the one the model's config names (hidden_act)",
+    )
 
 
 @dataclass(frozen=True)

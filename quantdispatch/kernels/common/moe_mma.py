@@ -98,6 +98,23 @@ def _store_down(y_ptr, bias_ptr, tw_ptr, e64, stride_be, acc, n, pair, ok, strid
     tl.store(y_ptr + p64 * stride_ym + n, y.to(y_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _load_weights(w_base, s_base, up_w, up_s, chunk, stride_wn, stride_sn, W_STEP: tl.constexpr,
+                  S_STEP: tl.constexpr, CHUNKS: tl.constexpr, EVEN: tl.constexpr,
+                  REPACKED: tl.constexpr, GATE_UP: tl.constexpr):  # fmt: skip
+    """A lane's registers of chunk ``chunk`` (zeros past CHUNKS): the weight's, and GATE_UP's up
+    rows (``up_w`` / ``up_s`` further; without GATE_UP the same registers twice)."""
+    ok = chunk < CHUNKS
+    q = load_chunk(w_base + chunk * W_STEP, s_base + chunk * S_STEP, stride_wn, stride_sn, ok,
+                   EVEN, REPACKED)  # fmt: skip
+    if GATE_UP:
+        qu = load_chunk(w_base + up_w + chunk * W_STEP, s_base + up_s + chunk * S_STEP, stride_wn,
+                        stride_sn, ok, EVEN, REPACKED)  # fmt: skip
+    else:
+        qu = q
+    return q, qu
+
+
 @triton.jit(do_not_specialize=["T"])
 def checkpoint_mma_kernel(
     x_ptr, ids_ptr, sorted_ptr, bexp_ptr, nvalid_ptr, tw_ptr,
@@ -185,25 +202,13 @@ def checkpoint_mma_kernel(
     u1 = tl.zeros((UNROLL, NT, 32 * WARPS), dtype=tl.float32)
     u2 = tl.zeros((UNROLL, NT, 32 * WARPS), dtype=tl.float32)
     u3 = tl.zeros((UNROLL, NT, 32 * WARPS), dtype=tl.float32)
-    ok0 = chunk0 < CHUNKS
-    q = load_chunk(w_base + chunk0 * W_STEP, s_base + chunk0 * S_STEP, stride_wn, stride_sn,
-                    ok0, EVEN, REPACKED)  # fmt: skip
-    if GATE_UP:
-        qu = load_chunk(
-            w_base + up_w + chunk0 * W_STEP, s_base + up_s + chunk0 * S_STEP, stride_wn,
-            stride_sn, ok0, EVEN, REPACKED,
-        )  # fmt: skip
+    q, qu = _load_weights(w_base, s_base, up_w, up_s, chunk0, stride_wn, stride_sn, W_STEP,
+                          S_STEP, CHUNKS, EVEN, REPACKED, GATE_UP)  # fmt: skip
     for c0 in range(0, CHUNKS, STEP):
         c = c0 + chunk0
         nxt = tl.minimum(c + STEP, CHUNKS - 1) if EVEN else c + STEP
-        okn = nxt < CHUNKS
-        qn = load_chunk(w_base + nxt * W_STEP, s_base + nxt * S_STEP, stride_wn, stride_sn,
-                         okn, EVEN, REPACKED)  # fmt: skip
-        if GATE_UP:
-            qun = load_chunk(
-                w_base + up_w + nxt * W_STEP, s_base + up_s + nxt * S_STEP, stride_wn,
-                stride_sn, okn, EVEN, REPACKED,
-            )  # fmt: skip
+        qn, qun = _load_weights(w_base, s_base, up_w, up_s, nxt, stride_wn, stride_sn, W_STEP,
+                                S_STEP, CHUNKS, EVEN, REPACKED, GATE_UP)  # fmt: skip
         ok = (c < CHUNKS)[:, None, :]
         xs = load_x(x_row + (c * 64)[:, None, :], ok, EVEN)
         bf = xs if REPACKED else x_perm(xs[0], xs[1], xs[2], xs[3], xs[4], xs[5], xs[6], xs[7])

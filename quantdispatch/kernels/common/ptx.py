@@ -175,9 +175,13 @@ def load_x(x_ptrs, ok, ALL: tl.constexpr):
 
 
 @triton.jit
-def decode_chunk(q0, q1, q2, q3, u, BF16: tl.constexpr):
+def decode_chunk(q0, q1, q2, q3, u, BF16: tl.constexpr, CKPT: tl.constexpr = False):
+    """A chunk's 4 code words and scale register -> 16 registers of 16-bit pairs (the A
+    fragments); CKPT: the checkpoint layout's registers (:func:`_load_ckpt`)."""
     return tl.inline_asm_elementwise(
-        _DECODE_BF16 if BF16 else _DECODE_F16,
+        (_DECODE_CKPT_BF16 if BF16 else _DECODE_CKPT_F16)
+        if CKPT
+        else (_DECODE_BF16 if BF16 else _DECODE_F16),
         "=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r",
         [q0, q1, q2, q3, u],
         dtype=(tl.int32,) * 16,
@@ -355,18 +359,6 @@ def _load_ckpt(w_ptrs, s_ptrs, stride_wn, stride_sn, ok, ALL: tl.constexpr):
 
 
 @triton.jit
-def _decode_ckpt(q0, q1, q2, q3, s, BF16: tl.constexpr):
-    return tl.inline_asm_elementwise(
-        _DECODE_CKPT_BF16 if BF16 else _DECODE_CKPT_F16,
-        "=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r",
-        [q0, q1, q2, q3, s],
-        dtype=(tl.int32,) * 16,
-        is_pure=True,
-        pack=1,
-    )
-
-
-@triton.jit
 def x_perm(x0, x1, x2, x3, x4, x5, x6, x7):
     return tl.inline_asm_elementwise(
         _X_PERM_ASM,
@@ -398,7 +390,7 @@ def chunk_mma(acc0, acc1, acc2, acc3, q, b, BF16: tl.constexpr, REPACKED: tl.con
     if REPACKED:
         a = decode_chunk(q[0], q[1], q[2], q[3], q[4], BF16)
     else:
-        a = _decode_ckpt(q[0], q[1], q[2], q[3], q[4], BF16)
+        a = decode_chunk(q[0], q[1], q[2], q[3], q[4], BF16, True)
     acc0, acc1, acc2, acc3 = mma_step(acc0, acc1, acc2, acc3, a, 0, b[0], b[1], BF16)
     acc0, acc1, acc2, acc3 = mma_step(acc0, acc1, acc2, acc3, a, 1, b[2], b[3], BF16)
     acc0, acc1, acc2, acc3 = mma_step(acc0, acc1, acc2, acc3, a, 2, b[4], b[5], BF16)

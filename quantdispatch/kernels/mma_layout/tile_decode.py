@@ -113,20 +113,16 @@ def _decode_word_f32(word, u, BF16: tl.constexpr):
     """The interpreter's decode: the PTX's bit operations in Triton ops, products in fp32."""
     q = word.to(tl.uint32, bitcast=True)
     uu = u.to(tl.uint32)
-    if BF16:
-        s_g = _bits16_to_f32((uu & 255) * 16 + (236 << 7), BF16)
-        s_g8 = _bits16_to_f32(((uu >> 8) & 255) * 16 + (236 << 7), BF16)
-        v0, v1 = _decode_register_f32(q, 0, 1, s_g, BF16)
-        v2, v3 = _decode_register_f32(q, 15, 10, s_g8, BF16)
-        v4, v5 = _decode_register_f32(q, 4, 4, s_g, BF16)
-        v6, v7 = _decode_register_f32(q, 14, 14, s_g8, BF16)
-    else:
-        s_g = _bits16_to_f32((uu & 255) * 128 + (12 << 10), BF16)
-        s_g8 = _bits16_to_f32(((uu >> 8) & 255) * 128 + (12 << 10), BF16)
-        v0, v1 = _decode_register_f32(q, 0, 4, s_g, BF16)
-        v2, v3 = _decode_register_f32(q, 15, 7, s_g8, BF16)
-        v4, v5 = _decode_register_f32(q, 1, 1, s_g, BF16)
-        v6, v7 = _decode_register_f32(q, 14, 14, s_g8, BF16)
+    # a scale byte -> the 16-bit value that multiplies the codes (mantissa shift, exponent bias),
+    # and each register's (sign, magnitude) rotations, per activation dtype
+    S_MUL: tl.constexpr = 16 if BF16 else 128
+    S_BIAS: tl.constexpr = (236 << 7) if BF16 else (12 << 10)
+    s_g = _bits16_to_f32((uu & 255) * S_MUL + S_BIAS, BF16)
+    s_g8 = _bits16_to_f32(((uu >> 8) & 255) * S_MUL + S_BIAS, BF16)
+    v0, v1 = _decode_register_f32(q, 0, 1 if BF16 else 4, s_g, BF16)
+    v2, v3 = _decode_register_f32(q, 15, 10 if BF16 else 7, s_g8, BF16)
+    v4, v5 = _decode_register_f32(q, 4 if BF16 else 1, 4 if BF16 else 1, s_g, BF16)
+    v6, v7 = _decode_register_f32(q, 14, 14, s_g8, BF16)
     return v0, v1, v2, v3, v4, v5, v6, v7
 
 
