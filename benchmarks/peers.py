@@ -299,7 +299,7 @@ class MarlinMoe:
     weighted top-k sum), routing precomputed."""
 
     def __init__(self, layer):
-        from quantdispatch.backends.base import CheckpointMeta
+        from quantdispatch.backends.base import CheckpointMeta, ExpertStacks
         from quantdispatch.backends.marlin import MarlinBackend
         from quantdispatch.moe.stacking import STACK_NAMES
         from quantdispatch.request import Request
@@ -309,9 +309,8 @@ class MarlinMoe:
         request = Request.make(
             layer.fmt, "moe", torch.bfloat16, n=layer.i, k=layer.h, experts=layer.e
         )
-        prepared = self.backend.prepare_moe(
-            layer.w13, layer.w2, STACK_NAMES[layer.fmt], CheckpointMeta(), request, gated=True
-        )
+        stacks = ExpertStacks(layer.w13, layer.w2, STACK_NAMES[layer.fmt], CheckpointMeta(), True)
+        prepared = self.backend.prepare_moe(stacks, request)
         self.w13, self.w2 = tuple(prepared.w13), tuple(prepared.w2)
         self.layout, self.meta = prepared.layout, prepared.meta
 

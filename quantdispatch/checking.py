@@ -256,7 +256,7 @@ def probe_moe(b, request: Request, device: torch.device) -> list[tuple[int, floa
     """Backend ``b`` on the MoE probe (M = 1, 48; 4 experts, top-2, H 256, I 128, SiLU) through
     the layers' custom op: [(M, rel. error vs float64)]."""
     import quantdispatch.ops  # noqa: F401
-    from quantdispatch.backends.base import CheckpointMeta
+    from quantdispatch.backends.base import CheckpointMeta, ExpertStacks
     from quantdispatch.moe.stacking import STACK_NAMES, stack_expert_lists
 
     gen = torch.Generator().manual_seed(26)
@@ -275,14 +275,14 @@ def probe_moe(b, request: Request, device: torch.device) -> list[tuple[int, floa
     }
     s13, s2, block, _ = stack_expert_lists(fmt, lists, gated=True)
     meta = CheckpointMeta(block_size=tuple(block) if block else None)  # type: ignore[arg-type]
-    prepared = b.prepare_moe(
+    stacks = ExpertStacks(
         [t.to(device).contiguous() for t in s13],
         [t.to(device).contiguous() for t in s2],
         STACK_NAMES[fmt],
         meta,
-        dataclasses.replace(request, n=i, k=h, experts=e),
         gated=True,
     )
+    prepared = b.prepare_moe(stacks, dataclasses.replace(request, n=i, k=h, experts=e))
     out = []
     for m in _MOE_M:
         x = torch.randn(m, h, generator=gen).to(request.act_dtype)

@@ -6,7 +6,7 @@ are its facts (:mod:`.facts`), a separate object the resolver reads.
 from __future__ import annotations
 
 from abc import ABC
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar, NoReturn
 
 import torch
@@ -16,6 +16,7 @@ from quantdispatch.backends.facts import BackendFacts, KernelRange
 from quantdispatch.backends.prepared import (
     CheckpointMeta,
     CutlassFp4Meta,
+    ExpertStacks,
     Layout,
     LayoutMeta,
     MarlinMeta,
@@ -41,6 +42,7 @@ __all__ = [
     "BoundMoe",
     "CheckpointMeta",
     "CutlassFp4Meta",
+    "ExpertStacks",
     "KernelRange",
     "Layout",
     "LayoutMeta",
@@ -139,21 +141,11 @@ class Backend(ABC):
         """This backend's tensors for a weight :meth:`check_weight` accepted."""
         self.cannot_prepare(request)
 
-    def prepare_moe(
-        self,
-        w13: Sequence[torch.Tensor],
-        w2: Sequence[torch.Tensor],
-        names: Sequence[str],
-        meta: CheckpointMeta,
-        request: Request,
-        *,
-        gated: bool,
-    ) -> PreparedMoe:
-        """The stacked canonical expert tensors (on the layer's device; ``meta``: their
-        checkpoint-layout meta, e.g. the FP8 block size) as this backend's MoE kernel reads
-        them, once, at load (``gated``: w13 is gate rows then up rows). Default: kept as they
-        are."""
-        return PreparedMoe(tuple(names), tuple(w13), tuple(w2), Layout.CHECKPOINT, meta)
+    def prepare_moe(self, stacks: ExpertStacks, request: Request) -> PreparedMoe:
+        """The layer's expert stacks as this backend's MoE kernel reads them, once, at load.
+        Default: kept as they are."""
+        s = stacks
+        return PreparedMoe(tuple(s.names), tuple(s.w13), tuple(s.w2), Layout.CHECKPOINT, s.meta)
 
     def linear(self, x: torch.Tensor, w: LinearBinding) -> torch.Tensor:
         """y = x @ W.T (+ bias) for 2-D x [M, K] and the prepared weight ``w`` (its tensors,

@@ -21,7 +21,7 @@ from quantdispatch.backends import marlin_providers as providers
 from quantdispatch.backends.base import (
     Backend,
     BackendFacts,
-    CheckpointMeta,
+    ExpertStacks,
     Layout,
     LinearBinding,
     MarlinMeta,
@@ -200,18 +200,10 @@ class MarlinBackend(Backend):
     def make_linear(self, w: LinearBinding) -> _MarlinLinear:
         return _MarlinLinear(w.tensors, w.bias, w.fmt, w.meta)
 
-    def prepare_moe(
-        self,
-        w13: Sequence[torch.Tensor],
-        w2: Sequence[torch.Tensor],
-        names: Sequence[str],
-        meta: CheckpointMeta,
-        request: Request,
-        *,
-        gated: bool,
-    ) -> PreparedMoe:
+    def prepare_moe(self, stacks: ExpertStacks, request: Request) -> PreparedMoe:
         from quantdispatch.backends.marlin_moe import prepare_stack
 
+        w13, w2, gated = stacks.w13, stacks.w2, stacks.gated
         status = self._provider(("gemm", "repack", "moe"))
         assert status.contract is not None
         fmt, act = request.format, request.act_dtype

@@ -24,6 +24,7 @@ from quantdispatch.errors import ConfigurationError, format_error
 __all__ = [
     "CheckpointMeta",
     "CutlassFp4Meta",
+    "ExpertStacks",
     "Layout",
     "LayoutMeta",
     "MarlinMeta",
@@ -272,6 +273,19 @@ class PreparedWeight:
     def meta_args(self) -> list[int]:
         """(layout, meta) in the ops' flat form."""
         return encode_meta(self.layout, self.meta)
+
+
+@dataclass(frozen=True)
+class ExpertStacks:
+    """What a MoE layer hands its backend to prepare: the stacked canonical expert tensors
+    (quantdispatch.moe; on the layer's device), labelled by ``names``, their checkpoint-layout
+    ``meta`` (e.g. the FP8 block size), and whether w13 is gate rows then up rows (``gated``)."""
+
+    w13: Sequence[torch.Tensor]
+    w2: Sequence[torch.Tensor]
+    names: Sequence[str]
+    meta: CheckpointMeta
+    gated: bool
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import torch
 
 from quantdispatch import ops  # noqa: F401 (registers torch.ops.quantdispatch.*)
 from quantdispatch.backends import get_backend
-from quantdispatch.backends.base import BoundMoe, CheckpointMeta, MoeCall
+from quantdispatch.backends.base import BoundMoe, CheckpointMeta, ExpertStacks, MoeCall
 from quantdispatch.checkpoints import MoeShard, QuantWeight, read_moe_shard
 from quantdispatch.checkpoints.split_plan import tp_of_group
 from quantdispatch.errors import CheckpointError, ConfigurationError, InputError, format_error
@@ -170,14 +170,14 @@ class QuantMoE(QuantLayer):
         """The backend's own expert stacks (the triton backend repacks NVFP4 experts; same
         bytes) and the expert biases, as buffers."""
         stacked13, stacked2 = stacks
-        prepared = backend.prepare_moe(
+        stacks = ExpertStacks(
             [t.detach().to(target).contiguous() for t in stacked13],
             [t.detach().to(target).contiguous() for t in stacked2],
             STACK_NAMES[fmt],
             CheckpointMeta(block_size=tuple(block) if block else None),  # type: ignore[arg-type]
-            self.decision.request,
-            gated=gated,
+            gated,
         )
+        prepared = backend.prepare_moe(stacks, self.decision.request)
         self._names13 = tuple(f"w13_{n}" for n in prepared.names)
         self._names2 = tuple(f"w2_{n}" for n in prepared.names)
         held = [*prepared.w13, *prepared.w2]

@@ -23,7 +23,13 @@ from test_checkpoint_layout_moe import poisoned, routing, stacked  # noqa: E402,
 from test_moe import make_experts, moe64, rand_x  # noqa: E402
 
 from quantdispatch.backends import get_backend  # noqa: E402
-from quantdispatch.backends.base import CheckpointMeta, Layout, Mma16x64Meta, encode_meta  # noqa: E402
+from quantdispatch.backends.base import (  # noqa: E402
+    CheckpointMeta,
+    ExpertStacks,
+    Layout,
+    Mma16x64Meta,
+    encode_meta,
+)
 from quantdispatch.errors import InputError, WeightFormatError  # noqa: E402
 from quantdispatch.kernels.common import checks  # noqa: E402
 from quantdispatch.kernels.common.device_facts import DeviceFacts, device_facts  # noqa: E402
@@ -421,7 +427,8 @@ def test_prepare_moe_keeps_the_canonical_stacks_off_the_gpu():
     names = ("packed", "block_scale", "global_scale")
     request = Request.make("nvfp4", "moe", torch.bfloat16)
     meta = CheckpointMeta()
-    prepared = get_backend("triton").prepare_moe(w13, w2, names, meta, request, gated=True)
+    stacks = ExpertStacks(w13, w2, names, meta, gated=True)
+    prepared = get_backend("triton").prepare_moe(stacks, request)
     assert prepared.names == names and prepared.meta == meta
     assert prepared.layout is Layout.CHECKPOINT
     assert all(a is b for a, b in zip(prepared.w13, w13, strict=True))

@@ -17,7 +17,7 @@ pytest.importorskip("triton", reason="the checkpoint-layout kernels are Triton k
 from dataclasses import replace
 
 from quantdispatch.backends import get_backend
-from quantdispatch.backends.base import CheckpointMeta, Layout, LinearBinding
+from quantdispatch.backends.base import CheckpointMeta, ExpertStacks, Layout, LinearBinding
 from quantdispatch.backends.triton import run
 from quantdispatch.formats.mxfp4 import Mxfp4Weight, rebase_mx_scales_for_fp16
 from quantdispatch.kernels import regimes
@@ -149,16 +149,17 @@ def test_fp16_moe_experts_outside_fp16_are_refused_with_the_fix():
     req = Request.make("mxfp4", op="moe", act_dtype=torch.float16, experts=e)
     names = ("packed", "block_scale")
     ok13, ok2 = stack(2 * i, h, 120, 130), stack(h, i, 120, 130)
-    backend.prepare_moe(ok13, ok2, names, CheckpointMeta(), req, gated=True)
+    backend.prepare_moe(ExpertStacks(ok13, ok2, names, CheckpointMeta(), True), req)
     bad2 = (ok2[0], ok2[1].clone())
     bad2[1][1, 0, 0] = 150  # expert 1 of w2: 2^23
     with pytest.raises(
         WeightFormatError, match=r"expert 1 of w2 has block scales 2\^-7 \.\. 2\^23"
     ):
-        backend.prepare_moe(ok13, bad2, names, CheckpointMeta(), req, gated=True)
+        backend.prepare_moe(ExpertStacks(ok13, bad2, names, CheckpointMeta(), True), req)
     low13 = (ok13[0], ok13[1].clone())
     low13[1][0, 5, 1] = 97  # expert 0 of w13: 2^-30 at the bottom, the top inside: refused too
     with pytest.raises(WeightFormatError, match=r"expert 0 of w13 has block scales 2\^-30"):
-        backend.prepare_moe(low13, ok2, names, CheckpointMeta(), req, gated=True)
+        backend.prepare_moe(ExpertStacks(low13, ok2, names, CheckpointMeta(), True), req)
     bf16 = Request.make("mxfp4", op="moe", act_dtype=torch.bfloat16, experts=e)
-    backend.prepare_moe(ok13, bad2, names, CheckpointMeta(), bf16, gated=True)  # bf16 holds 2^23
+    # bf16 holds 2^23
+    backend.prepare_moe(ExpertStacks(ok13, bad2, names, CheckpointMeta(), True), bf16)

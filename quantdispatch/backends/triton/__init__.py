@@ -19,7 +19,6 @@ triton), :mod:`.bind` (the bound call path: the same launchers, built once per w
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,7 +27,7 @@ from quantdispatch.backends.base import (
     Backend,
     BoundLinear,
     BoundMoe,
-    CheckpointMeta,
+    ExpertStacks,
     LinearBinding,
     MoeCall,
     PreparedMoe,
@@ -56,17 +55,8 @@ class TritonBackend(Backend):
         mode = (options if isinstance(options, TritonOptions) else TritonOptions()).fp8_compute
         return _prepare.prepare_linear(weight, request, mode)
 
-    def prepare_moe(
-        self,
-        w13: Sequence[torch.Tensor],
-        w2: Sequence[torch.Tensor],
-        names: Sequence[str],
-        meta: CheckpointMeta,
-        request: Request,
-        *,
-        gated: bool,
-    ) -> PreparedMoe:
-        return _prepare.prepare_moe(w13, w2, names, meta, request, gated=gated)
+    def prepare_moe(self, stacks: ExpertStacks, request: Request) -> PreparedMoe:
+        return _prepare.prepare_moe(stacks, request)
 
     def linear(self, x: torch.Tensor, w: LinearBinding) -> torch.Tensor:
         from quantdispatch.backends.triton import run

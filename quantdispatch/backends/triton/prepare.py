@@ -7,12 +7,11 @@ compute on (:mod:`.fp8_compute`), the weight's meta (:mod:`.meta`) records the m
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from quantdispatch.backends.base import (
     CheckpointMeta,
+    ExpertStacks,
     Layout,
     Mma16x64Meta,
     PreparedMoe,
@@ -91,20 +90,14 @@ def _mxfp4(weight, request: Request) -> PreparedWeight:  # type: ignore[no-untyp
     return prepared("mxfp4", (weight.packed, weight.block_scale), CheckpointMeta(), (n, k))
 
 
-def prepare_moe(
-    w13: Sequence[torch.Tensor],
-    w2: Sequence[torch.Tensor],
-    names: Sequence[str],
-    meta: CheckpointMeta,
-    request: Request,
-    *,
-    gated: bool,
-) -> PreparedMoe:
+def prepare_moe(stacks: ExpertStacks, request: Request) -> PreparedMoe:
     """NVFP4 and MXFP4 experts of a gated layer on an SM 8.0+ GPU (I and H multiples of 64;
     MXFP4: each expert's scales spanning <= 18 binades) are repacked into the mma16x64 layout
     (kernels/mma_layout/moe_stacks.py; same bytes, one copy that every token count reads);
     everything else keeps the canonical stacks."""
-    canonical = PreparedMoe(tuple(names), tuple(w13), tuple(w2), Layout.CHECKPOINT, meta)
+    w13, w2, gated = stacks.w13, stacks.w2, stacks.gated
+    canonical = PreparedMoe(tuple(stacks.names), tuple(w13), tuple(w2), Layout.CHECKPOINT,
+                            stacks.meta)  # fmt: skip
     if request.format not in dispatch.FP4:
         return canonical_moe_check(canonical, request)
     inter, hidden = w2[0].shape[2] * 2, w2[0].shape[1]  # w2 is [E, H, I/2] packed
