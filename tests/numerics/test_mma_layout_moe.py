@@ -532,3 +532,23 @@ def test_dequantize_only_large_experts_from_768_tokens_per_expert():
         assert isinstance(mma_layout_moe_plan(m, top_k, e, i, h, h200), MoeGemmTile), (e, i, h)
     a100 = DeviceFacts.for_capability((8, 0))  # no torch._grouped_mm: never
     assert isinstance(mma_layout_moe_plan(3072, *mixtral, a100), MoeGemmTile)
+
+
+def test_prepare_moe_repacks_fp4_experts_where_the_gpu_takes_the_layout(monkeypatch):
+    """The repack branch of the triton backend's prepare_moe, run on CPU tensors with an SM 9.0
+    capability: the mma16x64 stacks, the same as repacking each stack directly."""
+    from quantdispatch.backends.triton import prepare as triton_prepare
+    from quantdispatch.kernels.mma_layout.moe_stacks import repack_experts
+
+    monkeypatch.setattr(triton_prepare, "_capability", lambda device: (9, 0))
+    ex = make_experts("nvfp4", 2, 128, 64, seed=16)
+    w13, w2, _ = stacked(ex)
+    names = ("packed", "block_scale", "global_scale")
+    request = Request.make("nvfp4", "moe", torch.bfloat16)
+    stacks = ExpertStacks(w13, w2, names, CheckpointMeta(), gated=True)
+    prepared = get_backend("triton").prepare_moe(stacks, request)
+    assert prepared.layout is Layout.MMA16X64
+    assert prepared.names == ("mma_words", "mma_scales", "global_scale")
+    want = repack_experts(w13[0], w13[1], torch.bfloat16)
+    assert all(torch.equal(a, b) for a, b in zip(prepared.w13[:2], want, strict=True))
+    assert prepared.w13[2] is w13[2] and prepared.w2[2] is w2[2]
