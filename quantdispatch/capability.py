@@ -73,6 +73,8 @@ class CapabilitySet:
 
 #: Every device, the CPU included (regime rows that apply wherever their layout runs).
 ANY_DEVICE = CapabilitySet("any", any_device=True)
+#: Turing on: fp16 tensor cores (the weight-only kernels' floor with fp16 activations).
+SM75_PLUS = CapabilitySet("SM 7.5+", at_least=(7, 5))
 
 #: Ampere on: bf16 tensor cores, bf16 mma.sync, 16-bit ``cp.async``.
 SM80_PLUS = CapabilitySet("SM 8.0+", at_least=(8, 0))

@@ -15,7 +15,7 @@ from abc import ABC
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
-from quantdispatch.capability import fmt_sm
+from quantdispatch.capability import CapabilitySet, fmt_sm
 from quantdispatch.kernels.regimes import m_span
 from quantdispatch.request import Op, Request, Scheme
 
@@ -67,9 +67,9 @@ class BackendFacts(ABC):
     """Optional kernel library it needs (a name from ``quantdispatch.device.PROVIDERS``)."""
     weight_only: ClassVar[bool] = True
     """True if activations stay 16-bit (serves W4A16 and, saying so, W4A4 checkpoints)."""
-    min_sm: ClassVar[tuple[tuple[int, int], tuple[int, int]] | None] = None
-    """A weight-only kernel's minimum SM with fp16 and with bf16 activations (newer SMs run
-    it too); None: its ``device_reasons`` state the rules."""
+    min_sm: ClassVar[tuple[CapabilitySet, CapabilitySet] | None] = None
+    """The SMs a weight-only kernel runs on with fp16 and with bf16 activations (``at_least``
+    sets: newer SMs run it too); None: its ``device_reasons`` state the rules."""
 
     def explain_unsupported(self, request: Request, profile: DeviceProfile) -> str | None:
         """None if this backend can run ``request`` on ``profile``, else every reason why not."""
@@ -212,19 +212,22 @@ class BackendFacts(ABC):
     def min_sm_reasons(
         profile: DeviceProfile,
         request: Request,
-        fp16_min: tuple[int, int],
-        bf16_min: tuple[int, int],
+        fp16_min: CapabilitySet,
+        bf16_min: CapabilitySet,
     ) -> list[str]:
-        """Weight-only kernels are forward compatible: a minimum SM per activation dtype."""
+        """Weight-only kernels are forward compatible: a minimum SM (an ``at_least`` set) per
+        activation dtype."""
         cc = profile.capability
         if cc is None:
             return []
         need = bf16_min if request.act_name == "bf16" else fp16_min
-        if cc < fp16_min:
-            return [f"SM {fmt_sm(cc)} is below SM {fmt_sm(fp16_min)}, the minimum for this kernel"]
-        if cc < need:
+        if cc not in fp16_min:
+            low = fp16_min.at_least
+            floor = fp16_min.name if low is None else f"SM {fmt_sm(low)}"
+            return [f"SM {fmt_sm(cc)} is below {floor}, the minimum for this kernel"]
+        if cc not in need:
             return [
-                f"SM {fmt_sm(cc)} has no bf16 tensor cores (bf16 needs SM {fmt_sm(need)}+); "
+                f"SM {fmt_sm(cc)} has no bf16 tensor cores (bf16 needs {need.name}); "
                 "fp16 activations work here"
             ]
         return []

@@ -37,6 +37,7 @@ from quantdispatch.backends.marlin_contract import (
     prepare_linear,
 )
 from quantdispatch.backends.prepared import named_tensors
+from quantdispatch.capability import SM75_PLUS, SM80_PLUS
 from quantdispatch.errors import BackendUnavailableError, InputError, format_error
 from quantdispatch.formats import get_format
 from quantdispatch.request import Op, Request
@@ -75,7 +76,7 @@ class MarlinFacts(BackendFacts):
     }
     provider = None  # detected by marlin_providers (package metadata or load_library)
     weight_only = True
-    min_sm = ((7, 5), (8, 0))  # no bf16 tensor cores before Ampere
+    min_sm = (SM75_PLUS, SM80_PLUS)  # no bf16 tensor cores before Ampere
 
     def shape_reasons(self, request: Request) -> list[str]:
         k = request.k

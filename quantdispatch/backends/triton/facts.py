@@ -14,7 +14,14 @@ from quantdispatch.backends.prepared import Layout
 from quantdispatch.backends.triton import dispatch
 from quantdispatch.backends.triton import fp8_compute as _fp8
 from quantdispatch.backends.triton.options import TritonOptions, options_of
-from quantdispatch.capability import ANY_DEVICE, SM9X, SM80_PLUS, SM90_PLUS, CapabilitySet
+from quantdispatch.capability import (
+    ANY_DEVICE,
+    SM9X,
+    SM75_PLUS,
+    SM80_PLUS,
+    SM90_PLUS,
+    CapabilitySet,
+)
 from quantdispatch.errors import ConfigurationError, format_error
 from quantdispatch.formats.mxfp4 import FP16_MX_EXPONENTS
 from quantdispatch.kernels.mma_layout.layout import CHUNK_K, MX_SCALE_SPAN, TILE_N
@@ -104,7 +111,7 @@ class TritonFacts(BackendFacts):
     implemented = {"nvfp4": _ALL, "mxfp4": _ALL, "fp8": _ALL}
     provider = "triton"
     weight_only = True
-    min_sm = ((7, 5), (8, 0))  # no bf16 tensor cores before Ampere
+    min_sm = (SM75_PLUS, SM80_PLUS)  # no bf16 tensor cores before Ampere
 
     def shape_reasons(self, request: Request) -> list[str]:
         return self.group_reasons(request)
