@@ -272,3 +272,15 @@ def test_cache_key_names_gpu_driver_software_and_provider(env):
         selfcheck.probe_key("triton", Request.make("nvfp4", "moe"))
         == "triton nvfp4 moe W4A4 bf16 -"
     )
+
+
+def test_the_moe_probe_runs_on_the_reference_backend_within_its_bound():
+    """The self-check's MoE probe (stacks -> prepare_moe -> the layers' op) on the CPU."""
+    from quantdispatch.backends import get_backend
+    from quantdispatch.checking import bound_for, probe_moe
+    from quantdispatch.request import Request
+
+    request = Request.make("nvfp4", "moe", torch.bfloat16)
+    rows = probe_moe(get_backend("reference"), request, torch.device("cpu"))
+    assert [m for m, _ in rows] == [1, 48]
+    assert all(0 < err < bound_for(torch.bfloat16, False, moe=True) for _, err in rows), rows
