@@ -12,7 +12,7 @@ export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl >"$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
 export PYTHONPATH=/tmp/site:$PWD
-STEPS=${STEPS:-"doctor doctor-json verify wgmma-waits gpu-tests dequant-sweep bench-linear bench-moe"}  # also: whole-model eager-step selfcheck model-decode decode-profile fp8-logits tp-nccl eager-ab host-overhead fp8-prefill fp8-gemm-sweep fp8-grouped-probe fp8-producers model-prefill fp8-reencode-sweep bench-moe-mx mma-sweep gemv-ablation gemm-sweep stream-small
+STEPS=${STEPS:-"doctor doctor-json verify wgmma-waits gpu-tests dequant-sweep bench-linear bench-moe"}  # also: whole-model eager-step dequant-overlap selfcheck model-decode decode-profile fp8-logits tp-nccl eager-ab host-overhead fp8-prefill fp8-gemm-sweep fp8-grouped-probe fp8-producers model-prefill fp8-reencode-sweep bench-moe-mx mma-sweep gemv-ablation gemm-sweep stream-small
 step() {  # step NAME SECONDS CMD...   (runs only if NAME is in $STEPS)
   local name=$1 limit=$2; shift 2
   case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
@@ -40,6 +40,7 @@ TAIL=40 step eager-step "${EAGER_STEP_S:-150}" python3 benchmarks/probes/eager_s
 TAIL=30 step host-overhead 240 python3 benchmarks/host_overhead.py --out "$OUT"
 TAIL=60 step whole-model "${WHOLE_S:-560}" python3 benchmarks/whole_model.py --out "$OUT" --budget-s "${WHOLE_BUDGET:-500}" ${WHOLE_ARGS:-}
 TAIL=26 step dequant-sweep 90 python3 benchmarks/probes/dequant_sweep.py
+TAIL=20 step dequant-overlap "${OVERLAP_S:-200}" python3 benchmarks/probes/dequant_overlap.py --out "$OUT" ${OVERLAP_ARGS:-}
 TAIL=40 step mma-sweep "${MMA_S:-300}" python3 benchmarks/probes/mma_sweep.py ${MMA_ARGS:-}
 TAIL=40 step gemv-ablation "${ABL_S:-150}" python3 benchmarks/probes/gemv_ablation.py ${ABL_ARGS:-}
 TAIL=40 step gemm-sweep "${GEMM_S:-300}" python3 benchmarks/probes/gemm_sweep.py ${GEMM_ARGS:-}
