@@ -144,9 +144,9 @@ def measure(name: str, n: int, k: int, ms: list[int], layers: int, reps: int, de
                    seq_rel_err_vs_float64=err)  # fmt: skip
         if same and err < 1e-2:
             t = {way: _time(fn, reps, cuda) / layers for way, fn in (
-                ("seq", lambda: run_seq(x, deqs, n, k)),
-                ("overlap", lambda: run_overlap(x, deqs, n, k, side)),
-                ("bf16", lambda: run_bf16(x, w16s)))}  # fmt: skip
+                ("seq", lambda x=x: run_seq(x, deqs, n, k)),
+                ("overlap", lambda x=x: run_overlap(x, deqs, n, k, side)),
+                ("bf16", lambda x=x: run_bf16(x, w16s)))}  # fmt: skip
             row.update({f"{w}_us": round(v, 1) for w, v in t.items()})
             row.update({f"bf16/{w}": round(t["bf16"] / t[w], 3) for w in ("seq", "overlap")})
         print(json.dumps(row), flush=True)
