@@ -3,9 +3,9 @@
 The attention forwards of the Llama family call their module's ``apply_rotary_pos_emb`` by its
 global name. A patched attention module runs its class's own forward, unchanged, as a copy of
 that function whose globals differ in one name: ``apply_rotary_pos_emb`` is
-:func:`fused_apply_rotary`, which runs :func:`quantdispatch.kernels.native.rope.rope` for eager
-CUDA calls in the layout it takes and the module's own function for every other call
-(autograd, CPU tensors, other layouts). Under torch.compile the class's own forward runs (dynamo
+:func:`fused_apply_rotary`, which runs the kernel of :mod:`quantdispatch.kernels.native.rope`
+for eager CUDA calls in the layout it takes and the module's own function for every other call
+(autograd, CPU tensors, other layouts); without triton nothing is patched. Under torch.compile the class's own forward runs (dynamo
 guards a function's globals as its module's, so it must not trace the copy; inductor fuses the
 rotation itself). Nothing global changes: other modules of the same class, and other models,
 keep the original forward. The kernel's results are HF's bit for bit.
@@ -45,16 +45,24 @@ def _kernel_call(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     return q.is_cuda and direct_call_ok(q) and direct_call_ok(k)
 
 
-def fused_apply_rotary(original: Callable[..., object]) -> Callable[..., object]:
-    """``apply_rotary_pos_emb`` that runs the fused kernel where it can, else ``original``."""
+def fused_apply_rotary(original: Callable[..., object]) -> Callable[..., object] | None:
+    """``apply_rotary_pos_emb`` that runs the fused kernel where it can, else ``original``;
+    None where the kernel cannot be imported (no triton): then nothing is patched. The kernel
+    module is imported here, once, not per call."""
+    try:
+        from quantdispatch.kernels.native import rope as kernel
+    except ImportError:
+        return None
 
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):  # type: ignore[no-untyped-def]
         default = not args and kwargs.get("unsqueeze_dim", 1) == 1 and len(kwargs) <= 1
-        if default and (not kwargs or "unsqueeze_dim" in kwargs) and _kernel_call(q, k, cos, sin):
-            from quantdispatch.kernels.native.rope import rope, rope_eligible
-
-            if rope_eligible(q, k, cos, sin):
-                return rope(q, k, cos, sin)
+        if (
+            default
+            and (not kwargs or "unsqueeze_dim" in kwargs)
+            and _kernel_call(q, k, cos, sin)
+            and kernel.rope_eligible(q, k, cos, sin)
+        ):
+            return kernel.rope_launch(q, k, cos, sin)
         return original(q, k, cos, sin, *args, **kwargs)
 
     apply_rotary_pos_emb.__wrapped__ = original  # type: ignore[attr-defined]
@@ -104,10 +112,11 @@ def rotary_forward(cls: type) -> Callable[..., object] | None:
     if not isinstance(inner, types.FunctionType) or _NAME not in inner.__code__.co_names:
         return None
     original = inner.__globals__.get(_NAME)
-    if not callable(original):
+    fused = fused_apply_rotary(original) if callable(original) else None
+    if fused is None:
         return None
     names = dict(inner.__globals__)
-    names[_NAME] = fused_apply_rotary(original)
+    names[_NAME] = fused
     new_inner = types.FunctionType(inner.__code__, names, inner.__name__, inner.__defaults__,
                                    inner.__closure__)  # fmt: skip
     new_inner.__kwdefaults__ = inner.__kwdefaults__

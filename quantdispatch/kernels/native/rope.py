@@ -23,7 +23,7 @@ from quantdispatch.kernels.common.launch import launch
 from quantdispatch.kernels.native.fp8_prefill_quant import widen16
 from quantdispatch.kernels.native.fp8_producers import _narrow, _round16
 
-__all__ = ["rope", "rope_eligible"]
+__all__ = ["rope", "rope_eligible", "rope_launch"]
 
 _16_BIT = (torch.bfloat16, torch.float16)
 _HEADS = 8  # heads per program
@@ -113,6 +113,12 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
                 "call the model's own apply_rotary_pos_emb",
             )
         )
+    return rope_launch(q, k, cos, sin)
+
+
+def rope_launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):  # type: ignore[no-untyped-def]
+    """:func:`rope` for callers that have checked :func:`rope_eligible` themselves (the fused
+    attention's per-call path): the launch only."""
     b, hq, s, d = q.shape
     hk = k.shape[1]
     qo, ko = torch.empty_like(q), torch.empty_like(k)
