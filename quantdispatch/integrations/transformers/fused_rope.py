@@ -7,8 +7,9 @@ that function whose globals differ in one name: ``apply_rotary_pos_emb`` is
 for eager CUDA calls in the layout it takes and the module's own function for every other call
 (autograd, CPU tensors, other layouts); without triton nothing is patched. Under torch.compile
 the class's own forward runs (dynamo guards a function's globals as its module's, so it must not
-trace the copy; inductor fuses the rotation itself). Nothing global changes: other modules of the same class, and other models,
-keep the original forward. The kernel's results are HF's bit for bit.
+trace the copy; inductor fuses the rotation itself). Nothing global changes: other modules of
+the same class, and other models, keep the original forward. The kernel's results are HF's bit
+for bit.
 """
 
 from __future__ import annotations
