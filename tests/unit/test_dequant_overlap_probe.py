@@ -1,6 +1,6 @@
 """benchmarks/probes/dequant_overlap.py on the CPU (interpreter, tiny shapes, no streams): the
-overlapped chain gives the sequential chain's bits and both are within bf16 rounding of the
-float64 product, so the GPU run only has to time them."""
+overlapped chains (next layer, own slabs) give the sequential chain's bits and all are within
+bf16 rounding of the float64 product, so the GPU run only has to time them."""
 
 from __future__ import annotations
 
@@ -18,6 +18,11 @@ import dequant_overlap
 
 
 def test_overlap_chain_equals_the_sequential_chain():
-    (row,) = dequant_overlap.measure("tiny", 128, 256, [5], 3, 1, torch.device("cpu"))
-    assert row["overlap_equals_seq"] and row["seq_rel_err_vs_float64"] < 1e-2
-    assert row["bf16/seq"] > 0 and row["bf16/overlap"] > 0
+    # 384 rows in 3 slabs of 128: the slab way's loop and workspace reuse run too
+    (row,) = dequant_overlap.measure("tiny", 384, 256, [5], 3, 1, torch.device("cpu"), 3)
+    assert row["failed"] == []
+    for way in ("overlap", "overlap_hi", "slabs"):
+        assert row[f"{way}_equals_seq"], way
+        assert row[f"{way}_rel_err_vs_float64"] < 1e-2
+        assert row[f"{way}_us"] > 0 and f"bf16/{way}" in row
+    assert row["seq_rel_err_vs_float64"] < 1e-2
