@@ -39,7 +39,7 @@ step eager-ab 200 python3 benchmarks/probes/eager_dispatch_ab.py --out "$OUT"
 TAIL=40 step eager-step "${EAGER_STEP_S:-150}" python3 benchmarks/probes/eager_step.py ${EAGER_STEP_ARGS:-}
 TAIL=30 step host-overhead 240 python3 benchmarks/host_overhead.py --out "$OUT"
 TAIL=60 step whole-model "${WHOLE_S:-560}" python3 benchmarks/whole_model.py --out "$OUT" --budget-s "${WHOLE_BUDGET:-500}" ${WHOLE_ARGS:-}
-TAIL=26 step dequant-sweep 90 python3 benchmarks/probes/dequant_sweep.py
+TAIL=40 step dequant-sweep 120 python3 benchmarks/probes/dequant_sweep.py ${DEQUANT_SWEEP_ARGS:-}
 TAIL=20 step dequant-overlap "${OVERLAP_S:-200}" python3 benchmarks/probes/dequant_overlap.py --out "$OUT" ${OVERLAP_ARGS:-}
 TAIL=40 step mma-sweep "${MMA_S:-300}" python3 benchmarks/probes/mma_sweep.py ${MMA_ARGS:-}
 TAIL=40 step gemv-ablation "${ABL_S:-150}" python3 benchmarks/probes/gemv_ablation.py ${ABL_ARGS:-}

@@ -1,7 +1,10 @@
-"""Time the NVFP4 dequantization kernel alone for a few tile shapes (H200 tuning aid).
+"""Time the NVFP4 dequantization kernels alone for a few tile shapes (H200 tuning aid).
 
 Prints microseconds and effective bandwidth (packed + scales read, 16-bit written) for the
 28672 x 4096 and 4096 x 14336 weights; each tile is checked bit-exact against the default one.
+``--mma``: the mma16x64 layout's kernel (the large-M path of repacked linears) per (warps,
+chunks per thread) on the four Llama-3-8B weights, whole weight, each config bit-exact against
+the float64 dequantization rounded to bf16.
 """
 
 from __future__ import annotations
@@ -21,7 +24,41 @@ def _time(packed, scale, gs, out, tile) -> float:
     return triton.testing.do_bench(call, return_mode="median") * 1e3
 
 
+MMA_CONFIGS = [(4, 1), (4, 2), (4, 4), (8, 1), (8, 2), (2, 4), (16, 1), (8, 4)]
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+
+
+def mma_sweep() -> None:
+    from quantdispatch.formats.nvfp4 import dequantize_nvfp4, quantize_nvfp4
+    from quantdispatch.kernels.mma_layout.dequant import MmaDequantRows
+    from quantdispatch.kernels.mma_layout.layout import repack
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for name, (n, k) in SHAPES.items():
+        w = quantize_nvfp4(torch.randn(n, k, generator=g, device="cuda") * 0.02)
+        ref = dequantize_nvfp4(w, dtype=torch.float64).to(torch.bfloat16)
+        words, scales = repack(w.packed, w.block_scale.view(torch.uint8), torch.bfloat16)
+        out = torch.empty(n, k, dtype=torch.bfloat16, device="cuda")
+        nbytes = n * k * (0.5 + 1 / 16 + 2)
+        for cfg in MMA_CONFIGS:
+            rows = MmaDequantRows(words, scales, w.global_scale, config=cfg)
+            out.fill_(float("nan"))
+            exact = torch.equal(rows(0, n, out), ref)
+            call = lambda rows=rows, n=n, out=out: rows(0, n, out)
+            us = triton.testing.do_bench(call, return_mode="median") * 1e3
+            print(
+                f"mma16x64 {name} {n}x{k} warps {cfg[0]} chunks/thread {cfg[1]}: {us:.1f} us, "
+                f"{nbytes / us / 1e6:.2f} TB/s, exact={exact}",
+                flush=True,
+            )
+
+
 def main() -> None:
+    import sys
+
+    if "--mma" in sys.argv:
+        mma_sweep()
+        return
     g = torch.Generator(device="cuda").manual_seed(0)
     for n, k in ((28672, 4096), (4096, 14336)):
         rows = (32 * 2**20) // k // 128 * 128

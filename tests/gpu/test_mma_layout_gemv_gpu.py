@@ -124,6 +124,22 @@ def test_dequant_rows_is_the_rounded_reference(mma, dtype):
     assert torch.equal(out, w64[16 : n - 16].to(dtype))
 
 
+@pytest.mark.parametrize("config", [(4, 2), (8, 2), (2, 4), (8, 4), (16, 1)], ids=str)
+def test_dequant_configs_are_exact(mma, config):
+    """Every (warps, chunks per thread) the sweep tries: 46 chunks per row leave a ragged last
+    program for all of them; rows 16.. only (tile0 > 0)."""
+    from quantdispatch.kernels.mma_layout.dequant import MmaDequantRows
+
+    n, kk = 256, 2880 + 64
+    g = gen(17)
+    packed, sbits, gs = nvfp4_weights(n, kk, g)
+    w64 = fp4_w64(packed, sbits, 16, False, 2.5e-3)
+    words, scales = mma.repack(packed, sbits, torch.bfloat16)
+    out = torch.full((n - 32, kk), math.nan, dtype=torch.bfloat16, device="cuda")
+    MmaDequantRows(words, scales, gs, config=config)(16, n - 16, out)
+    assert torch.equal(out, w64[16 : n - 16].to(torch.bfloat16))
+
+
 def test_cuda_graph_replay_equals_eager(mma):
     n, kk = 4096, 4096
     g = gen(8)

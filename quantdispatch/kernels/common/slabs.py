@@ -44,12 +44,13 @@ class DequantGemm:
         k: int,
         dequant_rows: Callable[[int, int, torch.Tensor], object],
         bias: torch.Tensor | None = None,
+        workspace_elements: int = WORKSPACE_ELEMENTS,
     ) -> None:
         self.n, self.k = n, k
         # Slabs of a multiple of 128 rows: every slab's output columns start 256-byte aligned,
         # which cuBLAS needs for its fast kernels (an unaligned column offset tripled the GEMM
         # time).
-        rows = max(1, min(n, WORKSPACE_ELEMENTS // k))
+        rows = max(1, min(n, workspace_elements // k))
         if 128 <= rows < n:
             rows = rows // 128 * 128
         self.rows = rows

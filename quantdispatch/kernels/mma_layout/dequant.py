@@ -14,7 +14,7 @@ from quantdispatch.kernels.common.launch import Launcher
 from quantdispatch.kernels.common.ptx import decode_chunk, load_w
 from quantdispatch.kernels.mma_layout.layout import TILE_N, scale_pairs
 
-__all__ = ["MmaDequantRows", "mma_dequant_rows"]
+__all__ = ["DEQUANT_CONFIG", "MmaDequantRows", "mma_dequant_rows"]
 
 
 def _rescale_asm(bf16: bool) -> str:
@@ -70,14 +70,16 @@ def _mma_dequant_kernel(
     WARPS: tl.constexpr,
     BF16: tl.constexpr,
     SPC: tl.constexpr = 32,
+    CPT: tl.constexpr = 1,
 ):
     """Dequantize tiles tile0.. of the mma layout into 16-bit rows (the large-M path's slab):
-    each thread decodes one lane's 32 weights with the GEMV kernel's own PTX, rescales them in
-    fp32 by 2^8 * global scale, and writes 2 x 32 contiguous bytes (rows g and g + 8)."""
+    each thread decodes one lane's 32 weights of ``CPT`` chunks (their loads in flight
+    together) with the GEMV kernel's own PTX, rescales them in fp32 by 2^8 * global scale, and
+    writes 2 x 32 contiguous bytes per chunk (rows g and g + 8)."""
     tile = tile0 + tl.program_id(1)
-    idx = tl.arange(0, 32 * WARPS)
+    idx = tl.arange(0, 32 * WARPS * CPT)
     lane = idx % 32
-    c = tl.program_id(0) * WARPS + idx // 32
+    c = tl.program_id(0) * (WARPS * CPT) + idx // 32
     ok = c < CHUNKS
     cc = tl.minimum(c, CHUNKS - 1)
     w = w_ptr + (tile.to(tl.int64) * CHUNKS + cc) * 128 + lane * 4
@@ -86,7 +88,7 @@ def _mma_dequant_kernel(
     # chunks past the end (last program) re-decode the last chunk and store the same values
     q0, q1, q2, q3, u = load_w(w, s, ok, True)
     a = decode_chunk(q0, q1, q2, q3, u, BF16)
-    factor = tl.load(gs_ptr) * 256.0 + tl.zeros((32 * WARPS,), dtype=tl.float32)
+    factor = tl.load(gs_ptr) * 256.0 + tl.zeros((32 * WARPS * CPT,), dtype=tl.float32)
     r = tl.inline_asm_elementwise(
         _RESCALE_BF16 if BF16 else _RESCALE_F16,
         _RESCALE_CONSTRAINTS,
@@ -152,12 +154,18 @@ class MmaDequantRows:
     for."""
 
     def __init__(
-        self, words: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor
+        self,
+        words: torch.Tensor,
+        scales: torch.Tensor,
+        global_scale: torch.Tensor,
+        config: tuple[int, int] | None = None,
     ) -> None:
         self._chunks = words.shape[1]
+        self._warps, cpt = config or DEQUANT_CONFIG
+        self._per_program = self._warps * cpt
         self._fixed = dict(
             w_ptr=words, s_ptr=scales.view(torch.int16), gs_ptr=global_scale,
-            CHUNKS=self._chunks, WARPS=_WARPS, SPC=scale_pairs(scales),
+            CHUNKS=self._chunks, WARPS=self._warps, SPC=scale_pairs(scales), CPT=cpt,
         )  # fmt: skip
         self._launchers: dict[torch.dtype, Launcher] = {}
 
@@ -166,7 +174,7 @@ class MmaDequantRows:
             _mma_dequant_kernel,
             ("out_ptr", "tile0", "stride_o"),
             dict(self._fixed, BF16=dtype == torch.bfloat16),
-            dict(num_warps=_WARPS),
+            dict(num_warps=self._warps),
         )
         return launcher
 
@@ -174,12 +182,14 @@ class MmaDequantRows:
         if row_a % TILE_N or row_b % TILE_N:
             raise ValueError(f"rows {row_a}..{row_b} are not whole {TILE_N}-row tiles")
         launch = self._launchers.get(out.dtype) or self._launcher(out.dtype)
-        grid = (triton.cdiv(self._chunks, _WARPS), (row_b - row_a) // TILE_N)
+        grid = (triton.cdiv(self._chunks, self._per_program), (row_b - row_a) // TILE_N)
         launch(grid, out, row_a // TILE_N, out.stride(0))
         return out
 
 
-_WARPS = 4
+#: (warps per program, chunks per thread) of the dequantize kernel; a program covers
+#: warps x chunks 64-wide K chunks of one 16-row tile (benchmarks/probes/dequant_sweep.py --mma).
+DEQUANT_CONFIG = (4, 1)
 
 
 def mma_dequant_rows(
