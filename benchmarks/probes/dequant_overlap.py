@@ -4,10 +4,11 @@
 Issue #40: from M ~ 1024 the triton backend dequantizes an NVFP4 weight to bf16 (one pass over
 it) and calls cuBLAS; the pass adds 25-35% to the GEMM. This probe runs a chain of ``--layers``
 linears of one shape (distinct random weights, each prepared as the triton backend prepares
-it) at each M, three ways:
+it) at each M, several ways:
 
 * ``seq``: what a layer runs today, one after the other: dequantize (the backend's own row
   dequantizer, the whole weight) then ``torch.mm``;
+* ``seq_out``: the same with the GEMM writing through ``out=`` into a tensor allocated first;
 * ``overlap``: the same kernels with layer i+1's weight dequantized on a side stream into the
   second of two workspaces while layer i's GEMM runs on the main stream (events order them: a
   workspace is rewritten only after the GEMM that read it);
@@ -22,13 +23,13 @@ it) at each M, three ways:
 * ``bf16``: ``torch.mm`` on weights already dequantized (what a bf16 model pays: the parity
   target).
 
-Each way's outputs are checked first: ``overlap`` and ``overlap_hi`` must equal ``seq`` bit for
-bit (same kernels, same inputs), ``slabs`` too (cuBLAS computes each output column from the
-same operands; a kernel choice that changed the bits would show here), and ``seq`` must be
-within bf16 rounding (1e-2 relative) of x @ W.T in float64 on the dequantized checkpoint
-weight. Then each way is
-timed as a whole chain (median of ``--reps`` after a warm-up, device synchronized at both ends)
-and reported per layer with the ratios bf16 / way (1.0 = parity).
+Each way's outputs are checked first: every way must be within bf16 rounding (1e-2 relative)
+of x @ W.T in float64 on the dequantized checkpoint weight, and ``seq_out``, ``overlap`` and
+``overlap_hi`` must equal ``seq`` bit for bit (same kernels on the same inputs: anything else is
+a race); the slab ways report whether they do (a narrower GEMM may run another cuBLAS kernel).
+Then the ways are timed as whole chains (median of ``--reps`` rounds after a warm-up, each round
+running every way once, the device synchronized around each) and reported per layer with the
+ratios bf16 / way (1.0 = parity).
 
     PYTHONPATH=$PWD python3 benchmarks/probes/dequant_overlap.py [--ms 1024,4096] [--out DIR]
     PYTHONPATH=$PWD python3 benchmarks/probes/dequant_overlap.py --smoke   # CPU interpreter
@@ -76,10 +77,16 @@ def _dequantizer(n: int, k: int, device: torch.device, seed: int):  # type: igno
     return rows, w16, dequantize_nvfp4(weight, dtype=torch.float64)
 
 
-def run_seq(x, deqs, n: int, k: int):  # type: ignore[no-untyped-def]
+def run_seq(x, deqs, n: int, k: int, into: bool = False):  # type: ignore[no-untyped-def]
+    """``into``: the GEMM writes through ``out=`` (as DequantGemm does), else returns."""
     outs = []
     for rows in deqs:
         ws = torch.empty(n, k, dtype=x.dtype, device=x.device)
+        if into:
+            out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+            rows(0, n, ws)
+            outs.append(torch.mm(x, ws.t(), out=out))
+            continue
         rows(0, n, ws)
         outs.append(torch.mm(x, ws.t()))
     return outs
@@ -178,18 +185,22 @@ def run_bf16(x, w16s):  # type: ignore[no-untyped-def]
     return [torch.mm(x, w.t()) for w in w16s]
 
 
-def _time(fn, reps: int, cuda: bool) -> float:  # type: ignore[no-untyped-def]
-    fn()
-    times = []
-    for _ in range(reps):
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
+def _time_round_robin(fns: dict, reps: int, cuda: bool) -> dict[str, float]:  # type: ignore[type-arg]
+    """Median us per way; every round runs each way once, so clock and thermal drift over the
+    run hit all ways alike."""
+    for fn in fns.values():
         fn()
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return 1e6 * statistics.median(times)
+    times: dict[str, list[float]] = {w: [] for w in fns}
+    for _ in range(reps):
+        for way, fn in fns.items():
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            if cuda:
+                torch.cuda.synchronize()
+            times[way].append(time.perf_counter() - t0)
+    return {w: 1e6 * statistics.median(v) for w, v in times.items()}
 
 
 def measure(name: str, n: int, k: int, ms: list[int], layers: int, reps: int, device,
@@ -213,6 +224,7 @@ def measure(name: str, n: int, k: int, ms: list[int], layers: int, reps: int, de
 
         ways = {
             "seq": lambda x=x: run_seq(x, deqs, n, k),
+            "seq_out": lambda x=x: run_seq(x, deqs, n, k, into=True),
             "overlap": lambda x=x: run_overlap(x, deqs, n, k, side),
             "overlap_hi": lambda x=x: run_overlap(x, deqs, n, k, hi),
             "slabs": lambda x=x: run_slabs(x, deqs, n, k, hi, slabs),
@@ -228,10 +240,15 @@ def measure(name: str, n: int, k: int, ms: list[int], layers: int, reps: int, de
             row[f"{way}_equals_seq"] = all(map(torch.equal, seq, outs))
             row[f"{way}_rel_err_vs_float64"] = err = rel_err(outs)
             # the overlaps run seq's kernels on seq's inputs: anything but its bits is a race
-            exact_ways = ("overlap", "overlap_hi")  # the others may run other cuBLAS kernels
+            exact_ways = (
+                "overlap",
+                "overlap_hi",
+                "seq_out",
+            )  # the others may run other cuBLAS kernels
             ok[way] = err < 1e-2 and (way not in exact_ways or row[f"{way}_equals_seq"])
         ways.update(deq=lambda x=x: run_deq(x, deqs, n, k), bf16=lambda x=x: run_bf16(x, w16s))
-        t = {w: _time(fn, reps, cuda) / layers for w, fn in ways.items() if ok.get(w, True)}
+        timed = {w: fn for w, fn in ways.items() if ok.get(w, True)}
+        t = {w: v / layers for w, v in _time_round_robin(timed, reps, cuda).items()}
         row.update({f"{w}_us": round(v, 1) for w, v in t.items()})
         row.update({f"bf16/{w}": round(t["bf16"] / t[w], 3) for w in ok if w in t})
         row["failed"] = [w for w, good in ok.items() if not good]
