@@ -124,9 +124,11 @@ def test_dequant_rows_is_the_rounded_reference(mma, dtype):
     assert torch.equal(out, w64[16 : n - 16].to(dtype))
 
 
-@pytest.mark.parametrize("config", [(4, 2), (8, 2), (2, 4), (8, 4), (16, 1)], ids=str)
+@pytest.mark.parametrize(
+    "config", [(4, True), (8, True), (2, True), (16, True), (8, False)], ids=str
+)
 def test_dequant_configs_are_exact(mma, config):
-    """Every (warps, chunks per thread) the sweep tries: 46 chunks per row leave a ragged last
+    """Every (warps, pair stores) the sweep tries: 46 chunks per row leave a ragged last
     program for all of them; rows 16.. only (tile0 > 0)."""
     from quantdispatch.kernels.mma_layout.dequant import MmaDequantRows
 
@@ -138,6 +140,11 @@ def test_dequant_configs_are_exact(mma, config):
     out = torch.full((n - 32, kk), math.nan, dtype=torch.bfloat16, device="cuda")
     MmaDequantRows(words, scales, gs, config=config)(16, n - 16, out)
     assert torch.equal(out, w64[16 : n - 16].to(torch.bfloat16))
+    # fp16 and MXFP4 (two lanes per scale pair) through the same stores
+    words, scales = mma.repack(packed, sbits, torch.float16)
+    out16 = torch.full((n - 32, kk), math.nan, dtype=torch.float16, device="cuda")
+    MmaDequantRows(words, scales, gs, config=config)(16, n - 16, out16)
+    assert torch.equal(out16, w64[16 : n - 16].to(torch.float16))
 
 
 def test_cuda_graph_replay_equals_eager(mma):

@@ -49,6 +49,33 @@ _RESCALE_F16 = tl.constexpr(_rescale_asm(False))
 _RESCALE_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 16 + ["r"] * 16 + ["f"]))
 # row g: registers 0, 2, 4, ..., 14 in column order; row g + 8: 1, 3, ..., 15
 _STORE_ROWS_CONSTRAINTS = tl.constexpr("=r,l,l," + ",".join(["r"] * 16))
+
+
+def _pair_store_asm() -> str:
+    """Rows g and g + 8 stored as whole 32-byte sectors: lanes 2i and 2i + 1 (adjacent 16
+    columns of one row) swap the even lane's second 16 bytes with the odd lane's first, so each
+    store instruction writes both halves of a sector. $1 / $2: the row pointers moved back 16
+    bytes on odd lanes, $3: the lane's parity, $4 + j: register j."""
+    body = ["{", ".reg .pred %p;", ".reg .b32 %s, %v, %x<4>, %y<4>;", "setp.ne.b32 %p, $3, 0;"]
+    for row, ptr in ((0, "$1"), (1, "$2")):
+        for i in range(4):
+            own0, own1 = f"${4 + row + 2 * i}", f"${12 + row + 2 * i}"
+            body += [
+                f"selp.b32 %s, {own0}, {own1}, %p;",  # odd lanes send their first half
+                "shfl.sync.bfly.b32 %v, %s, 1, 0x1f, 0xffffffff;",
+                f"selp.b32 %x{i}, %v, {own0}, %p;",
+                f"selp.b32 %y{i}, {own1}, %v, %p;",
+            ]
+        body += [
+            f"st.global.v4.b32 [{ptr}], {{%x0, %x1, %x2, %x3}};",
+            f"st.global.v4.b32 [{ptr}+32], {{%y0, %y1, %y2, %y3}};",
+        ]
+    body += ["mov.b32 $0, 0;", "}"]
+    return "\n".join(body)
+
+
+_PAIR_STORE_ASM = tl.constexpr(_pair_store_asm())
+_PAIR_STORE_CONSTRAINTS = tl.constexpr("=r,l,l,r," + ",".join(["r"] * 16))
 _STORE_ROWS_ASM = tl.constexpr(
     "st.global.v4.b32 [$1], {$3, $5, $7, $9};\n"
     "st.global.v4.b32 [$1+16], {$11, $13, $15, $17};\n"
@@ -70,16 +97,17 @@ def _mma_dequant_kernel(
     WARPS: tl.constexpr,
     BF16: tl.constexpr,
     SPC: tl.constexpr = 32,
-    CPT: tl.constexpr = 1,
+    PAIRS: tl.constexpr = False,
 ):
     """Dequantize tiles tile0.. of the mma layout into 16-bit rows (the large-M path's slab):
-    each thread decodes one lane's 32 weights of ``CPT`` chunks (their loads in flight
-    together) with the GEMV kernel's own PTX, rescales them in fp32 by 2^8 * global scale, and
-    writes 2 x 32 contiguous bytes per chunk (rows g and g + 8)."""
+    each thread decodes one lane's 32 weights with the GEMV kernel's own PTX, rescales them in
+    fp32 by 2^8 * global scale, and writes 2 x 32 contiguous bytes (rows g and g + 8); PAIRS:
+    lane pairs swap halves first so that every store fills whole sectors. Element i of the
+    program's vectors is lane i % 32 of warp i // 32 (one element per thread)."""
     tile = tile0 + tl.program_id(1)
-    idx = tl.arange(0, 32 * WARPS * CPT)
+    idx = tl.arange(0, 32 * WARPS)
     lane = idx % 32
-    c = tl.program_id(0) * (WARPS * CPT) + idx // 32
+    c = tl.program_id(0) * WARPS + idx // 32
     ok = c < CHUNKS
     cc = tl.minimum(c, CHUNKS - 1)
     w = w_ptr + (tile.to(tl.int64) * CHUNKS + cc) * 128 + lane * 4
@@ -88,7 +116,7 @@ def _mma_dequant_kernel(
     # chunks past the end (last program) re-decode the last chunk and store the same values
     q0, q1, q2, q3, u = load_w(w, s, ok, True)
     a = decode_chunk(q0, q1, q2, q3, u, BF16)
-    factor = tl.load(gs_ptr) * 256.0 + tl.zeros((32 * WARPS * CPT,), dtype=tl.float32)
+    factor = tl.load(gs_ptr) * 256.0 + tl.zeros((32 * WARPS,), dtype=tl.float32)
     r = tl.inline_asm_elementwise(
         _RESCALE_BF16 if BF16 else _RESCALE_F16,
         _RESCALE_CONSTRAINTS,
@@ -118,34 +146,64 @@ def _mma_dequant_kernel(
     row = (tile - tile0) * 16 + lane // 4
     col = cc * 64 + 16 * (lane % 4)
     p_lo = out_ptr + row.to(tl.int64) * stride_o + col
-    p_hi = p_lo + 8 * stride_o
-    tl.inline_asm_elementwise(
-        _STORE_ROWS_ASM,
-        _STORE_ROWS_CONSTRAINTS,
-        [
-            p_lo,
-            p_hi,
-            r[0],
-            r[1],
-            r[2],
-            r[3],
-            r[4],
-            r[5],
-            r[6],
-            r[7],
-            r[8],
-            r[9],
-            r[10],
-            r[11],
-            r[12],
-            r[13],
-            r[14],
-            r[15],
-        ],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
+    if PAIRS:
+        p_lo -= 8 * (lane % 2)  # odd lanes store the sector's second half first: 16 bytes back
+        tl.inline_asm_elementwise(
+            _PAIR_STORE_ASM,
+            _PAIR_STORE_CONSTRAINTS,
+            [
+                p_lo,
+                p_lo + 8 * stride_o,
+                lane % 2,
+                r[0],
+                r[1],
+                r[2],
+                r[3],
+                r[4],
+                r[5],
+                r[6],
+                r[7],
+                r[8],
+                r[9],
+                r[10],
+                r[11],
+                r[12],
+                r[13],
+                r[14],
+                r[15],
+            ],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+    else:
+        tl.inline_asm_elementwise(
+            _STORE_ROWS_ASM,
+            _STORE_ROWS_CONSTRAINTS,
+            [
+                p_lo,
+                p_lo + 8 * stride_o,
+                r[0],
+                r[1],
+                r[2],
+                r[3],
+                r[4],
+                r[5],
+                r[6],
+                r[7],
+                r[8],
+                r[9],
+                r[10],
+                r[11],
+                r[12],
+                r[13],
+                r[14],
+                r[15],
+            ],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
 
 
 class MmaDequantRows:
@@ -158,14 +216,13 @@ class MmaDequantRows:
         words: torch.Tensor,
         scales: torch.Tensor,
         global_scale: torch.Tensor,
-        config: tuple[int, int] | None = None,
+        config: tuple[int, bool] | None = None,
     ) -> None:
         self._chunks = words.shape[1]
-        self._warps, cpt = config or DEQUANT_CONFIG
-        self._per_program = self._warps * cpt
+        self._warps, pairs = config or DEQUANT_CONFIG
         self._fixed = dict(
             w_ptr=words, s_ptr=scales.view(torch.int16), gs_ptr=global_scale,
-            CHUNKS=self._chunks, WARPS=self._warps, SPC=scale_pairs(scales), CPT=cpt,
+            CHUNKS=self._chunks, WARPS=self._warps, SPC=scale_pairs(scales), PAIRS=pairs,
         )  # fmt: skip
         self._launchers: dict[torch.dtype, Launcher] = {}
 
@@ -182,14 +239,14 @@ class MmaDequantRows:
         if row_a % TILE_N or row_b % TILE_N:
             raise ValueError(f"rows {row_a}..{row_b} are not whole {TILE_N}-row tiles")
         launch = self._launchers.get(out.dtype) or self._launcher(out.dtype)
-        grid = (triton.cdiv(self._chunks, self._per_program), (row_b - row_a) // TILE_N)
+        grid = (triton.cdiv(self._chunks, self._warps), (row_b - row_a) // TILE_N)
         launch(grid, out, row_a // TILE_N, out.stride(0))
         return out
 
 
-#: (warps per program, chunks per thread) of the dequantize kernel; a program covers
-#: warps x chunks 64-wide K chunks of one 16-row tile (benchmarks/probes/dequant_sweep.py --mma).
-DEQUANT_CONFIG = (4, 1)
+#: (warps per program, pair stores) of the dequantize kernel; a program covers one 64-wide K
+#: chunk per warp of one 16-row tile (benchmarks/probes/dequant_sweep.py --mma).
+DEQUANT_CONFIG = (4, False)
 
 
 def mma_dequant_rows(
