@@ -5,7 +5,7 @@ cuBLAS's bf16/fp16 GEMM is the fastest tensor-core code torch has. Dequantizing 
 over the packed weight (0.5625 B/weight read, 2 B/weight written to a slab that stays in L2 for
 small slabs), which is small next to the GEMM once M is large.
 
-Memory: the slab holds at most ``WORKSPACE_ELEMENTS`` 16-bit values (64 MiB), taken per call from
+Memory: the slab holds at most ``WORKSPACE_ELEMENTS`` 16-bit values (256 MiB), taken per call from
 torch's caching allocator, like any temporary of a torch op: stream-ordered, so two streams never
 share one, and under CUDA graph capture taken from the graph's private pool, which the graph
 keeps for its replays. (A workspace cached per device would be shared by every stream and
@@ -30,7 +30,10 @@ import torch
 __all__ = ["WORKSPACE_ELEMENTS", "DequantGemm", "dequant_gemm"]
 
 
-WORKSPACE_ELEMENTS = 32 * 2**20
+#: The slab bound. A whole weight in one GEMM beats row slabs of it: on the H200 two slabs of
+#: Llama-3-8B's down (or four of gate_up) cost 5-7% over one at M = 1024 and 4096
+#: (docs/design/checkpoint-layout.md, "Slab size").
+WORKSPACE_ELEMENTS = 128 * 2**20
 
 
 class DequantGemm:
@@ -44,13 +47,13 @@ class DequantGemm:
         k: int,
         dequant_rows: Callable[[int, int, torch.Tensor], object],
         bias: torch.Tensor | None = None,
-        workspace_elements: int = WORKSPACE_ELEMENTS,
+        workspace_elements: int | None = None,
     ) -> None:
         self.n, self.k = n, k
         # Slabs of a multiple of 128 rows: every slab's output columns start 256-byte aligned,
         # which cuBLAS needs for its fast kernels (an unaligned column offset tripled the GEMM
         # time).
-        rows = max(1, min(n, workspace_elements // k))
+        rows = max(1, min(n, (workspace_elements or WORKSPACE_ELEMENTS) // k))
         if 128 <= rows < n:
             rows = rows // 128 * 128
         self.rows = rows

@@ -245,8 +245,10 @@ class MmaDequantRows:
 
 
 #: (warps per program, pair stores) of the dequantize kernel; a program covers one 64-wide K
-#: chunk per warp of one 16-row tile (benchmarks/probes/dequant_sweep.py --mma).
-DEQUANT_CONFIG = (4, False)
+#: chunk per warp of one 16-row tile. Pair stores write whole sectors: 27-33% faster on the H200
+#: than two half-sector stores; the warp count is within 2% (benchmarks/probes/dequant_sweep.py
+#: --mma, docs/design/mma-layout.md).
+DEQUANT_CONFIG = (4, True)
 
 
 def mma_dequant_rows(
