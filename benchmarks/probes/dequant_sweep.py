@@ -2,8 +2,8 @@
 
 Prints microseconds and effective bandwidth (packed + scales read, 16-bit written) for the
 28672 x 4096 and 4096 x 14336 weights; each tile is checked bit-exact against the default one.
-``--mma``: the mma16x64 layout's kernel (the large-M path of repacked linears) per (warps,
-pair stores) on the four Llama-3-8B weights, whole weight, each config bit-exact against
+``--mma``: the mma16x64 layout's kernel (the large-M path of repacked linears) per warp count on
+the four Llama-3-8B weights, whole weight, each config bit-exact against
 the float64 dequantization rounded to bf16.
 """
 
@@ -24,7 +24,7 @@ def _time(packed, scale, gs, out, tile) -> float:
     return triton.testing.do_bench(call, return_mode="median") * 1e3
 
 
-MMA_CONFIGS = [(4, False), (4, True), (8, False), (8, True), (2, True), (16, True)]
+MMA_WARPS = [4, 2, 8, 16]
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 
 
@@ -40,14 +40,14 @@ def mma_sweep() -> None:
         words, scales = repack(w.packed, w.block_scale.view(torch.uint8), torch.bfloat16)
         out = torch.empty(n, k, dtype=torch.bfloat16, device="cuda")
         nbytes = n * k * (0.5 + 1 / 16 + 2)
-        for cfg in MMA_CONFIGS:
-            rows = MmaDequantRows(words, scales, w.global_scale, config=cfg)
+        for warps in MMA_WARPS:
+            rows = MmaDequantRows(words, scales, w.global_scale, warps=warps)
             out.fill_(float("nan"))
             exact = torch.equal(rows(0, n, out), ref)
             call = lambda rows=rows, n=n, out=out: rows(0, n, out)
             us = triton.testing.do_bench(call, return_mode="median") * 1e3
             print(
-                f"mma16x64 {name} {n}x{k} warps {cfg[0]} pair stores {cfg[1]}: {us:.1f} us, "
+                f"mma16x64 {name} {n}x{k} warps {warps}: {us:.1f} us, "
                 f"{nbytes / us / 1e6:.2f} TB/s, exact={exact}",
                 flush=True,
             )

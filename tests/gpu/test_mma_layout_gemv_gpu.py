@@ -124,27 +124,28 @@ def test_dequant_rows_is_the_rounded_reference(mma, dtype):
     assert torch.equal(out, w64[16 : n - 16].to(dtype))
 
 
-@pytest.mark.parametrize(
-    "config", [(4, True), (8, True), (2, True), (16, True), (8, False)], ids=str
-)
-def test_dequant_configs_are_exact(mma, config):
-    """Every (warps, pair stores) the sweep tries: 46 chunks per row leave a ragged last
-    program for all of them; rows 16.. only (tile0 > 0)."""
+@pytest.mark.parametrize("warps", [2, 4, 8, 16])
+def test_dequant_warp_counts_are_exact(mma, warps):
+    """Every warp count the sweep tries, NVFP4 bf16 / fp16 and MXFP4 (two lanes per scale pair)
+    through the pair stores: 46 chunks per row leave a ragged last program for all of them;
+    rows 16.. only (tile0 > 0)."""
     from quantdispatch.kernels.mma_layout.dequant import MmaDequantRows
 
     n, kk = 256, 2880 + 64
     g = gen(17)
     packed, sbits, gs = nvfp4_weights(n, kk, g)
     w64 = fp4_w64(packed, sbits, 16, False, 2.5e-3)
-    words, scales = mma.repack(packed, sbits, torch.bfloat16)
+    for dtype in (torch.bfloat16, torch.float16):
+        words, scales = mma.repack(packed, sbits, dtype)
+        out = torch.full((n - 32, kk), math.nan, dtype=dtype, device="cuda")
+        MmaDequantRows(words, scales, gs, warps=warps)(16, n - 16, out)
+        assert torch.equal(out, w64[16 : n - 16].to(dtype)), dtype
+    packed, e8m0 = mx_weights(n, kk, g)
+    w64 = fp4_w64(packed, e8m0, 32, True, None)
+    words, scales, gs = mma.repack_mx(packed, e8m0, torch.bfloat16)
     out = torch.full((n - 32, kk), math.nan, dtype=torch.bfloat16, device="cuda")
-    MmaDequantRows(words, scales, gs, config=config)(16, n - 16, out)
-    assert torch.equal(out, w64[16 : n - 16].to(torch.bfloat16))
-    # fp16 and MXFP4 (two lanes per scale pair) through the same stores
-    words, scales = mma.repack(packed, sbits, torch.float16)
-    out16 = torch.full((n - 32, kk), math.nan, dtype=torch.float16, device="cuda")
-    MmaDequantRows(words, scales, gs, config=config)(16, n - 16, out16)
-    assert torch.equal(out16, w64[16 : n - 16].to(torch.float16))
+    MmaDequantRows(words, scales, gs, warps=warps)(16, n - 16, out)
+    assert torch.equal(out, w64[16 : n - 16].to(torch.bfloat16)), "mxfp4"
 
 
 def test_cuda_graph_replay_equals_eager(mma):

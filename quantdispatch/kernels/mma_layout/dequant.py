@@ -14,7 +14,7 @@ from quantdispatch.kernels.common.launch import Launcher
 from quantdispatch.kernels.common.ptx import decode_chunk, load_w
 from quantdispatch.kernels.mma_layout.layout import TILE_N, scale_pairs
 
-__all__ = ["DEQUANT_CONFIG", "MmaDequantRows", "mma_dequant_rows"]
+__all__ = ["DEQUANT_WARPS", "MmaDequantRows", "mma_dequant_rows"]
 
 
 def _rescale_asm(bf16: bool) -> str:
@@ -47,12 +47,11 @@ def _rescale_asm(bf16: bool) -> str:
 _RESCALE_BF16 = tl.constexpr(_rescale_asm(True))
 _RESCALE_F16 = tl.constexpr(_rescale_asm(False))
 _RESCALE_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 16 + ["r"] * 16 + ["f"]))
-# row g: registers 0, 2, 4, ..., 14 in column order; row g + 8: 1, 3, ..., 15
-_STORE_ROWS_CONSTRAINTS = tl.constexpr("=r,l,l," + ",".join(["r"] * 16))
 
 
 def _pair_store_asm() -> str:
-    """Rows g and g + 8 stored as whole 32-byte sectors: lanes 2i and 2i + 1 (adjacent 16
+    """Rows g and g + 8 (registers 0, 2, ..., 14 and 1, 3, ..., 15, in column order) stored as
+    whole 32-byte sectors: lanes 2i and 2i + 1 (adjacent 16
     columns of one row) swap the even lane's second 16 bytes with the odd lane's first, so each
     store instruction writes both halves of a sector. $1 / $2: the row pointers moved back 16
     bytes on odd lanes, $3: the lane's parity, $4 + j: register j."""
@@ -76,13 +75,6 @@ def _pair_store_asm() -> str:
 
 _PAIR_STORE_ASM = tl.constexpr(_pair_store_asm())
 _PAIR_STORE_CONSTRAINTS = tl.constexpr("=r,l,l,r," + ",".join(["r"] * 16))
-_STORE_ROWS_ASM = tl.constexpr(
-    "st.global.v4.b32 [$1], {$3, $5, $7, $9};\n"
-    "st.global.v4.b32 [$1+16], {$11, $13, $15, $17};\n"
-    "st.global.v4.b32 [$2], {$4, $6, $8, $10};\n"
-    "st.global.v4.b32 [$2+16], {$12, $14, $16, $18};\n"
-    "mov.b32 $0, 0;"
-)
 
 
 @triton.jit
@@ -97,12 +89,12 @@ def _mma_dequant_kernel(
     WARPS: tl.constexpr,
     BF16: tl.constexpr,
     SPC: tl.constexpr = 32,
-    PAIRS: tl.constexpr = False,
 ):
     """Dequantize tiles tile0.. of the mma layout into 16-bit rows (the large-M path's slab):
     each thread decodes one lane's 32 weights with the GEMV kernel's own PTX, rescales them in
-    fp32 by 2^8 * global scale, and writes 2 x 32 contiguous bytes (rows g and g + 8); PAIRS:
-    lane pairs swap halves first so that every store fills whole sectors. Element i of the
+    fp32 by 2^8 * global scale, and writes 2 x 32 contiguous bytes (rows g and g + 8), lane
+    pairs swapping halves first so that every store fills whole 32-byte sectors (two stores 32
+    bytes apart each filled half sectors: 27-33% slower on the H200). Element i of the
     program's vectors is lane i % 32 of warp i // 32 (one element per thread)."""
     tile = tile0 + tl.program_id(1)
     idx = tl.arange(0, 32 * WARPS)
@@ -146,64 +138,35 @@ def _mma_dequant_kernel(
     row = (tile - tile0) * 16 + lane // 4
     col = cc * 64 + 16 * (lane % 4)
     p_lo = out_ptr + row.to(tl.int64) * stride_o + col
-    if PAIRS:
-        p_lo -= 8 * (lane % 2)  # odd lanes store the sector's second half first: 16 bytes back
-        tl.inline_asm_elementwise(
-            _PAIR_STORE_ASM,
-            _PAIR_STORE_CONSTRAINTS,
-            [
-                p_lo,
-                p_lo + 8 * stride_o,
-                lane % 2,
-                r[0],
-                r[1],
-                r[2],
-                r[3],
-                r[4],
-                r[5],
-                r[6],
-                r[7],
-                r[8],
-                r[9],
-                r[10],
-                r[11],
-                r[12],
-                r[13],
-                r[14],
-                r[15],
-            ],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
-    else:
-        tl.inline_asm_elementwise(
-            _STORE_ROWS_ASM,
-            _STORE_ROWS_CONSTRAINTS,
-            [
-                p_lo,
-                p_lo + 8 * stride_o,
-                r[0],
-                r[1],
-                r[2],
-                r[3],
-                r[4],
-                r[5],
-                r[6],
-                r[7],
-                r[8],
-                r[9],
-                r[10],
-                r[11],
-                r[12],
-                r[13],
-                r[14],
-                r[15],
-            ],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
+    p_lo -= 8 * (lane % 2)  # odd lanes store the sector's second half first: 16 bytes back
+    tl.inline_asm_elementwise(
+        _PAIR_STORE_ASM,
+        _PAIR_STORE_CONSTRAINTS,
+        [
+            p_lo,
+            p_lo + 8 * stride_o,
+            lane % 2,
+            r[0],
+            r[1],
+            r[2],
+            r[3],
+            r[4],
+            r[5],
+            r[6],
+            r[7],
+            r[8],
+            r[9],
+            r[10],
+            r[11],
+            r[12],
+            r[13],
+            r[14],
+            r[15],
+        ],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
 
 
 class MmaDequantRows:
@@ -216,13 +179,13 @@ class MmaDequantRows:
         words: torch.Tensor,
         scales: torch.Tensor,
         global_scale: torch.Tensor,
-        config: tuple[int, bool] | None = None,
+        warps: int = 0,
     ) -> None:
         self._chunks = words.shape[1]
-        self._warps, pairs = config or DEQUANT_CONFIG
+        self._warps = warps or DEQUANT_WARPS
         self._fixed = dict(
             w_ptr=words, s_ptr=scales.view(torch.int16), gs_ptr=global_scale,
-            CHUNKS=self._chunks, WARPS=self._warps, SPC=scale_pairs(scales), PAIRS=pairs,
+            CHUNKS=self._chunks, WARPS=self._warps, SPC=scale_pairs(scales),
         )  # fmt: skip
         self._launchers: dict[torch.dtype, Launcher] = {}
 
@@ -244,11 +207,9 @@ class MmaDequantRows:
         return out
 
 
-#: (warps per program, pair stores) of the dequantize kernel; a program covers one 64-wide K
-#: chunk per warp of one 16-row tile. Pair stores write whole sectors: 27-33% faster on the H200
-#: than two half-sector stores; the warp count is within 2% (benchmarks/probes/dequant_sweep.py
-#: --mma, docs/design/mma-layout.md).
-DEQUANT_CONFIG = (4, True)
+#: Warps per program of the dequantize kernel (one 64-wide K chunk per warp of one 16-row tile):
+#: 2 to 16 are within 2% on the H200 (benchmarks/probes/dequant_sweep.py --mma).
+DEQUANT_WARPS = 4
 
 
 def mma_dequant_rows(
