@@ -30,9 +30,8 @@ import torch
 __all__ = ["WORKSPACE_ELEMENTS", "DequantGemm", "dequant_gemm"]
 
 
-#: The slab bound. A whole weight in one GEMM beats row slabs of it: on the H200 two slabs of
-#: Llama-3-8B's down (or four of gate_up) cost 5-7% over one at M = 1024 and 4096
-#: (docs/design/checkpoint-layout.md, "Slab size").
+#: The slab bound: large enough that a Llama-3-8B weight runs as one GEMM, which beats row slabs
+#: of it (docs/design/checkpoint-layout.md, "Slab size").
 WORKSPACE_ELEMENTS = 128 * 2**20
 
 

@@ -51,10 +51,10 @@ _RESCALE_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 16 + ["r"] * 16 + ["f"]))
 
 def _pair_store_asm() -> str:
     """Rows g and g + 8 (registers 0, 2, ..., 14 and 1, 3, ..., 15, in column order) stored as
-    whole 32-byte sectors: lanes 2i and 2i + 1 (adjacent 16
-    columns of one row) swap the even lane's second 16 bytes with the odd lane's first, so each
-    store instruction writes both halves of a sector. $1 / $2: the row pointers moved back 16
-    bytes on odd lanes, $3: the lane's parity, $4 + j: register j."""
+    whole 32-byte sectors: lanes 2i and 2i + 1 (adjacent 16 columns of one row) swap the even
+    lane's second 16 bytes with the odd lane's first, so each store instruction writes both
+    halves of a sector. $1 / $2: the row pointers moved back 16 bytes on odd lanes, $3: the
+    lane's parity, $4 + j: register j."""
     body = ["{", ".reg .pred %p;", ".reg .b32 %s, %v, %x<4>, %y<4>;", "setp.ne.b32 %p, $3, 0;"]
     for row, ptr in ((0, "$1"), (1, "$2")):
         for i in range(4):
@@ -93,9 +93,9 @@ def _mma_dequant_kernel(
     """Dequantize tiles tile0.. of the mma layout into 16-bit rows (the large-M path's slab):
     each thread decodes one lane's 32 weights with the GEMV kernel's own PTX, rescales them in
     fp32 by 2^8 * global scale, and writes 2 x 32 contiguous bytes (rows g and g + 8), lane
-    pairs swapping halves first so that every store fills whole 32-byte sectors (two stores 32
-    bytes apart each filled half sectors: 27-33% slower on the H200). Element i of the
-    program's vectors is lane i % 32 of warp i // 32 (one element per thread)."""
+    pairs swapping halves first so that every store fills whole 32-byte sectors (why:
+    docs/design/mma-layout.md). Element i of the program's vectors is lane i % 32 of warp
+    i // 32 (one element per thread), which the swap relies on."""
     tile = tile0 + tl.program_id(1)
     idx = tl.arange(0, 32 * WARPS)
     lane = idx % 32
@@ -207,8 +207,8 @@ class MmaDequantRows:
         return out
 
 
-#: Warps per program of the dequantize kernel (one 64-wide K chunk per warp of one 16-row tile):
-#: 2 to 16 are within 2% on the H200 (benchmarks/probes/dequant_sweep.py --mma).
+#: Warps per program of the dequantize kernel (one 64-wide K chunk per warp of one 16-row tile);
+#: the counts benchmarks/probes/dequant_sweep.py --mma tries time alike.
 DEQUANT_WARPS = 4
 
 
