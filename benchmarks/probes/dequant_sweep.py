@@ -54,9 +54,11 @@ def mma_sweep() -> None:
 
 
 def main() -> None:
-    import sys
+    import argparse
 
-    if "--mma" in sys.argv:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mma", action="store_true", help="the mma16x64 layout's kernel instead")
+    if ap.parse_args().mma:
         mma_sweep()
         return
     g = torch.Generator(device="cuda").manual_seed(0)

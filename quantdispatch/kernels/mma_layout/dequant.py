@@ -179,7 +179,7 @@ class MmaDequantRows:
         words: torch.Tensor,
         scales: torch.Tensor,
         global_scale: torch.Tensor,
-        warps: int = 0,
+        warps: int | None = None,
     ) -> None:
         self._chunks = words.shape[1]
         self._warps = warps or DEQUANT_WARPS
